@@ -1,0 +1,13 @@
+"""Errors a user can act on: each message says what was wrong and where."""
+
+
+class Music3Error(Exception):
+    """Base class of every error music3serve raises on purpose."""
+
+
+class InputError(Music3Error, ValueError):
+    """A request (caption, lyrics, duration, seed, ...) that cannot be served as given."""
+
+
+class CheckpointError(Music3Error):
+    """A model folder that is missing, incomplete, corrupted or not the MiniMax-Music3 layout."""
