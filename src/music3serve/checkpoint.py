@@ -1,0 +1,204 @@
+"""Read the diffusers layout of MiniMaxAI/MiniMax-Music3 straight into our modules, strictly."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from .errors import CheckpointError
+from .models.condition_encoder import ConditionEncoder, ConditionEncoderConfig
+from .models.depth_decoder import DepthDecoder, DepthDecoderConfig
+from .models.dit import DiT, DiTConfig
+from .models.language_model import LanguageModel, LanguageModelConfig
+from .models.vocoder import Vocoder, VocoderConfig
+from .models.weights import ParamSource, Source, WeightNormSource
+
+
+@dataclass(frozen=True)
+class Component:
+    """One model folder of the checkpoint."""
+
+    folder: str
+    model: type[nn.Module]
+    config: Callable[[dict[str, Any]], Any]
+    weights: str  # safetensors file stem
+    disk_dtype: torch.dtype
+    shards: int  # shard count of the released checkpoint (the tiny one mirrors it)
+
+
+COMPONENTS: dict[str, Component] = {
+    "language_model": Component(
+        "language_model", LanguageModel, LanguageModelConfig.from_json, "model", torch.bfloat16, 4
+    ),
+    "depth_decoder": Component(
+        "rvq_depth_decoder", DepthDecoder, DepthDecoderConfig.from_json, "diffusion_pytorch_model", torch.bfloat16, 1
+    ),
+    "condition_encoder": Component(
+        "condition_encoder",
+        ConditionEncoder,
+        ConditionEncoderConfig.from_json,
+        "diffusion_pytorch_model",
+        torch.float32,
+        1,
+    ),
+    "dit": Component("transformer", DiT, DiTConfig.from_json, "diffusion_pytorch_model", torch.float32, 2),
+    "vocoder": Component("vocoder", Vocoder, VocoderConfig.from_json, "diffusion_pytorch_model", torch.float32, 1),
+}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from disk, or a CheckpointError naming the file."""
+    if not path.is_file():
+        raise CheckpointError(f"missing file {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def component_folder(root: Path, name: str) -> Path:
+    folder = Path(root) / COMPONENTS[name].folder
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"missing folder {folder} (expected the diffusers layout of MiniMaxAI/MiniMax-Music3)"
+        )
+    return folder
+
+
+def load_config(root: Path, name: str) -> Any:
+    path = component_folder(root, name) / "config.json"
+    try:
+        return COMPONENTS[name].config(read_json(path))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def weight_files(folder: Path, stem: str) -> dict[str, Path]:
+    """Map every tensor name to its safetensors file (single file, or shards listed in an index)."""
+    single, index = folder / f"{stem}.safetensors", folder / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        return {key: folder / file for key, file in weight_map.items()}
+    if single.is_file():
+        with ExitStack() as stack:
+            return {key: single for key in _open(single, stack).keys()}
+    raise CheckpointError(f"no weights in {folder}: expected {single.name} or {index.name}")
+
+
+def _open(path: Path, stack: ExitStack):
+    if not path.is_file():
+        raise CheckpointError(f"missing weight file {path}")
+    try:
+        return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+class _TensorReader:
+    """Memory-mapped access to the tensors of one component, with file-and-name errors."""
+
+    def __init__(self, files: dict[str, Path], stack: ExitStack):
+        self.files = files
+        self.handles = {path: _open(path, stack) for path in set(files.values())}
+        for key, path in files.items():
+            if key not in self.handles[path].keys():
+                raise CheckpointError(f"{path} lacks tensor '{key}' that its index lists")
+
+    def read(self, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if key not in self.files:
+            raise CheckpointError(f"missing tensor '{key}' in {sorted(set(self.files.values()))[0].parent}")
+        path = self.files[key]
+        view = self.handles[path].get_slice(key)
+        found = tuple(view.get_shape())
+        if found != shape:
+            raise CheckpointError(f"tensor '{key}' in {path} has shape {list(found)}, expected {list(shape)}")
+        try:
+            return view[rows[0] : rows[1]] if rows else view[:]
+        except Exception as exc:  # safetensors raises several types for truncated data
+            raise CheckpointError(f"cannot read tensor '{key}' from {path}: {exc}") from exc
+
+
+def _fill(param: torch.Tensor, source: ParamSource, reader: _TensorReader) -> None:
+    with torch.no_grad():
+        if isinstance(source, WeightNormSource):
+            g, v = _weight_norm_pair(source, reader)
+            param.copy_(torch._weight_norm(v.to(param.device, torch.float32), g.to(param.device, torch.float32), 0))
+            return
+        flat, offset = param.view(-1), 0
+        for piece in source:
+            data = reader.read(piece.key, piece.shape, piece.rows).reshape(-1)
+            if offset + data.numel() > flat.numel():
+                raise CheckpointError(f"tensor '{piece.key}' does not fit our parameter of shape {list(param.shape)}")
+            flat[offset : offset + data.numel()].copy_(data)
+            offset += data.numel()
+        if offset != flat.numel():
+            raise CheckpointError(f"tensors {[p.key for p in source]} do not fill shape {list(param.shape)}")
+
+
+def _weight_norm_pair(source: WeightNormSource, reader: _TensorReader) -> tuple[torch.Tensor, torch.Tensor]:
+    g_shape = (source.shape[0],) + (1,) * (len(source.shape) - 1)
+    for g_key, v_key in source.candidates():
+        if g_key in reader.files:
+            return reader.read(g_key, g_shape), reader.read(v_key, source.shape)
+    raise CheckpointError(f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v'")
+
+
+def source_keys(source: ParamSource, present: set[str]) -> set[str]:
+    """Checkpoint tensor names a parameter reads."""
+    if isinstance(source, WeightNormSource):
+        for pair in source.candidates():
+            if pair[0] in present:
+                return set(pair)
+        return set(source.candidates()[0])
+    return {piece.key for piece in source}
+
+
+def load_component(root: Path, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """Build our module for one component and fill it from disk, tensor by tensor, on `device` in `dtype`."""
+    component = COMPONENTS[name]
+    folder = component_folder(root, name)
+    cfg = load_config(root, name)
+    with torch.device("meta"):
+        module = component.model(cfg)
+    module = module.to(dtype or component.disk_dtype).to_empty(device=device)
+    sources = component.model.checkpoint_sources(cfg)
+    params = dict(module.named_parameters())
+    assert set(sources) == set(params), f"{name}: sources and parameters differ: {set(sources) ^ set(params)}"
+    files = weight_files(folder, component.weights)
+    wanted = set().union(*(source_keys(s, set(files)) for s in sources.values()))
+    unexpected = sorted(set(files) - wanted)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in {folder}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    with ExitStack() as stack:
+        reader = _TensorReader(files, stack)
+        for param_name, param in params.items():
+            _fill(param, sources[param_name], reader)
+    return module.eval().requires_grad_(False)
+
+
+def checkpoint_tensors(name: str, cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape a component's safetensors hold (used to write checkpoints)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for source in COMPONENTS[name].model.checkpoint_sources(cfg).values():
+        if isinstance(source, WeightNormSource):
+            g_key, v_key = source.candidates()[0]
+            shapes[g_key] = (source.shape[0],) + (1,) * (len(source.shape) - 1)
+            shapes[v_key] = source.shape
+        else:
+            shapes.update({piece.key: piece.shape for piece in source})
+    return shapes
+
+
+__all__ = ["COMPONENTS", "Source", "load_component", "load_config", "checkpoint_tensors", "read_json"]

@@ -1,0 +1,67 @@
+"""Condition encoder: mixes the 8 per-frame hidden streams, projects them, and resamples to latent rate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import contract
+from ..errors import CheckpointError
+from .weights import Source, require
+
+
+@dataclass(frozen=True)
+class ConditionEncoderConfig:
+    hidden: int
+    streams: int
+    out_dim: int
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> "ConditionEncoderConfig":
+        rates = (cfg.get("input_sampling_rate"), cfg.get("input_hop_length"),
+                 cfg.get("output_sampling_rate"), cfg.get("output_hop_length"))
+        if rates != (24000, 960, contract.SAMPLE_RATE, contract.LATENT_HOP):
+            raise CheckpointError(f"condition_encoder rates {rates} differ from the checkpoint contract")
+        return cls(
+            hidden=require(cfg, "condition_hidden_dim"),
+            streams=require(cfg, "num_condition_layers"),
+            out_dim=require(cfg, "out_dim"),
+        )
+
+
+class ConditionEncoder(nn.Module):
+    def __init__(self, cfg: ConditionEncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.stream_logits = nn.Parameter(torch.zeros(cfg.streams))
+        self.scale = nn.Parameter(torch.ones(1))
+        self.proj = nn.Conv1d(cfg.hidden, cfg.out_dim, kernel_size=3, padding=1)
+
+    def mix(self, frames: torch.Tensor) -> torch.Tensor:
+        """[..., streams * hidden] frame conditioning -> [..., hidden], weighted by softmax(logits) * scale."""
+        streams = frames.unflatten(-1, (self.cfg.streams, self.cfg.hidden))
+        weights = torch.softmax(self.stream_logits, dim=0).to(frames.dtype)
+        mixed = (streams * weights[:, None]).sum(-2)
+        return self.scale.to(frames.dtype) * mixed
+
+    def project(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Mixed frames [batch, frames, hidden] of one window -> condition [batch, latent_len, out_dim]."""
+        x = self.proj(mixed.transpose(1, 2).to(self.proj.weight.dtype))
+        x = F.interpolate(x, size=contract.latent_length(mixed.shape[1]), mode="nearest")
+        return x.transpose(1, 2)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.project(self.mix(frames))
+
+    @staticmethod
+    def checkpoint_sources(cfg: ConditionEncoderConfig) -> dict[str, list[Source]]:
+        return {
+            "stream_logits": [Source("layer_weight_logits", (cfg.streams,))],
+            "scale": [Source("layer_scale", (1,))],
+            "proj.weight": [Source("proj.weight", (cfg.out_dim, cfg.hidden, 3))],
+            "proj.bias": [Source("proj.bias", (cfg.out_dim,))],
+        }

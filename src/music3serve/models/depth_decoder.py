@@ -1,0 +1,107 @@
+"""RVQ depth decoder: four causal blocks over [global hidden, c0, c1, ...] with learned positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import GatedMLP, RMSNorm
+from .weights import Source, require
+
+
+@dataclass(frozen=True)
+class DepthDecoderConfig:
+    hidden: int
+    layers: int
+    heads: int
+    mlp: int
+    codes: int
+    codebooks: int
+    positions: int
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> "DepthDecoderConfig":
+        return cls(
+            hidden=require(cfg, "hidden_size"),
+            layers=require(cfg, "num_layers"),
+            heads=require(cfg, "num_attention_heads"),
+            mlp=require(cfg, "intermediate_size"),
+            codes=require(cfg, "audio_vocab_size"),
+            codebooks=require(cfg, "num_codebooks"),
+            positions=require(cfg, "max_position_embeddings"),
+        )
+
+
+class DepthBlock(nn.Module):
+    def __init__(self, cfg: DepthDecoderConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.attn_norm = RMSNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.mlp_norm = RMSNorm(cfg.hidden)
+        self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = (p.view(b, t, self.heads, -1).transpose(1, 2) for p in self.qkv(self.attn_norm(x)).chunk(3, dim=-1))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, t, h))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DepthDecoder(nn.Module):
+    """Predicts residual codes c1..c7 of a frame; also owns their embedding table."""
+
+    def __init__(self, cfg: DepthDecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.codes * (cfg.codebooks - 1), cfg.hidden)
+        self.projection = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.positions = nn.Embedding(cfg.positions, cfg.hidden)
+        self.blocks = nn.ModuleList(DepthBlock(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+        self.heads = nn.Parameter(torch.empty(cfg.codebooks - 1, cfg.codes, cfg.hidden))
+
+    def forward(self, projected: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]."""
+        x = projected + self.positions.weight[: projected.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def head_logits(self, hidden: torch.Tensor, codebook: int) -> torch.Tensor:
+        """float32 logits of residual codebook `codebook` (1..7) from hidden [rows, hidden]."""
+        return (hidden @ self.heads[codebook - 1].T).float()
+
+    def embed_residual(self, codes: torch.Tensor, codebook: int) -> torch.Tensor:
+        """Embedding of residual codes of codebook `codebook` (1..7)."""
+        return self.embed(codes + (codebook - 1) * self.cfg.codes)
+
+    @staticmethod
+    def checkpoint_sources(cfg: DepthDecoderConfig) -> dict[str, list[Source]]:
+        """Where each of our parameters comes from in the diffusers layout."""
+        h = cfg.hidden
+        sources: dict[str, list[Source]] = {
+            "embed.weight": [Source("audio_embeddings.weight", (cfg.codes * (cfg.codebooks - 1), h))],
+            "projection.weight": [Source("projection.weight", (h, h))],
+            "positions.weight": [Source("pos_embedding.weight", (cfg.positions, h))],
+            "norm.weight": [Source("norm.weight", (h,))],
+            "heads": [Source(f"audio_heads.{i}.weight", (cfg.codes, h)) for i in range(cfg.codebooks - 1)],
+        }
+        for i in range(cfg.layers):
+            src, dst = f"layers.{i}.", f"blocks.{i}."
+            sources[dst + "attn_norm.weight"] = [Source(src + "input_layernorm.weight", (h,))]
+            sources[dst + "mlp_norm.weight"] = [Source(src + "post_attention_layernorm.weight", (h,))]
+            sources[dst + "qkv.weight"] = [Source(src + f"attn.to_{n}.weight", (h, h)) for n in "qkv"]
+            sources[dst + "o.weight"] = [Source(src + "attn.to_out.weight", (h, h))]
+            sources[dst + "mlp.gate_up.weight"] = [
+                Source(src + "gate_proj.weight", (cfg.mlp, h)),
+                Source(src + "up_proj.weight", (cfg.mlp, h)),
+            ]
+            sources[dst + "mlp.down.weight"] = [Source(src + "down_proj.weight", (h, cfg.mlp))]
+        return sources

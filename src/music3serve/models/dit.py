@@ -1,0 +1,131 @@
+"""Flow-matching DiT: [latent, zeros, condition] stem, a time token, 36 LayerNorm blocks, partial RoPE."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import apply_rope, rope_angles
+from .weights import Source, require
+
+ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    channels: int
+    condition: int
+    layers: int
+    heads: int
+    head_dim: int
+    ff: int
+    rotary_dim: int
+    fourier: int
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def stem(self) -> int:
+        return 2 * self.channels + self.condition
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> "DiTConfig":
+        return cls(
+            channels=require(cfg, "in_channels"),
+            condition=require(cfg, "condition_dim"),
+            layers=require(cfg, "num_layers"),
+            heads=require(cfg, "num_attention_heads"),
+            head_dim=require(cfg, "attention_head_dim"),
+            ff=require(cfg, "ff_inner_dim"),
+            rotary_dim=require(cfg, "rotary_dim"),
+            fourier=require(cfg, "fourier_embedding_dim"),
+        )
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.norm1 = nn.LayerNorm(cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
+        self.o = nn.Linear(cfg.width, cfg.width, bias=False)
+        self.norm2 = nn.LayerNorm(cfg.width)
+        self.ff_in = nn.Linear(cfg.width, 2 * cfg.ff)
+        self.ff_out = nn.Linear(cfg.ff, cfg.width)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, t, w = x.shape
+        q, k, v = (p.view(b, t, self.heads, -1) for p in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = x + self.o(attn.transpose(1, 2).reshape(b, t, w))
+        value, gate = self.ff_in(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.ff_out(value * F.silu(gate))
+
+
+class DiT(nn.Module):
+    """Predicts the flow-matching velocity of latents [batch, channels, length] (t = 0 noise, 1 data)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fourier = nn.Parameter(torch.empty(cfg.fourier // 2, 1))
+        self.time_in = nn.Linear(cfg.fourier, cfg.width)
+        self.time_out = nn.Linear(cfg.width, cfg.width)
+        self.stem = nn.Linear(cfg.stem, cfg.stem, bias=False)
+        self.proj_in = nn.Linear(cfg.stem, cfg.width, bias=False)
+        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.layers))
+        self.proj_out = nn.Linear(cfg.width, cfg.channels, bias=False)
+        self.post = nn.Linear(cfg.channels, cfg.channels, bias=False)
+
+    def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        angles = 2.0 * math.pi * t.float()[:, None] @ self.fourier.float().T
+        features = torch.cat((angles.cos(), angles.sin()), dim=-1).to(self.time_in.weight.dtype)
+        return self.time_out(F.silu(self.time_in(features)))
+
+    def forward(self, latents: torch.Tensor, t: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+        x = torch.cat((latents.transpose(1, 2), torch.zeros_like(latents.transpose(1, 2)), condition), dim=-1)
+        x = self.proj_in(self.stem(x) + x)
+        x = torch.cat((self.time_embedding(t)[:, None], x), dim=1)
+        positions = torch.arange(x.shape[1], device=x.device)
+        rope = rope_angles(positions, self.cfg.rotary_dim, ROPE_THETA)
+        for block in self.blocks:
+            x = block(x, rope)
+        out = self.proj_out(x[:, 1:])
+        return (self.post(out) + out).transpose(1, 2)
+
+    @staticmethod
+    def checkpoint_sources(cfg: DiTConfig) -> dict[str, list[Source]]:
+        """Where each of our parameters comes from in the diffusers layout (1x1 convs read as linears)."""
+        w = cfg.width
+        sources: dict[str, list[Source]] = {
+            "fourier": [Source("time_proj.weight", (cfg.fourier // 2, 1))],
+            "time_in.weight": [Source("time_embed.linear_1.weight", (w, cfg.fourier))],
+            "time_in.bias": [Source("time_embed.linear_1.bias", (w,))],
+            "time_out.weight": [Source("time_embed.linear_2.weight", (w, w))],
+            "time_out.bias": [Source("time_embed.linear_2.bias", (w,))],
+            "stem.weight": [Source("preprocess_conv.weight", (cfg.stem, cfg.stem, 1))],
+            "proj_in.weight": [Source("proj_in.weight", (w, cfg.stem))],
+            "proj_out.weight": [Source("proj_out.weight", (cfg.channels, w))],
+            "post.weight": [Source("postprocess_conv.weight", (cfg.channels, cfg.channels, 1))],
+        }
+        for i in range(cfg.layers):
+            p = f"transformer_blocks.{i}."
+            d = f"blocks.{i}."
+            for norm in ("norm1", "norm2"):
+                sources[d + norm + ".weight"] = [Source(p + norm + ".weight", (w,))]
+                sources[d + norm + ".bias"] = [Source(p + norm + ".bias", (w,))]
+            sources[d + "qkv.weight"] = [Source(p + f"attn.to_{n}.weight", (w, w)) for n in "qkv"]
+            sources[d + "o.weight"] = [Source(p + "attn.to_out.0.weight", (w, w))]
+            sources[d + "ff_in.weight"] = [Source(p + "ff_in.weight", (2 * cfg.ff, w))]
+            sources[d + "ff_in.bias"] = [Source(p + "ff_in.bias", (2 * cfg.ff,))]
+            sources[d + "ff_out.weight"] = [Source(p + "ff_out.weight", (w, cfg.ff))]
+            sources[d + "ff_out.bias"] = [Source(p + "ff_out.bias", (w,))]
+        return sources

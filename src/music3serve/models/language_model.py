@@ -1,0 +1,159 @@
+"""Qwen3 decoder-only backbone of the talker, with fused QKV and gate/up projections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import contract
+from .layers import GatedMLP, RMSNorm, apply_rope, rope_angles
+from .weights import Source, require
+
+
+@dataclass(frozen=True)
+class LanguageModelConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    eps: float
+    rope_theta: float
+    vocab: int
+    max_positions: int
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> "LanguageModelConfig":
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        return cls(
+            hidden=require(cfg, "hidden_size"),
+            layers=require(cfg, "num_hidden_layers"),
+            heads=require(cfg, "num_attention_heads"),
+            kv_heads=require(cfg, "num_key_value_heads"),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            mlp=require(cfg, "intermediate_size"),
+            eps=require(cfg, "rms_norm_eps"),
+            rope_theta=float(require({"rope_theta": theta}, "rope_theta")),
+            vocab=require(cfg, "vocab_size"),
+            max_positions=require(cfg, "max_position_embeddings"),
+        )
+
+
+class KVCache:
+    """Dense per-row key/value storage [layers, rows, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, cfg: LanguageModelConfig, rows: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        shape = (cfg.layers, rows, cfg.kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LanguageModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden, q + 2 * kv, bias=False)
+        self.o = nn.Linear(q, cfg.hidden, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, layer: int, start: int):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        kv_width = cfg.kv_heads * cfg.head_dim
+        q, k, v = self.qkv(x).split([cfg.heads * cfg.head_dim, kv_width, kv_width], dim=-1)
+        q = apply_rope(self.q_norm(q.view(b, t, cfg.heads, cfg.head_dim)), *rope)
+        k = apply_rope(self.k_norm(k.view(b, t, cfg.kv_heads, cfg.head_dim)), *rope)
+        end = start + t
+        cache.k[layer, :, :, start:end] = k.transpose(1, 2)
+        cache.v[layer, :, :, start:end] = v.view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        keys, values = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
+        mask = None
+        if t > 1:
+            query_pos = torch.arange(start, end, device=x.device)[:, None]
+            mask = torch.arange(end, device=x.device)[None, :] <= query_pos
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LanguageModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
+
+    def forward(self, x: torch.Tensor, rope, cache: KVCache, layer: int, start: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, layer, start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LanguageModel(nn.Module):
+    """Qwen3ForCausalLM math; the head keeps only the 16385 legal rows (audio_end, then the codes)."""
+
+    def __init__(self, cfg: LanguageModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.head = nn.Linear(cfg.hidden, contract.LEGAL_COLUMNS, bias=False)
+
+    def forward(self, embeds: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Final-normed hidden states [rows, t, hidden] for inputs at positions start..start+t."""
+        positions = torch.arange(start, start + embeds.shape[1], device=embeds.device)
+        rope = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = embeds
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, cache, index, start)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the legal columns: column 0 is audio_end, column 1 + k is code k."""
+        return self.head(hidden).float()
+
+    def embed_codes(self, semantic: torch.Tensor) -> torch.Tensor:
+        return self.embed(semantic + contract.AUDIO_CODE_OFFSET)
+
+    @staticmethod
+    def checkpoint_sources(cfg: LanguageModelConfig) -> dict[str, list[Source]]:
+        """Where each of our parameters comes from in the transformers Qwen3ForCausalLM layout."""
+        h, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        sources: dict[str, list[Source]] = {
+            "embed.weight": [Source("model.embed_tokens.weight", (cfg.vocab, h))],
+            "norm.weight": [Source("model.norm.weight", (h,))],
+            "head.weight": [
+                Source("lm_head.weight", (cfg.vocab, h), rows=(contract.AUDIO_END, contract.AUDIO_END + 1)),
+                Source(
+                    "lm_head.weight",
+                    (cfg.vocab, h),
+                    rows=(contract.AUDIO_CODE_OFFSET, contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES),
+                ),
+            ],
+        }
+        for i in range(cfg.layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            sources[dst + "attn_norm.weight"] = [Source(src + "input_layernorm.weight", (h,))]
+            sources[dst + "mlp_norm.weight"] = [Source(src + "post_attention_layernorm.weight", (h,))]
+            sources[dst + "attn.qkv.weight"] = [
+                Source(src + "self_attn.q_proj.weight", (q, h)),
+                Source(src + "self_attn.k_proj.weight", (kv, h)),
+                Source(src + "self_attn.v_proj.weight", (kv, h)),
+            ]
+            sources[dst + "attn.o.weight"] = [Source(src + "self_attn.o_proj.weight", (h, q))]
+            sources[dst + "attn.q_norm.weight"] = [Source(src + "self_attn.q_norm.weight", (cfg.head_dim,))]
+            sources[dst + "attn.k_norm.weight"] = [Source(src + "self_attn.k_norm.weight", (cfg.head_dim,))]
+            sources[dst + "mlp.gate_up.weight"] = [
+                Source(src + "mlp.gate_proj.weight", (cfg.mlp, h)),
+                Source(src + "mlp.up_proj.weight", (cfg.mlp, h)),
+            ]
+            sources[dst + "mlp.down.weight"] = [Source(src + "mlp.down_proj.weight", (h, cfg.mlp))]
+        return sources

@@ -1,0 +1,54 @@
+"""Building blocks shared by our model implementations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm with float32 statistics; the result is cast to the weight dtype before scaling."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(self.weight.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def rope_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [..., rotary_dim] for integer positions (the half-split convention)."""
+    exponents = torch.arange(0, rotary_dim, 2, device=positions.device).float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.float()[..., None] * inv_freq
+    freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x (layout [..., heads, head_dim]; cos is [..., rot])."""
+    rot = cos.shape[-1]
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    head, tail = x[..., :rot], x[..., rot:]
+    first, second = head.chunk(2, dim=-1)
+    rotated = head * cos + torch.cat((-second, first), dim=-1) * sin
+    return rotated if tail.shape[-1] == 0 else torch.cat((rotated, tail), dim=-1)

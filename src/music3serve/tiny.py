@@ -1,0 +1,165 @@
+"""Write a tiny random MiniMax-Music3 checkpoint in the released diffusers layout (tests and the demo use it)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from . import contract
+from .checkpoint import COMPONENTS, checkpoint_tensors
+from .tokenizer import write_tokenizer
+
+DIFFUSERS_VERSION = "0.42.1"
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "language_model": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": contract.IM_END,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 128,
+        "max_position_embeddings": contract.MAX_CONTEXT,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": contract.LM_VOCAB_SIZE,
+    },
+    "depth_decoder": {
+        "_class_name": "MiniMaxMusic3RVQDepthDecoder",
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+        "audio_vocab_size": contract.RESIDUAL_CODES,
+        "num_codebooks": contract.NUM_CODEBOOKS,
+        "max_position_embeddings": 16,
+    },
+    "condition_encoder": {
+        "_class_name": "MiniMaxMusic3ConditionEncoder",
+        "condition_hidden_dim": 64,
+        "num_condition_layers": contract.NUM_CODEBOOKS,
+        "out_dim": 32,
+        "input_sampling_rate": 24000,
+        "input_hop_length": 960,
+        "output_sampling_rate": contract.SAMPLE_RATE,
+        "output_hop_length": contract.LATENT_HOP,
+    },
+    "dit": {
+        "_class_name": "MiniMaxMusic3Transformer1DModel",
+        "in_channels": contract.LATENT_CHANNELS,
+        "condition_dim": 32,
+        "num_layers": 2,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "ff_inner_dim": 64,
+        "rotary_dim": 8,
+        "fourier_embedding_dim": 16,
+    },
+    "vocoder": {
+        "_class_name": "MiniMaxMusic3Vocoder",
+        "latent_channels": contract.LATENT_CHANNELS,
+        "decoder_input_dim": 32,
+        "decoder_hidden_dim": 32,
+        "upsampling_ratios": [8, 8, 4, 2],
+        "sampling_rate": contract.SAMPLE_RATE,
+    },
+}
+
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": DIFFUSERS_VERSION,
+    "num_train_timesteps": 1,
+    "shift": 1.0,
+    "invert_sigmas": True,
+}
+
+PIPELINE_COMPONENTS = {
+    "condition_encoder": ("diffusers", "MiniMaxMusic3ConditionEncoder"),
+    "language_model": ("transformers", "Qwen3ForCausalLM"),
+    "rvq_depth_decoder": ("diffusers", "MiniMaxMusic3RVQDepthDecoder"),
+    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+    "tokenizer": ("transformers", "Qwen2Tokenizer"),
+    "transformer": ("diffusers", "MiniMaxMusic3Transformer1DModel"),
+    "vocoder": ("diffusers", "MiniMaxMusic3Vocoder"),
+}
+
+
+def random_tensor(key: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random weights at scales that keep activations of a tiny model in a sane range."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf == "alpha" or key.endswith("layer_scale") or leaf == "weight_g" or (
+        "norm" in key and leaf == "weight"
+    ):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if leaf == "bias":
+        return 0.02 * torch.randn(shape, generator=gen)
+    if "embed" in key and "time_embed" not in key or leaf == "layer_weight_logits":
+        return torch.randn(shape, generator=gen)
+    fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+
+
+def _write_weights(folder: Path, stem: str, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    keys = list(tensors)
+    if shards == 1:
+        save_file(tensors, folder / f"{stem}.safetensors", metadata={"format": "pt"})
+        return
+    per_shard = math.ceil(len(keys) / shards)
+    weight_map: dict[str, str] = {}
+    for index in range(shards):
+        name = f"{stem}-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = {key: tensors[key] for key in keys[index * per_shard : (index + 1) * per_shard]}
+        save_file(part, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+
+
+def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """Write every component folder, config, index and the tokenizer; returns the directory."""
+    directory = Path(directory)
+    gen = torch.Generator().manual_seed(seed)
+    for name, component in COMPONENTS.items():
+        folder = directory / component.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        raw = dict(TINY_CONFIGS[name])
+        if "_class_name" in raw:
+            raw["_diffusers_version"] = DIFFUSERS_VERSION
+        (folder / "config.json").write_text(json.dumps(raw, indent=2))
+        cfg = component.config(raw)
+        tensors = {
+            key: random_tensor(key, shape, gen).to(component.disk_dtype)
+            for key, shape in checkpoint_tensors(name, cfg).items()
+        }
+        _write_weights(folder, component.weights, tensors, component.shards)
+    (directory / "scheduler").mkdir(exist_ok=True)
+    (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2))
+    write_tokenizer(directory / "tokenizer")
+    index = {"_class_name": "MiniMaxMusic3ModularPipeline", "_diffusers_version": DIFFUSERS_VERSION}
+    for folder, (library, cls) in PIPELINE_COMPONENTS.items():
+        spec = {"pretrained_model_name_or_path": None, "revision": None, "subfolder": folder,
+                "type_hint": [library, cls], "variant": None}
+        index[folder] = [library, cls, spec]
+    (directory / "modular_model_index.json").write_text(json.dumps(index, indent=2))
+    return directory
