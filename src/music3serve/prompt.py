@@ -1,0 +1,95 @@
+"""The checkpoint's prompt rules: caption cleaning, lyrics normalization, template and token ids."""
+
+from __future__ import annotations
+
+import re
+
+from tokenizers import Tokenizer
+
+from .contract import AUDIO_CFG, MAX_PROMPT_TOKENS
+from .errors import InputError
+
+# `<|a b c|>` in a caption: the model never sees user-written special tokens.
+_TAG = re.compile(r"<\|([^|]*)\|>")
+# Markdown, applied line by line (in this order).
+_HEADER = re.compile(r"^\s{0,3}#{1,6}\s+")
+_BULLET = re.compile(r"^\s*[*+-]\s+")
+_STAR_BULLET = re.compile(r"^\s*\*\s+")
+_BOLD = re.compile(r"\*\*([^*]+)\*\*")
+_ITALIC = re.compile(r"(?<!\*)\*([^*\n]+)\*(?!\*)")
+# Applied to the whole caption.
+_RULE = re.compile(r"^\s*[-*_]{3,}\s*$", re.MULTILINE)
+_BLANK_RUN = re.compile(r"\n{2,}")
+# Lyrics: structural tags at the start of a line, and any bracketed span (may cross lines).
+_LINE_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")
+_BRACKETED = re.compile(r"\[([^\]]+)\]")
+
+
+def _rewrite_tag(match: re.Match[str]) -> str:
+    """`<|word rest|>` -> "word is rest"; a single word (or nothing) stays as itself."""
+    inner = match.group(1).strip()
+    words = inner.split(None, 1)
+    return f"{words[0]} is {words[1]}" if len(words) == 2 else inner
+
+
+def _clean_line(line: str) -> str:
+    """Strip one caption line's header, bullet, bold and italic markers and its trailing whitespace."""
+    line = _STAR_BULLET.sub("", _BULLET.sub("", _HEADER.sub("", line)))
+    while "**" in line:
+        unbolded = _BOLD.sub(r"\1", line)
+        if unbolded == line:
+            break
+        line = unbolded
+    return _ITALIC.sub(r"\1", line).rstrip()
+
+
+def clean_caption(text: str) -> str:
+    """The caption exactly as the checkpoint was trained to read it."""
+    text = "\n".join(_clean_line(line) for line in _TAG.sub(_rewrite_tag, text).splitlines())
+    text = _RULE.sub("", text).replace("• ", "").replace("    ", "")
+    return _BLANK_RUN.sub("\n", text)
+
+
+def _keep_line_tags(line: str) -> str:
+    """A line opening with `[tags]` keeps only those tags; any other line is unchanged."""
+    match = _LINE_TAGS.match(line)
+    return match.group(1).strip() if match else line
+
+
+def normalize_lyrics(text: str) -> str:
+    """The lyrics exactly as the checkpoint was trained to read them."""
+    text = "\n".join(_keep_line_tags(line) for line in text.split("\n"))
+    text = text.replace("] ", "]\n").replace(" [", "\n[").replace(" ^ ", "\n")
+    text = _BRACKETED.sub(lambda match: f"[{match.group(1).lower()}]", text)
+    return "[start]\n" + text
+
+
+def prompt_text(caption: str, lyrics: str) -> str:
+    """The full special-token prompt for a (caption, lyrics) pair."""
+    return (
+        f"<|im_start|><|caption_start|>{clean_caption(caption)}<|caption_end|>"
+        f"<|lyrics_start|>{normalize_lyrics(lyrics)}<|lyrics_end|><|im_end|><|audio_start|>"
+    )
+
+
+def _check_text(field: str, value: object) -> None:
+    """Raise InputError unless `value` is a string with something other than whitespace in it."""
+    if not isinstance(value, str):
+        raise InputError(f"{field} must be a non-empty string, got {type(value).__name__}: {value!r:.80}")
+    if not value:
+        raise InputError(f"{field} must be a non-empty string, got an empty string")
+    if not value.strip():
+        raise InputError(f"{field} must be a non-empty string, got only whitespace ({value!r:.80})")
+
+
+def encode_prompt(tokenizer: Tokenizer, caption: str, lyrics: str) -> tuple[list[int], list[int]]:
+    """(cond_ids, uncond_ids) of the prompt; uncond keeps the first and the last two ids, the rest is audio_cfg."""
+    _check_text("caption", caption)
+    _check_text("lyrics", lyrics)
+    cond = tokenizer.encode(prompt_text(caption, lyrics), add_special_tokens=True).ids
+    if len(cond) > MAX_PROMPT_TOKENS:
+        raise InputError(
+            f"the prompt (caption + lyrics) is {len(cond)} tokens long; the limit is {MAX_PROMPT_TOKENS} tokens"
+        )
+    uncond = cond[:1] + [AUDIO_CFG] * (len(cond) - 3) + cond[-2:]
+    return cond, uncond
