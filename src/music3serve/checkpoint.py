@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 from torch import nn
 
 from .errors import CheckpointError
+from .tokenizer import load_tokenizer
 from .models.condition_encoder import ConditionEncoder, ConditionEncoderConfig
 from .models.depth_decoder import DepthDecoder, DepthDecoderConfig
 from .models.dit import DiT, DiTConfig
@@ -111,6 +113,12 @@ class _TensorReader:
 
     def __init__(self, files: dict[str, Path], stack: ExitStack):
         self.files = files
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                listed = sorted(key for key, where in files.items() if where == path)
+                raise CheckpointError(
+                    f"missing weight file {path}, where the index puts tensors {listed[:3]}{' ...' if len(listed) > 3 else ''}"
+                )
         self.handles = {path: _open(path, stack) for path in set(files.values())}
         for key, path in files.items():
             if key not in self.handles[path].keys():
@@ -152,7 +160,10 @@ def _weight_norm_pair(source: WeightNormSource, reader: _TensorReader) -> tuple[
     for g_key, v_key in source.candidates():
         if g_key in reader.files:
             return reader.read(g_key, g_shape), reader.read(v_key, source.shape)
-    raise CheckpointError(f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v'")
+    folder = sorted(set(reader.files.values()))[0].parent
+    raise CheckpointError(
+        f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v' in {folder}"
+    )
 
 
 def source_keys(source: ParamSource, present: set[str]) -> set[str]:
@@ -201,4 +212,49 @@ def checkpoint_tensors(name: str, cfg: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-__all__ = ["COMPONENTS", "Source", "load_component", "load_config", "checkpoint_tensors", "read_json"]
+PIPELINE_CLASS = "MiniMaxMusic3ModularPipeline"
+SCHEDULER_EXPECTED = {"num_train_timesteps": 1, "shift": 1.0, "invert_sigmas": True}
+
+
+@dataclass
+class Music3Models:
+    tokenizer: Tokenizer
+    language_model: LanguageModel
+    depth_decoder: DepthDecoder
+    condition_encoder: ConditionEncoder
+    dit: DiT
+    vocoder: Vocoder
+
+
+def check_layout(root: Path) -> None:
+    """The pipeline index and scheduler say this is a MiniMax-Music3 checkpoint with its fixed schedule."""
+    if not Path(root).is_dir():
+        raise CheckpointError(f"model folder {root} does not exist")
+    index = read_json(Path(root) / "modular_model_index.json")
+    if index.get("_class_name") != PIPELINE_CLASS:
+        raise CheckpointError(f"{root}/modular_model_index.json is not a {PIPELINE_CLASS} (got {index.get('_class_name')!r})")
+    scheduler = read_json(Path(root) / "scheduler" / "scheduler_config.json")
+    for key, expected in SCHEDULER_EXPECTED.items():
+        if scheduler.get(key) != expected:
+            raise CheckpointError(f"scheduler_config.json: {key} is {scheduler.get(key)!r}, this model needs {expected!r}")
+
+
+def load_models(
+    root: Path,
+    device: torch.device | str = "cpu",
+    talker_dtype: torch.dtype | None = None,
+    acoustic_dtype: torch.dtype = torch.float32,
+) -> Music3Models:
+    """Every component on `device`; the talker in bf16 on CUDA (float32 on the CPU) unless told otherwise."""
+    root = Path(root)
+    check_layout(root)
+    if talker_dtype is None:
+        talker_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return Music3Models(
+        tokenizer=load_tokenizer(root / "tokenizer"),
+        language_model=load_component(root, "language_model", device, talker_dtype),
+        depth_decoder=load_component(root, "depth_decoder", device, talker_dtype),
+        condition_encoder=load_component(root, "condition_encoder", device, torch.float32),
+        dit=load_component(root, "dit", device, acoustic_dtype),
+        vocoder=load_component(root, "vocoder", device, acoustic_dtype),
+    )

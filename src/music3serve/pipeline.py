@@ -1,0 +1,177 @@
+"""Offline generation: prompt -> talker frames -> windows rendered and vocoded -> 44.1 kHz stereo waveform."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import contract
+from .acoustic.solver import Carry, noise, solve
+from .acoustic.windows import Window, carry_span, crop_waveform, song_windows
+from .checkpoint import Music3Models, load_models
+from .errors import InputError
+from .models.language_model import KVCache
+from .prompt import encode_prompt
+from .talker.frame import talker_frame
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Song:
+    waveform: np.ndarray  # [2, samples] float32 in [-1, 1]
+    sample_rate: int
+    codes: torch.Tensor  # [frames, 8]
+    ended_by: str  # "audio_end" or "budget"
+    budget: int  # frames the song was allowed
+    timings: dict[str, float] = field(default_factory=dict)
+    conditioning: torch.Tensor | None = None  # [frames, 8 * hidden], kept when trace=True
+    latents: list[torch.Tensor] | None = None  # per-window latents, kept when trace=True
+
+    @property
+    def frames(self) -> int:
+        return self.codes.shape[0]
+
+
+def frames_for_duration(duration: object) -> int:
+    """Requested frames for a duration in seconds (validated)."""
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
+        raise InputError(f"duration must be a finite number of seconds, got {duration!r}")
+    if duration <= 0 or duration > contract.MAX_DURATION_S:
+        raise InputError(f"duration must be in (0, {contract.MAX_DURATION_S:g}] seconds, got {duration:g}")
+    frames = min(int(duration * contract.FRAME_RATE), contract.MAX_FRAMES)
+    if frames == 0:
+        raise InputError(f"duration {duration:g} s is shorter than one frame (1/{contract.FRAME_RATE} s)")
+    return frames
+
+
+def check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def check_steps(steps: object) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
+        raise InputError(f"steps must be an integer in [1, 1000], got {steps!r}")
+    return steps
+
+
+def frame_budget(requested: int, prompt_tokens: int) -> int:
+    """Frames a song may have: the request, the 9000-frame cap, and what fits in the context after the prompt."""
+    return min(requested, contract.MAX_FRAMES, contract.MAX_CONTEXT - prompt_tokens)
+
+
+class Pipeline:
+    """Both stages in one process; the reference recipe step by step, batch of one song."""
+
+    def __init__(self, models: Music3Models):
+        self.models = models
+
+    @classmethod
+    def from_pretrained(cls, root: Path | str, device: str = "cpu", **dtypes: torch.dtype) -> "Pipeline":
+        return cls(load_models(Path(root), device=device, **dtypes))
+
+    @property
+    def device(self) -> torch.device:
+        return self.models.language_model.embed.weight.device
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        caption: str,
+        lyrics: str,
+        duration: float,
+        seed: int,
+        steps: int = contract.DIT_STEPS,
+        progress: bool = False,
+        trace: bool = False,
+    ) -> Song:
+        requested, seed, steps = frames_for_duration(duration), check_seed(seed), check_steps(steps)
+        cond_ids, uncond_ids = encode_prompt(self.models.tokenizer, caption, lyrics)
+        budget = frame_budget(requested, len(cond_ids))
+        started = time.perf_counter()
+        codes, conditioning, ended_by = self.talk(cond_ids, uncond_ids, budget, seed, progress)
+        talked = time.perf_counter()
+        waveform, latents = self.render(conditioning, seed, steps, progress)
+        timings = {"talker_s": talked - started, "acoustic_s": time.perf_counter() - talked}
+        log.info("song done", extra={"frames": codes.shape[0], "ended_by": ended_by, **timings})
+        return Song(
+            waveform=waveform.numpy(),
+            sample_rate=contract.SAMPLE_RATE,
+            codes=codes,
+            ended_by=ended_by,
+            budget=budget,
+            timings=timings,
+            conditioning=conditioning if trace else None,
+            latents=latents if trace else None,
+        )
+
+    def talk(
+        self, cond_ids: list[int], uncond_ids: list[int], budget: int, seed: int, progress: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """Stage 0 for one song: codes [frames, 8], frame conditioning [frames, 8 * hidden], why it stopped."""
+        lm, depth = self.models.language_model, self.models.depth_decoder
+        ids = torch.tensor([cond_ids, uncond_ids], device=self.device)
+        cache = KVCache(lm.cfg, 2, ids.shape[1] + budget, lm.embed.weight.dtype, self.device)
+        hidden = lm(lm.embed(ids), cache, 0)[:, -1]
+        position = ids.shape[1]
+        seeds = torch.tensor([seed], device=self.device)
+        codes, conditioning, ended_by = [], [], "budget"
+        bar = tqdm(total=budget, desc="frames", unit="frame", disable=not progress)
+        # Step 0 only moves past <|audio_start|>: its frame is fed back but not emitted.
+        for step in range(budget + 1):
+            frame = talker_frame(lm, depth, hidden, seeds, torch.tensor([step], device=self.device))
+            if bool(frame.ended[0]):
+                ended_by = "audio_end"
+                break
+            if step > 0:
+                codes.append(frame.codes[0])
+                conditioning.append(frame.conditioning[0])
+                bar.update()
+                if len(codes) == budget:
+                    break
+            hidden = lm(frame.feedback[:, None], cache, position)[:, -1]
+            position += 1
+        bar.close()
+        if not codes:
+            raise InputError("the model ended the song before its first frame (audio_end drawn at once)")
+        return torch.stack(codes).cpu(), torch.stack(conditioning), ended_by
+
+    def render(
+        self, conditioning: torch.Tensor, seed: int, steps: int = contract.DIT_STEPS, progress: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Stage 1 for one song: waveform [2, samples] on the CPU and each window's latent."""
+        encoder, vocoder = self.models.condition_encoder, self.models.vocoder
+        mixed = encoder.mix(conditioning.to(encoder.proj.weight.dtype))
+        carry: Carry | None = None
+        pieces, latents = [], []
+        windows = song_windows(conditioning.shape[0])
+        for window in tqdm(windows, desc="windows", unit="window", disable=not progress):
+            latent, carry = self.render_window(mixed, window, carry, seed, steps)
+            latents.append(latent)
+            wave = vocoder(latent[None].to(vocoder.conv_in.weight.dtype))[0]
+            pieces.append(crop_waveform(wave, window).float().cpu())
+        return torch.cat(pieces, dim=-1).clamp(-1.0, 1.0), latents
+
+    def render_window(
+        self, mixed: torch.Tensor, window: Window, carry: Carry | None, seed: int, steps: int
+    ) -> tuple[torch.Tensor, Carry]:
+        """Latent [channels, length] of one window and the carry for the next."""
+        encoder = self.models.condition_encoder
+        frames = mixed[window.start : window.start + window.frames]
+        condition = encoder.project(frames[None])[0]
+        if carry is not None:
+            overlap = min(carry.latent.shape[-1], condition.shape[0])
+            condition[:overlap] = carry.condition[:overlap]
+        initial = noise(seed, window.index, condition.shape[0])
+        (latent,) = solve(self.models.dit, [condition], [initial], [carry], steps)
+        start, end = carry_span(latent.shape[-1])
+        return latent, Carry(latent[:, start:end], condition[start:end])

@@ -1,0 +1,1 @@
+"""Stage 0: the autoregressive talker (language model + depth decoder)."""

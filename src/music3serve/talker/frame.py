@@ -1,0 +1,57 @@
+"""One talker frame for a batch of songs: semantic code, the 7 depth-decoder codes, conditioning, feedback.
+
+Rows are interleaved pairs: row 2i is song i's conditional row, row 2i + 1 its unconditional row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import contract
+from ..models.depth_decoder import DepthDecoder
+from ..models.language_model import LanguageModel
+from .sampling import guide, keep_top_k, sample_top_k
+
+
+@dataclass
+class Frame:
+    codes: torch.Tensor  # [songs, 8]: c0 (semantic code, or -1 where audio_end was drawn) and c1..c7
+    ended: torch.Tensor  # [songs] bool: audio_end was drawn, the song stops before this frame
+    conditioning: torch.Tensor  # [songs, 8 * hidden]: LM hidden and 7 depth hiddens of the conditional row
+    feedback: torch.Tensor  # [2 * songs, hidden]: input embedding of the next step, both rows
+
+
+def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+    """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
+    cond, guided = guide(lm.logits(hidden), contract.AR_CFG_SCALE)
+    guided = keep_top_k(guided, contract.AR_CFG_TOP_K, reference=cond)
+    return sample_top_k(guided, contract.AR_TOP_K, seeds, frames, codebook=0)
+
+
+def talker_frame(
+    lm: LanguageModel, depth: DepthDecoder, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor
+) -> Frame:
+    """Everything one frame step does after the backbone, for songs keyed by (seed, frame index)."""
+    column = sample_semantic(lm, hidden, seeds, frames)
+    ended = column == 0
+    semantic = (column - 1).clamp_min(0)
+    semantic_embed = lm.embed_codes(semantic.repeat_interleave(2))
+    sequence = [depth.projection(hidden), depth.projection(semantic_embed)]
+    codes, depth_hiddens, residual_embeds = [semantic], [], []
+    for codebook in range(1, contract.NUM_CODEBOOKS):
+        out = depth(torch.stack(sequence, dim=1))[:, -1]
+        depth_hiddens.append(out[0::2])
+        _, guided = guide(depth.head_logits(out, codebook), contract.AR_CFG_SCALE)
+        code = sample_top_k(guided, contract.AR_TOP_K, seeds, frames, codebook)
+        codes.append(code)
+        residual_embeds.append(depth.embed_residual(code.repeat_interleave(2), codebook))
+        if codebook < contract.NUM_CODEBOOKS - 1:
+            sequence.append(depth.projection(residual_embeds[-1]))
+    residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
+    feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
+    conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)
+    codes_t = torch.stack(codes, dim=1)
+    codes_t[:, 0] = torch.where(ended, -1, codes_t[:, 0])
+    return Frame(codes_t, ended, conditioning, feedback)

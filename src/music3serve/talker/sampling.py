@@ -1,0 +1,65 @@
+"""Classifier-free guidance and top-k sampling by counter-based Gumbel draws.
+
+A draw is a pure function of (seed, frame, codebook, column), so a seed fixes a song whatever else runs
+in the batch and on whichever device. Sampling top-k with probabilities softmax(logits) is done as
+argmax(logits + Gumbel noise) over the kept columns, which has exactly that distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for 32-bit values held in int64, without int64 overflow."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (xor-shift-multiply rounds)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_draws(seeds: torch.Tensor, frames: torch.Tensor, codebook: int, columns: int) -> torch.Tensor:
+    """float32 uniforms in (0, 1), shape [rows, columns], keyed by (seed, frame, codebook, column) per row."""
+    seeds, frames = seeds.to(torch.int64), frames.to(torch.int64)
+    state = _mix32((seeds & MASK32) ^ _mix32((seeds >> 32) & MASK32))
+    state = _mix32(state ^ _mix32(frames & MASK32))
+    state = _mix32(state ^ _mix32(torch.full_like(state, codebook + 0x9E37)))
+    column = torch.arange(columns, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(state[:, None] ^ _mix32(column + 0x51ED27)[None, :])
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def guide(logits: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split interleaved [cond, uncond, ...] rows and blend: uncond + (cond - uncond) * scale."""
+    cond, uncond = logits[0::2], logits[1::2]
+    return cond, uncond + (cond - uncond) * scale
+
+
+def keep_top_k(logits: torch.Tensor, k: int, reference: torch.Tensor | None = None) -> torch.Tensor:
+    """-inf wherever `reference` (default: logits) is below its k-th largest value; ties are kept."""
+    reference = logits if reference is None else reference
+    threshold = torch.topk(reference, min(k, reference.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(reference < threshold, float("-inf"))
+
+
+def gumbel_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """argmax(logits - log(-log u)): a draw from softmax(logits) over the finite columns."""
+    return torch.argmax(logits.float() - torch.log(-torch.log(uniforms)), dim=-1)
+
+
+def sample_top_k(
+    logits: torch.Tensor, k: int, seeds: torch.Tensor, frames: torch.Tensor, codebook: int
+) -> torch.Tensor:
+    """Top-k sampling (temperature 1) with the counter-based draws of (seed, frame, codebook)."""
+    kept = keep_top_k(torch.nan_to_num(logits.float(), nan=float("-inf")), k)
+    return gumbel_sample(kept, uniform_draws(seeds, frames, codebook, logits.shape[-1]))
