@@ -156,7 +156,13 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
     (directory / "scheduler").mkdir(exist_ok=True)
     (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2))
     write_tokenizer(directory / "tokenizer")
-    index = {"_class_name": "MiniMaxMusic3ModularPipeline", "_diffusers_version": DIFFUSERS_VERSION}
+    # The keys diffusers' own ModularPipeline.save_pretrained writes; without _blocks_class_name,
+    # ModularPipeline.from_pretrained cannot resolve the pipeline blocks.
+    index = {
+        "_blocks_class_name": "MiniMaxMusic3Blocks",
+        "_class_name": "MiniMaxMusic3ModularPipeline",
+        "_diffusers_version": DIFFUSERS_VERSION,
+    }
     for folder, (library, cls) in PIPELINE_COMPONENTS.items():
         spec = {"pretrained_model_name_or_path": None, "revision": None, "subfolder": folder,
                 "type_hint": [library, cls], "variant": None}

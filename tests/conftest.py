@@ -1,0 +1,38 @@
+"""Shared fixtures: one tiny random checkpoint per session, CPU thread count, and the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from music3serve.tiny import write_tiny_checkpoint
+
+# CI runs on 2 cores, often next to other jobs. The tiny models here are made of small ops where a second
+# intra-op thread buys little, and a busy core turns OpenMP's spin-waits into seconds per call; so one thread
+# unless OMP_NUM_THREADS asks otherwise (torch reads it itself), and one inter-op thread.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+try:
+    torch.set_num_interop_threads(1)
+except RuntimeError:  # already set, or parallel work already ran in this process
+    pass
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random MiniMax-Music3 checkpoint in the released diffusers layout, written once per session.
+
+    Treat it as read-only; tests that damage a checkpoint copy it first (shutil.copytree)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

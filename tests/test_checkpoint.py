@@ -1,0 +1,481 @@
+"""The diffusers layout both ways (ours <-> diffusers/transformers), strict loading errors, and streaming loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from music3serve import checkpoint, contract
+from music3serve.checkpoint import COMPONENTS, load_component
+from music3serve.errors import CheckpointError
+from music3serve.models.language_model import KVCache
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+REFERENCE_CLASSES = {
+    "depth_decoder": diffusers.MiniMaxMusic3RVQDepthDecoder,
+    "condition_encoder": diffusers.MiniMaxMusic3ConditionEncoder,
+    "dit": diffusers.MiniMaxMusic3Transformer1DModel,
+    "vocoder": diffusers.MiniMaxMusic3Vocoder,
+}
+LEGAL_ROWS = [contract.AUDIO_END] + list(
+    range(contract.AUDIO_CODE_OFFSET, contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES)
+)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a component folder, whatever the sharding."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def load_reference(root: Path, name: str) -> torch.nn.Module:
+    folder = COMPONENTS[name].folder
+    if name == "language_model":
+        return transformers.Qwen3ForCausalLM.from_pretrained(root / folder, dtype=torch.float32).eval()
+    return REFERENCE_CLASSES[name].from_pretrained(root, subfolder=folder, dtype=torch.float32).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Our tiny checkpoint in diffusers / transformers
+
+
+@pytest.mark.parametrize("name", list(COMPONENTS))
+def test_tiny_component_loads_in_reference(tiny_dir: Path, name: str) -> None:
+    """Each folder loads with the reference class, and every tensor on disk lands in it unchanged (none missing)."""
+    reference = load_reference(tiny_dir, name)
+    on_disk = file_tensors(tiny_dir / COMPONENTS[name].folder)
+    state = reference.state_dict()
+    assert set(state) == set(on_disk)
+    for key, tensor in on_disk.items():
+        assert torch.equal(state[key], tensor.float()), key
+
+
+def test_tiny_layout_matches_the_released_one(tiny_dir: Path) -> None:
+    """Shard counts, index files and on-disk dtypes mirror MiniMaxAI/MiniMax-Music3."""
+    for name, component in COMPONENTS.items():
+        folder = tiny_dir / component.folder
+        shards = sorted(folder.glob("*.safetensors"))
+        assert len(shards) == component.shards, name
+        index = folder / f"{component.weights}.safetensors.index.json"
+        assert index.is_file() == (component.shards > 1), name
+        if index.is_file():
+            assert set(json.loads(index.read_text())["weight_map"].values()) == {p.name for p in shards}
+        assert {t.dtype for t in file_tensors(folder).values()} == {component.disk_dtype}, name
+    assert (tiny_dir / "scheduler" / "scheduler_config.json").is_file()
+    assert (tiny_dir / "tokenizer" / "tokenizer.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tiny_dir: Path):
+    """The whole checkpoint through the diffusers modular pipeline's own loader (modular_model_index.json)."""
+    from diffusers.modular_pipelines import ModularPipeline
+
+    pipeline = ModularPipeline.from_pretrained(str(tiny_dir))
+    pipeline.load_components(dtype=torch.float32)
+    return pipeline
+
+
+def test_tiny_checkpoint_loads_as_modular_pipeline(tiny_dir: Path, tiny_pipeline) -> None:
+    from diffusers.modular_pipelines import MiniMaxMusic3Blocks, MiniMaxMusic3ModularPipeline
+
+    assert isinstance(tiny_pipeline, MiniMaxMusic3ModularPipeline)
+    assert isinstance(tiny_pipeline.blocks, MiniMaxMusic3Blocks)
+    expected = {
+        "tokenizer": transformers.Qwen2Tokenizer,
+        "language_model": transformers.Qwen3ForCausalLM,
+        "rvq_depth_decoder": diffusers.MiniMaxMusic3RVQDepthDecoder,
+        "condition_encoder": diffusers.MiniMaxMusic3ConditionEncoder,
+        "transformer": diffusers.MiniMaxMusic3Transformer1DModel,
+        "scheduler": diffusers.FlowMatchEulerDiscreteScheduler,
+        "vocoder": diffusers.MiniMaxMusic3Vocoder,
+    }
+    for attribute, cls in expected.items():
+        assert isinstance(getattr(tiny_pipeline, attribute, None), cls), attribute
+    assert tiny_pipeline.guider is not None  # created from its default config, not from the checkpoint
+    # Weights come from our files, not from a random init.
+    transformer_state = tiny_pipeline.transformer.state_dict()
+    for key, tensor in file_tensors(tiny_dir / "transformer").items():
+        assert torch.equal(transformer_state[key], tensor), key
+    assert torch.equal(
+        tiny_pipeline.language_model.lm_head.weight,
+        file_tensors(tiny_dir / "language_model")["lm_head.weight"].float(),
+    )
+    assert tiny_pipeline.scheduler.config.invert_sigmas is True
+    assert tiny_pipeline.sampling_rate == contract.SAMPLE_RATE
+    assert tiny_pipeline.latent_hop_length == contract.LATENT_HOP
+    assert tiny_pipeline.frame_rate == contract.FRAME_RATE
+
+
+def test_modular_index_matches_what_diffusers_writes(tiny_dir: Path, tiny_pipeline, tmp_path: Path) -> None:
+    """Our modular_model_index.json has the keys and component entries of diffusers' own save_pretrained."""
+    tiny_pipeline.save_pretrained(str(tmp_path / "saved"), overwrite_modular_index=True)
+    ours = json.loads((tiny_dir / "modular_model_index.json").read_text())
+    theirs = json.loads((tmp_path / "saved" / "modular_model_index.json").read_text())
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        if key.startswith("_"):
+            assert ours[key] == value, key
+            continue
+        library, cls, spec = value
+        assert ours[key][:2] == [library, cls], key
+        assert set(ours[key][2]) == set(spec), key
+        assert ours[key][2]["subfolder"] == spec["subfolder"] == key
+        assert ours[key][2]["type_hint"] == spec["type_hint"], key
+    # Every folder diffusers writes for a component exists in ours and holds the same file names.
+    for key in (k for k in theirs if not k.startswith("_")):
+        saved = {p.name for p in (tmp_path / "saved" / key).iterdir()} - {"generation_config.json"}
+        ours_files = {p.name for p in (tiny_dir / key).iterdir()}
+        if key in ("language_model", "transformer"):  # ours are sharded like the release
+            saved = {n for n in saved if not n.endswith(".safetensors")}
+        assert saved <= ours_files, (key, saved - ours_files)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A checkpoint written by diffusers' / transformers' save_pretrained, loaded in ours
+
+
+def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Move every parameter off its init (norm weights of 1, zero biases, ...) so a mis-mapped tensor shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=gen) * param.abs().mean().clamp_min(0.1))
+    return module.eval()
+
+
+@pytest.fixture(scope="module")
+def saved_by_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.nn.Module]]:
+    """Reference modules with tiny configs in random init, written with their own save_pretrained (sharded)."""
+    root = tmp_path_factory.mktemp("saved_by_reference")
+    torch.manual_seed(1)
+    lm_config = transformers.Qwen3Config(
+        vocab_size=contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES + 5,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=contract.MAX_CONTEXT,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    )
+    modules: dict[str, torch.nn.Module] = {
+        "language_model": transformers.Qwen3ForCausalLM(lm_config),
+        "depth_decoder": diffusers.MiniMaxMusic3RVQDepthDecoder(
+            hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=48
+        ),
+        "condition_encoder": diffusers.MiniMaxMusic3ConditionEncoder(condition_hidden_dim=32, out_dim=16),
+        "dit": diffusers.MiniMaxMusic3Transformer1DModel(
+            condition_dim=16, num_layers=3, num_attention_heads=2, attention_head_dim=8, ff_inner_dim=32,
+            rotary_dim=4, fourier_embedding_dim=8,
+        ),
+        "vocoder": diffusers.MiniMaxMusic3Vocoder(decoder_input_dim=16, decoder_hidden_dim=32, upsampling_ratios=(4, 2)),
+    }
+    for seed, (name, module) in enumerate(modules.items()):
+        _perturb(module.float(), seed)
+        folder = root / COMPONENTS[name].folder
+        if name == "language_model":
+            module.save_pretrained(folder, max_shard_size="8MB")  # embed and lm_head alone exceed it
+        elif name == "dit":
+            module.save_pretrained(folder, max_shard_size="40KB")
+        else:
+            module.save_pretrained(folder)
+    return root, modules
+
+
+def test_reference_save_is_sharded(saved_by_reference) -> None:
+    root, _ = saved_by_reference
+    lm_shards = list((root / "language_model").glob("model-*-of-*.safetensors"))
+    dit_shards = list((root / "transformer").glob("diffusion_pytorch_model-*-of-*.safetensors"))
+    assert len(lm_shards) >= 3 and (root / "language_model" / "model.safetensors.index.json").is_file()
+    assert len(dit_shards) >= 2
+    assert (root / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+
+
+@torch.no_grad()
+def test_reference_saved_language_model_loads_in_ours(saved_by_reference) -> None:
+    root, modules = saved_by_reference
+    reference = modules["language_model"]
+    ours = load_component(root, "language_model", "cpu", torch.float32)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    hidden = ours(ours.embed(ids), cache, 0)
+    ref_hidden = reference.model(input_ids=ids).last_hidden_state
+    assert rel_err(hidden, ref_hidden) <= 1e-5
+    assert rel_err(ours.logits(hidden), reference.lm_head(ref_hidden)[..., LEGAL_ROWS].float()) <= 1e-5
+
+
+@torch.no_grad()
+def test_reference_saved_small_components_load_in_ours(saved_by_reference) -> None:
+    root, modules = saved_by_reference
+    gen = torch.Generator().manual_seed(0)
+
+    depth = load_component(root, "depth_decoder", "cpu", torch.float32)
+    ref = modules["depth_decoder"]
+    x = torch.randn(2, 8, 32, generator=gen)
+    hidden = depth(depth.projection(x))
+    ref_hidden = ref(ref.projection(x))
+    assert rel_err(hidden, ref_hidden) <= 1e-5
+    for codebook in range(1, 8):
+        assert rel_err(depth.head_logits(hidden[:, -1], codebook), ref.audio_heads[codebook - 1](ref_hidden[:, -1])) <= 1e-5
+
+    encoder = load_component(root, "condition_encoder", "cpu", torch.float32)
+    frames = torch.randn(2, 9, 8 * 32, generator=gen)
+    assert rel_err(encoder(frames), modules["condition_encoder"](frames)) <= 1e-5
+
+    dit = load_component(root, "dit", "cpu", torch.float32)
+    latents, t = torch.randn(2, 128, 11, generator=gen), torch.tensor([0.25, 0.75])
+    condition = torch.randn(2, 11, 16, generator=gen)
+    assert rel_err(dit(latents, t, condition), modules["dit"](latents, t, condition, return_dict=False)[0]) <= 1e-5
+
+    vocoder = load_component(root, "vocoder", "cpu", torch.float32)
+    latents = torch.randn(1, 128, 5, generator=gen)
+    assert rel_err(vocoder(latents), modules["vocoder"](latents)) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strictness: each damage is a CheckpointError naming the file or folder, and the tensor where there is one
+
+
+def copy_component(tiny_dir: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A private copy of one component folder (load_component needs nothing else); returns (root, folder)."""
+    root = tmp_path / "checkpoint"
+    folder = root / COMPONENTS[name].folder
+    shutil.copytree(tiny_dir / COMPONENTS[name].folder, folder)
+    return root, folder
+
+
+def rewrite(path: Path, edit) -> None:
+    tensors = load_file(path)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    edit(tensors)
+    save_file(tensors, path, metadata=metadata)
+
+
+def expect_error(root: Path, name: str, *fragments: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load_component(root, name, "cpu", torch.float32)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def test_missing_component_folder(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    expect_error(root, "vocoder", str(root / "vocoder"))
+
+
+def test_missing_config(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    (folder / "config.json").unlink()
+    expect_error(root, "dit", str(folder / "config.json"))
+
+
+def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "depth_decoder")
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_layers"]
+    (folder / "config.json").write_text(json.dumps(config))
+    expect_error(root, "depth_decoder", str(folder / "config.json"), "num_layers")
+    (folder / "config.json").write_text("{not json")
+    expect_error(root, "depth_decoder", str(folder / "config.json"))
+
+
+def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "condition_encoder")
+    (folder / "diffusion_pytorch_model.safetensors").unlink()
+    expect_error(root, "condition_encoder", str(folder), "diffusion_pytorch_model.safetensors")
+
+
+def test_missing_tensor(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "condition_encoder")
+    rewrite(folder / "diffusion_pytorch_model.safetensors", lambda t: t.pop("proj.bias"))
+    expect_error(root, "condition_encoder", str(folder), "'proj.bias'")
+
+
+def test_missing_weight_norm_tensors(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "vocoder")
+    rewrite(folder / "diffusion_pytorch_model.safetensors", lambda t: t.pop("conv_out.weight_g"))
+    expect_error(root, "vocoder", str(folder), "conv_out.weight_g")
+
+
+def test_missing_tensor_from_index(tiny_dir: Path, tmp_path: Path) -> None:
+    """The index no longer lists a tensor (its shard still holds it): still missing, never silently random."""
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    del data["weight_map"]["transformer_blocks.1.ff_out.bias"]
+    index.write_text(json.dumps(data))
+    expect_error(root, "dit", str(folder), "'transformer_blocks.1.ff_out.bias'")
+
+
+def test_shard_lacks_a_tensor_its_index_lists(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "language_model")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["model.norm.weight"]
+    rewrite(shard, lambda t: t.pop("model.norm.weight"))
+    expect_error(root, "language_model", str(shard), "'model.norm.weight'")
+
+
+def test_unexpected_extra_tensor(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "depth_decoder")
+    rewrite(
+        folder / "diffusion_pytorch_model.safetensors",
+        lambda t: t.update({"layers.9.attn.to_q.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}),
+    )
+    expect_error(root, "depth_decoder", str(folder), "layers.9.attn.to_q.weight")
+
+
+def test_unexpected_extra_tensor_in_a_shard(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    shard = folder / "diffusion_pytorch_model-00002-of-00002.safetensors"
+    rewrite(shard, lambda t: t.update({"pos_embed": torch.zeros(3)}))
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["pos_embed"] = shard.name
+    index.write_text(json.dumps(data))
+    expect_error(root, "dit", str(folder), "pos_embed")
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "shape"),
+    [
+        ("condition_encoder", "proj.bias", (33,)),
+        ("condition_encoder", "proj.weight", (32, 64, 1)),  # same rank, wrong kernel
+        ("depth_decoder", "layers.0.attn.to_k.weight", (64 * 64,)),  # same element count, flattened
+        ("vocoder", "blocks.1.conv_t1.weight_g", (4,)),
+    ],
+)
+def test_misshaped_tensor(tiny_dir: Path, tmp_path: Path, name: str, key: str, shape: tuple[int, ...]) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, name)
+    path = folder / "diffusion_pytorch_model.safetensors"
+    rewrite(path, lambda t: t.update({key: torch.zeros(shape, dtype=t[key].dtype)}))
+    expect_error(root, name, str(path), f"'{key}'", str(list(shape)))
+
+
+def test_misshaped_language_model_head(tiny_dir: Path, tmp_path: Path) -> None:
+    """lm_head is read by row ranges; a vocabulary that does not match config.json still fails by name."""
+    root, folder = copy_component(tiny_dir, tmp_path, "language_model")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["lm_head.weight"]
+    rewrite(shard, lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1].clone()}))
+    expect_error(root, "language_model", str(shard), "'lm_head.weight'")
+
+
+@pytest.mark.parametrize("cut", ["data", "header", "empty"])
+def test_truncated_safetensors(tiny_dir: Path, tmp_path: Path, cut: str) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    shard = folder / "diffusion_pytorch_model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes({"data": data[:-7], "header": data[:20], "empty": b""}[cut])
+    expect_error(root, "dit", str(shard))
+
+
+def test_corrupted_safetensors_header(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "vocoder")
+    path = folder / "diffusion_pytorch_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:24] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+    expect_error(root, "vocoder", str(path))
+
+
+def test_index_points_at_missing_shard(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "language_model")
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.layers.1.self_attn.o_proj.weight"] = "model-00005-of-00004.safetensors"
+    index.write_text(json.dumps(data))
+    expect_error(
+        root, "language_model", str(folder / "model-00005-of-00004.safetensors"), "model.layers.1.self_attn.o_proj.weight"
+    )
+
+
+def test_deleted_shard(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    shard = folder / "diffusion_pytorch_model-00002-of-00002.safetensors"
+    on_shard = sorted(load_file(shard))
+    shard.unlink()
+    expect_error(root, "dit", str(shard), on_shard[0])
+
+
+def test_broken_index(tiny_dir: Path, tmp_path: Path) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}}))
+    expect_error(root, "dit", str(index), "weight_map")
+    index.write_text("[1, 2")
+    expect_error(root, "dit", str(index))
+
+
+def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:
+    """The copies above fail only because of the damage."""
+    for name in COMPONENTS:
+        root, _ = copy_component(tiny_dir, tmp_path / name, name)
+        load_component(root, name, "cpu", torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading streams tensor by tensor into parameters built without an init pass
+
+
+@pytest.mark.parametrize("name", ["language_model", "dit", "vocoder"])
+def test_load_streams_tensors(tiny_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No state dict: at most a couple of tensors read from disk are alive at once, and the module is built on
+    the meta device (no random init of full-size weights that would be overwritten)."""
+    original_read = checkpoint._TensorReader.read
+    alive: list[weakref.ref] = []
+    peak = {"tensors": 0, "reads": 0}
+
+    def read(self, key, shape, rows=None):
+        tensor = original_read(self, key, shape, rows)
+        alive[:] = [ref for ref in alive if ref() is not None]
+        alive.append(weakref.ref(tensor))
+        peak["tensors"] = max(peak["tensors"], len(alive))
+        peak["reads"] += 1
+        return tensor
+
+    init_devices: set[str] = set()
+    for fn_name in ("kaiming_uniform_", "uniform_", "normal_"):
+        original = getattr(torch.nn.init, fn_name)
+
+        def traced(tensor, *args, _original=original, **kwargs):
+            init_devices.add(tensor.device.type)
+            return _original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.init, fn_name, traced)
+    monkeypatch.setattr(checkpoint._TensorReader, "read", read)
+
+    module = load_component(tiny_dir, name, "cpu", torch.float32)
+    assert peak["reads"] >= 10
+    # _fill keeps the previous tensor alive while reading the next one; a weight-norm pair reads two.
+    assert peak["tensors"] <= 3, peak
+    assert init_devices <= {"meta"}, init_devices
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())
+    assert not any(p.requires_grad for p in module.parameters())
+
+
+def test_load_keeps_disk_dtype_by_default(tiny_dir: Path) -> None:
+    module = load_component(tiny_dir, "language_model")
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    assert torch.equal(module.head.weight, file_tensors(tiny_dir / "language_model")["lm_head.weight"][LEGAL_ROWS])

@@ -1,0 +1,260 @@
+"""Our five modules against the reference ones (transformers Qwen3ForCausalLM, diffusers MiniMax-Music3 models).
+
+Both sides load the same tiny checkpoint in float32; every output must be within 1e-5 relative error
+(max |ours - reference| / max |reference|)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from music3serve import contract
+from music3serve.checkpoint import COMPONENTS, load_component
+from music3serve.models.language_model import KVCache
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-5
+LEGAL_ROWS = [contract.AUDIO_END] + list(
+    range(contract.AUDIO_CODE_OFFSET, contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES)
+)
+REFERENCE_CLASSES = {
+    "depth_decoder": diffusers.MiniMaxMusic3RVQDepthDecoder,
+    "condition_encoder": diffusers.MiniMaxMusic3ConditionEncoder,
+    "dit": diffusers.MiniMaxMusic3Transformer1DModel,
+    "vocoder": diffusers.MiniMaxMusic3Vocoder,
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = rel_err(ours, ref)
+    assert err <= TOLERANCE, f"{what}: relative error {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir: Path):
+    """(ours, reference) per component, loaded lazily from the same tiny checkpoint in float32."""
+    cache: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+    def get(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+        if name not in cache:
+            ours = load_component(tiny_dir, name, "cpu", torch.float32)
+            folder = COMPONENTS[name].folder
+            if name == "language_model":
+                ref = transformers.Qwen3ForCausalLM.from_pretrained(tiny_dir / folder, dtype=torch.float32)
+            else:
+                ref = REFERENCE_CLASSES[name].from_pretrained(tiny_dir, subfolder=folder, dtype=torch.float32)
+            cache[name] = (ours, ref.eval().requires_grad_(False))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def prompt_ids(rows: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids that mix ordinary text, the special tokens and audio codes, like a real prompt + frames."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 151_643, (rows, length), generator=gen)
+    ids[:, 0] = contract.IM_START
+    ids[:, -1] = contract.AUDIO_START
+    if length > 3:
+        ids[:, 1] = contract.CAPTION_START
+        ids[1:, 2:-1] = contract.AUDIO_CFG
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Language model
+
+
+def test_lm_prefill_two_rows(models) -> None:
+    ours, ref = models("language_model")
+    ids = prompt_ids(2, 13, seed=0)
+    cache = KVCache(ours.cfg, 2, 32, torch.float32, torch.device("cpu"))
+    hidden = ours(ours.embed(ids), cache, 0)
+    ref_hidden = ref.model(input_ids=ids).last_hidden_state
+    assert_close(hidden, ref_hidden, "prefill hidden states")
+    assert_close(ours.logits(hidden), ref.lm_head(ref_hidden)[..., LEGAL_ROWS].float(), "prefill legal logits")
+    # Through the full reference forward too (its own head, all positions).
+    ref_logits = ref(input_ids=ids).logits
+    assert_close(ours.logits(hidden[:, -1]), ref_logits[:, -1, LEGAL_ROWS].float(), "last-position logits")
+    assert ours.logits(hidden).dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_lm_cached_decode(models) -> None:
+    """Prefill N tokens, then decode 3 single positions against transformers with past_key_values."""
+    ours, ref = models("language_model")
+    prefill = prompt_ids(2, 9, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    cache = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    hidden = ours(ours.embed(prefill), cache, 0)
+    out = ref.model(input_ids=prefill, use_cache=True)
+    assert_close(hidden, out.last_hidden_state, "prefill hidden states")
+    past, position = out.past_key_values, prefill.shape[1]
+    for step in range(3):
+        codes = torch.randint(0, contract.SEMANTIC_CODES, (2,), generator=gen)
+        if step == 0:  # a plain code token
+            ours_in, ref_kwargs = ours.embed_codes(codes)[:, None], {"input_ids": (codes + contract.AUDIO_CODE_OFFSET)[:, None]}
+        else:  # a feedback embedding, as the talker feeds back (any vector, rows differ)
+            embeds = ref.model.embed_tokens(codes + contract.AUDIO_CODE_OFFSET)[:, None]
+            embeds = embeds + 0.5 * torch.randn(embeds.shape, generator=gen)
+            ours_in, ref_kwargs = embeds, {"inputs_embeds": embeds}
+        hidden = ours(ours_in, cache, position)
+        out = ref.model(past_key_values=past, use_cache=True, **ref_kwargs)
+        past, position = out.past_key_values, position + 1
+        assert_close(hidden, out.last_hidden_state, f"decode step {step} hidden")
+        assert_close(
+            ours.logits(hidden[:, -1]), ref.lm_head(out.last_hidden_state[:, -1])[:, LEGAL_ROWS], f"decode step {step} logits"
+        )
+
+
+def test_lm_chunked_prefill_equals_single_prefill(models) -> None:
+    ours, ref = models("language_model")
+    ids = prompt_ids(2, 11, seed=3)
+    single = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    whole = ours(ours.embed(ids), single, 0)
+    chunked = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    first = ours(ours.embed(ids[:, :4]), chunked, 0)
+    second = ours(ours.embed(ids[:, 4:]), chunked, 4)
+    assert_close(torch.cat((first, second), dim=1), whole, "chunked vs single prefill")
+    assert_close(chunked.k[:, :, :, :11], single.k[:, :, :, :11], "cached keys")
+    assert_close(chunked.v[:, :, :, :11], single.v[:, :, :, :11], "cached values")
+    assert_close(second, ref.model(input_ids=ids).last_hidden_state[:, 4:], "second chunk vs reference")
+    # The next decode step reads the chunked cache like the single one.
+    step = ours.embed_codes(torch.tensor([5, 9]))[:, None]
+    assert_close(ours(step, chunked, 11), ours(step, single, 11), "decode after chunked prefill")
+
+
+def test_lm_embed_codes(models) -> None:
+    ours, ref = models("language_model")
+    codes = torch.tensor([0, 1, 777, contract.SEMANTIC_CODES - 1])
+    assert torch.equal(ours.embed_codes(codes), ref.model.embed_tokens(codes + contract.AUDIO_CODE_OFFSET))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Depth decoder
+
+
+@pytest.mark.parametrize("length", range(1, 9))
+def test_depth_decoder_hidden_states(models, length: int) -> None:
+    ours, ref = models("depth_decoder")
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(2, length, ours.cfg.hidden, generator=gen)
+    assert_close(ours.projection(x), ref.projection(x), "projection")
+    projected = ref.projection(x)
+    hidden = ours(projected)
+    ref_hidden = ref(projected)
+    assert_close(hidden, ref_hidden, f"hidden states, length {length}")
+    if length <= ours.cfg.codebooks - 1:
+        assert_close(
+            ours.head_logits(hidden[:, -1], length), ref.audio_heads[length - 1](ref_hidden[:, -1]).float(), f"head {length}"
+        )
+
+
+def test_depth_decoder_heads_and_embeddings(models) -> None:
+    ours, ref = models("depth_decoder")
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, ours.cfg.hidden, generator=gen)
+    for codebook in range(1, ours.cfg.codebooks):
+        logits = ours.head_logits(hidden, codebook)
+        assert logits.dtype == torch.float32 and logits.shape == (2, contract.RESIDUAL_CODES)
+        assert_close(logits, ref.audio_heads[codebook - 1](hidden).float(), f"head {codebook}")
+        codes = torch.randint(0, contract.RESIDUAL_CODES, (2,), generator=gen)
+        assert torch.equal(
+            ours.embed_residual(codes, codebook), ref.audio_embeddings(codes + (codebook - 1) * contract.RESIDUAL_CODES)
+        )
+
+
+def test_frame_feedback_embedding(models) -> None:
+    """The talker's feedback input built from our modules equals the reference pipeline's _embed_audio_frame."""
+    from diffusers.modular_pipelines.minimax_music3 import encoders
+
+    lm, lm_ref = models("language_model")
+    depth, depth_ref = models("depth_decoder")
+    gen = torch.Generator().manual_seed(1)
+    semantic = torch.randint(0, contract.SEMANTIC_CODES, (2, 1), generator=gen)
+    residual = torch.randint(0, contract.RESIDUAL_CODES, (2, contract.NUM_CODEBOOKS - 1), generator=gen)
+    ours = lm.embed_codes(semantic[:, 0]) + sum(
+        depth.embed_residual(residual[:, i - 1], i) for i in range(1, contract.NUM_CODEBOOKS)
+    )
+    ours = ours * contract.NUM_CODEBOOKS**-0.5
+    ref = encoders._embed_audio_frame(lm_ref, depth_ref, torch.cat((semantic, residual), dim=1))
+    assert_close(ours[:, None], ref, "feedback embedding")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Condition encoder
+
+
+@pytest.mark.parametrize("frames", [1, 7, 100, 199, 200])
+def test_condition_encoder(models, frames: int) -> None:
+    ours, ref = models("condition_encoder")
+    gen = torch.Generator().manual_seed(frames)
+    x = torch.randn(2, frames, ours.cfg.streams * ours.cfg.hidden, generator=gen)
+    out = ours(x)
+    expected = {1: 3, 7: 24, 100: 344, 199: 685, 200: 689}[frames]
+    assert contract.latent_length(frames) == expected
+    assert out.shape == (2, expected, ours.cfg.out_dim)
+    assert_close(out, ref(x), f"condition, {frames} frames")
+    assert_close(ours.project(ours.mix(x)), out, "mix + project")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DiT
+
+
+@pytest.mark.parametrize(
+    ("length", "timesteps"),
+    [(1, (0.0, 1.0)), (24, (1 / 30, 29 / 30)), (344, (0.5, 0.2)), (689, (0.0, 0.9))],
+)
+def test_dit_velocity(models, length: int, timesteps: tuple[float, float]) -> None:
+    ours, ref = models("dit")
+    gen = torch.Generator().manual_seed(length)
+    latents = torch.randn(2, ours.cfg.channels, length, generator=gen)
+    condition = torch.randn(2, length, ours.cfg.condition, generator=gen)
+    condition[1] *= 0.1  # two different conditions in one batch
+    t = torch.tensor(timesteps)
+    velocity = ours(latents, t, condition)
+    ref_velocity = ref(latents, t, condition, return_dict=False)[0]
+    assert velocity.shape == latents.shape
+    assert_close(velocity, ref_velocity, f"velocity, length {length}")
+    # Rows are independent: each row alone gives the same velocity.
+    assert_close(ours(latents[1:], t[1:], condition[1:]), ref_velocity[1:], "row 1 alone")
+
+
+def test_dit_unconditional_branch(models) -> None:
+    ours, ref = models("dit")
+    gen = torch.Generator().manual_seed(5)
+    latents = torch.randn(2, ours.cfg.channels, 30, generator=gen)
+    condition = torch.randn(2, 30, ours.cfg.condition, generator=gen)
+    condition[1] = 0.0  # the uncond branch is conditioned on zeros
+    t = torch.full((2,), 0.4)
+    assert_close(ours(latents, t, condition), ref(latents, t, condition, return_dict=False)[0], "cond + uncond")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Vocoder
+
+
+@pytest.mark.parametrize(("batch", "length"), [(1, 1), (2, 20), (1, 689)])
+def test_vocoder_waveform(models, batch: int, length: int) -> None:
+    ours, ref = models("vocoder")
+    gen = torch.Generator().manual_seed(length)
+    latents = torch.randn(batch, contract.LATENT_CHANNELS, length, generator=gen)
+    waveform = ours(latents)
+    assert waveform.shape == (batch, 2, length * contract.LATENT_HOP)
+    assert_close(waveform, ref(latents), f"waveform, {length} latents")
