@@ -107,6 +107,8 @@ PIPELINE_COMPONENTS = {
 def random_tensor(key: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random weights at scales that keep activations of a tiny model in a sane range."""
     leaf = key.rsplit(".", 1)[-1]
+    if key == "conv_out.weight_g":  # the vocoder's last conv: keep the waveform away from tanh saturation
+        return 0.005 * (1.0 + 0.1 * torch.randn(shape, generator=gen))
     if leaf == "alpha" or key.endswith("layer_scale") or leaf == "weight_g" or (
         "norm" in key and leaf == "weight"
     ):
