@@ -1,0 +1,32 @@
+# Two entry points that work on a fresh machine with only Python and pip:
+#   make demo   installs music3serve in .venv and writes demo.wav from the tiny random checkpoint
+#   make test   installs the test dependencies in .venv and runs the whole CPU test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The local CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test install install-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[tiny,audio]"
+
+install-test: $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[test]"
+
+demo: install
+	$(BIN)/music3serve generate --tiny --caption "Warm lo-fi hip hop, mellow piano, soft female vocals" \
+		--lyrics @examples/lyrics.txt \
+		--duration 12 --seed 42 -o demo.wav
+	@echo "Wrote demo.wav. The tiny checkpoint has random weights, so it sounds like noise: it proves the"
+	@echo "pipeline end to end, not the music. For real songs, download MiniMaxAI/MiniMax-Music3 (57 GB) and run"
+	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @lyrics.txt --duration 60 -o song.wav"
+
+test: install-test
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,147 @@
+"""Command line: `music3serve generate ...` and `music3serve make-tiny DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from . import contract
+from .errors import Music3Error
+from .logs import setup_logging
+from .serving.audio_io import OUTPUT_RATES, resample, write_audio
+
+log = logging.getLogger("music3serve")
+
+REPO_ID = "MiniMaxAI/MiniMax-Music3"
+GET_MODEL = (
+    "no MiniMax-Music3 checkpoint found. Download it (57 GB) with\n"
+    f"  huggingface-cli download {REPO_ID}\n"
+    "then run again, or pass --model DIR, or set MUSIC3_MODEL=DIR, or try the pipeline on random weights with --tiny"
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "music3serve"
+
+
+def tiny_checkpoint() -> Path:
+    """The tiny random checkpoint in the cache folder, written on first use (atomically)."""
+    from .tiny import write_tiny_checkpoint
+
+    target = cache_root() / "tiny-v1"
+    if not (target / "modular_model_index.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("writing the tiny checkpoint", extra={"path": str(target)})
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+        write_tiny_checkpoint(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def hf_cache_snapshot() -> Path | None:
+    """The newest snapshot of the checkpoint in the local Hugging Face cache, if any."""
+    hub = os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    snapshots = Path(hub) / f"models--{REPO_ID.replace('/', '--')}" / "snapshots"
+    found = [p for p in snapshots.glob("*") if (p / "modular_model_index.json").is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def resolve_model(model: str | None, tiny: bool) -> Path:
+    if tiny:
+        return tiny_checkpoint()
+    if model:
+        return Path(model)
+    if os.environ.get("MUSIC3_MODEL"):
+        return Path(os.environ["MUSIC3_MODEL"])
+    snapshot = hf_cache_snapshot()
+    if snapshot is None:
+        raise Music3Error(GET_MODEL)
+    return snapshot
+
+
+def text_argument(value: str) -> str:
+    """A literal text, or the contents of a file given as @path."""
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="music3serve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="write one song to a .wav or .flac file")
+    gen.add_argument("--caption", required=True, type=text_argument, help="music description, or @file")
+    gen.add_argument("--lyrics", required=True, type=text_argument, help="lyrics with [tags], or @file")
+    gen.add_argument("--duration", type=float, default=30.0, help="seconds (the model may end sooner)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--steps", type=int, default=contract.DIT_STEPS, help="Euler steps per window")
+    gen.add_argument("-o", "--output", required=True, help="output .wav or .flac")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--model", help="checkpoint folder (diffusers layout)")
+    where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
+    gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES)
+
+    tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
+    tiny.add_argument("directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from .pipeline import Pipeline
+
+    if not args.output.lower().endswith((".wav", ".flac")):
+        raise Music3Error(f"output file must end in .wav or .flac, got {args.output!r}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
+    root = resolve_model(args.model, args.tiny)
+    log.info("loading model", extra={"path": str(root), "device": device})
+    pipeline = Pipeline.from_pretrained(root, device=device)
+    song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=True)
+    waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
+    path = write_audio(args.output, waveform, args.sample_rate)
+    log.info(
+        "wrote song",
+        extra={"path": str(path), "seconds": waveform.shape[-1] / args.sample_rate, "frames": song.frames,
+               "ended_by": song.ended_by, **song.timings},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        if args.command == "generate":
+            run_generate(args)
+        else:
+            from .tiny import write_tiny_checkpoint
+
+            write_tiny_checkpoint(Path(args.directory), seed=args.seed)
+            print(f"wrote a tiny random MiniMax-Music3 checkpoint to {args.directory}")
+    except Music3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
