@@ -31,6 +31,11 @@ LEGAL_ROWS = [contract.AUDIO_END] + list(
 )
 
 
+def positions(embeds: torch.Tensor, start: int) -> torch.Tensor:
+    """Positions start, start + 1, ... of a [rows, t, hidden] input."""
+    return torch.arange(start, start + embeds.shape[1])
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
     return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
@@ -217,7 +222,7 @@ def test_reference_saved_language_model_loads_in_ours(saved_by_reference) -> Non
     ours = load_component(root, "language_model", "cpu", torch.float32)
     ids = torch.randint(0, reference.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     cache = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
-    hidden = ours(ours.embed(ids), cache, 0)
+    hidden = ours(ours.embed(ids), positions(ours.embed(ids), 0), cache.at(0))
     ref_hidden = reference.model(input_ids=ids).last_hidden_state
     assert rel_err(hidden, ref_hidden) <= 1e-5
     assert rel_err(ours.logits(hidden), reference.lm_head(ref_hidden)[..., LEGAL_ROWS].float()) <= 1e-5

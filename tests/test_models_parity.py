@@ -29,6 +29,11 @@ REFERENCE_CLASSES = {
 }
 
 
+def positions(embeds: torch.Tensor, start: int) -> torch.Tensor:
+    """Positions start, start + 1, ... of a [rows, t, hidden] input."""
+    return torch.arange(start, start + embeds.shape[1])
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
     return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
@@ -84,7 +89,7 @@ def test_lm_prefill_two_rows(models) -> None:
     ours, ref = models("language_model")
     ids = prompt_ids(2, 13, seed=0)
     cache = KVCache(ours.cfg, 2, 32, torch.float32, torch.device("cpu"))
-    hidden = ours(ours.embed(ids), cache, 0)
+    hidden = ours(ours.embed(ids), positions(ours.embed(ids), 0), cache.at(0))
     ref_hidden = ref.model(input_ids=ids).last_hidden_state
     assert_close(hidden, ref_hidden, "prefill hidden states")
     assert_close(ours.logits(hidden), ref.lm_head(ref_hidden)[..., LEGAL_ROWS].float(), "prefill legal logits")
@@ -101,7 +106,7 @@ def test_lm_cached_decode(models) -> None:
     prefill = prompt_ids(2, 9, seed=1)
     gen = torch.Generator().manual_seed(2)
     cache = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
-    hidden = ours(ours.embed(prefill), cache, 0)
+    hidden = ours(ours.embed(prefill), positions(ours.embed(prefill), 0), cache.at(0))
     out = ref.model(input_ids=prefill, use_cache=True)
     assert_close(hidden, out.last_hidden_state, "prefill hidden states")
     past, position = out.past_key_values, prefill.shape[1]
@@ -113,7 +118,7 @@ def test_lm_cached_decode(models) -> None:
             embeds = ref.model.embed_tokens(codes + contract.AUDIO_CODE_OFFSET)[:, None]
             embeds = embeds + 0.5 * torch.randn(embeds.shape, generator=gen)
             ours_in, ref_kwargs = embeds, {"inputs_embeds": embeds}
-        hidden = ours(ours_in, cache, position)
+        hidden = ours(ours_in, positions(ours_in, position), cache.at(position))
         out = ref.model(past_key_values=past, use_cache=True, **ref_kwargs)
         past, position = out.past_key_values, position + 1
         assert_close(hidden, out.last_hidden_state, f"decode step {step} hidden")
@@ -126,17 +131,17 @@ def test_lm_chunked_prefill_equals_single_prefill(models) -> None:
     ours, ref = models("language_model")
     ids = prompt_ids(2, 11, seed=3)
     single = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
-    whole = ours(ours.embed(ids), single, 0)
+    whole = ours(ours.embed(ids), positions(ours.embed(ids), 0), single.at(0))
     chunked = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
-    first = ours(ours.embed(ids[:, :4]), chunked, 0)
-    second = ours(ours.embed(ids[:, 4:]), chunked, 4)
+    first = ours(ours.embed(ids[:, :4]), positions(ours.embed(ids[:, :4]), 0), chunked.at(0))
+    second = ours(ours.embed(ids[:, 4:]), positions(ours.embed(ids[:, 4:]), 4), chunked.at(4))
     assert_close(torch.cat((first, second), dim=1), whole, "chunked vs single prefill")
     assert_close(chunked.k[:, :, :, :11], single.k[:, :, :, :11], "cached keys")
     assert_close(chunked.v[:, :, :, :11], single.v[:, :, :, :11], "cached values")
     assert_close(second, ref.model(input_ids=ids).last_hidden_state[:, 4:], "second chunk vs reference")
     # The next decode step reads the chunked cache like the single one.
     step = ours.embed_codes(torch.tensor([5, 9]))[:, None]
-    assert_close(ours(step, chunked, 11), ours(step, single, 11), "decode after chunked prefill")
+    assert_close(ours(step, positions(step, 11), chunked.at(11)), ours(step, positions(step, 11), single.at(11)), "decode after chunked prefill")
 
 
 def test_lm_embed_codes(models) -> None:

@@ -121,7 +121,7 @@ class Pipeline:
         lm, depth = self.models.language_model, self.models.depth_decoder
         ids = torch.tensor([cond_ids, uncond_ids], device=self.device)
         cache = KVCache(lm.cfg, 2, ids.shape[1] + budget, lm.embed.weight.dtype, self.device)
-        hidden = lm(lm.embed(ids), cache, 0)[:, -1]
+        hidden = lm(lm.embed(ids), torch.arange(ids.shape[1], device=self.device), cache.at(0))[:, -1]
         position = ids.shape[1]
         seeds = torch.tensor([seed], device=self.device)
         codes, conditioning, ended_by = [], [], "budget"
@@ -138,7 +138,7 @@ class Pipeline:
                 bar.update()
                 if len(codes) == budget:
                     break
-            hidden = lm(frame.feedback[:, None], cache, position)[:, -1]
+            hidden = lm(frame.feedback[:, None], torch.tensor([position], device=self.device), cache.at(position))[:, -1]
             position += 1
         bar.close()
         if not codes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +45,37 @@ class LanguageModelConfig:
         )
 
 
+class AttentionBackend(Protocol):
+    """Stores a layer's new keys/values and attends: q [b, t, heads, d], k/v [b, t, kv_heads, d] -> [b, t, heads * d]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 class KVCache:
-    """Dense per-row key/value storage [layers, rows, kv_heads, capacity, head_dim]."""
+    """Dense per-row key/value storage [layers, rows, kv_heads, capacity, head_dim] for rows that advance together."""
 
     def __init__(self, cfg: LanguageModelConfig, rows: int, capacity: int, dtype: torch.dtype, device: torch.device):
         shape = (cfg.layers, rows, cfg.kv_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.start = 0
+
+    def at(self, start: int) -> "KVCache":
+        """This cache, with the next inputs placed at positions start, start + 1, ..."""
+        self.start = start
+        return self
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t = q.shape[:2]
+        start, end = self.start, self.start + t
+        self.k[layer, :, :, start:end] = k.transpose(1, 2)
+        self.v[layer, :, :, start:end] = v.transpose(1, 2)
+        mask = None
+        if t > 1:
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 class Attention(nn.Module):
@@ -64,23 +88,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, layer: int, start: int):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: AttentionBackend, layer: int):
         cfg = self.cfg
         b, t, _ = x.shape
         kv_width = cfg.kv_heads * cfg.head_dim
         q, k, v = self.qkv(x).split([cfg.heads * cfg.head_dim, kv_width, kv_width], dim=-1)
         q = apply_rope(self.q_norm(q.view(b, t, cfg.heads, cfg.head_dim)), *rope)
         k = apply_rope(self.k_norm(k.view(b, t, cfg.kv_heads, cfg.head_dim)), *rope)
-        end = start + t
-        cache.k[layer, :, :, start:end] = k.transpose(1, 2)
-        cache.v[layer, :, :, start:end] = v.view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        keys, values = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
-        mask = None
-        if t > 1:
-            query_pos = torch.arange(start, end, device=x.device)[:, None]
-            mask = torch.arange(end, device=x.device)[None, :] <= query_pos
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o(attend(layer, q, k, v.view(b, t, cfg.kv_heads, cfg.head_dim)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,8 +106,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.eps)
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
-    def forward(self, x: torch.Tensor, rope, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, layer, start)
+    def forward(self, x: torch.Tensor, rope, attend: AttentionBackend, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, attend, layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -107,13 +122,12 @@ class LanguageModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.head = nn.Linear(cfg.hidden, contract.LEGAL_COLUMNS, bias=False)
 
-    def forward(self, embeds: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """Final-normed hidden states [rows, t, hidden] for inputs at positions start..start+t."""
-        positions = torch.arange(start, start + embeds.shape[1], device=embeds.device)
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states [rows, t, hidden] of inputs at `positions` ([t] or [rows, t])."""
         rope = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = embeds
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, index, start)
+            x = layer(x, rope, attend, index)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
