@@ -221,7 +221,7 @@ def test_reference_saved_language_model_loads_in_ours(saved_by_reference) -> Non
     reference = modules["language_model"]
     ours = load_component(root, "language_model", "cpu", torch.float32)
     ids = torch.randint(0, reference.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    cache = KVCache.allocate(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
     hidden = ours(ours.embed(ids), positions(ours.embed(ids), 0), cache.at(0))
     ref_hidden = reference.model(input_ids=ids).last_hidden_state
     assert rel_err(hidden, ref_hidden) <= 1e-5

@@ -88,7 +88,7 @@ def prompt_ids(rows: int, length: int, seed: int) -> torch.Tensor:
 def test_lm_prefill_two_rows(models) -> None:
     ours, ref = models("language_model")
     ids = prompt_ids(2, 13, seed=0)
-    cache = KVCache(ours.cfg, 2, 32, torch.float32, torch.device("cpu"))
+    cache = KVCache.allocate(ours.cfg, 2, 32, torch.float32, torch.device("cpu"))
     hidden = ours(ours.embed(ids), positions(ours.embed(ids), 0), cache.at(0))
     ref_hidden = ref.model(input_ids=ids).last_hidden_state
     assert_close(hidden, ref_hidden, "prefill hidden states")
@@ -105,7 +105,7 @@ def test_lm_cached_decode(models) -> None:
     ours, ref = models("language_model")
     prefill = prompt_ids(2, 9, seed=1)
     gen = torch.Generator().manual_seed(2)
-    cache = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    cache = KVCache.allocate(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
     hidden = ours(ours.embed(prefill), positions(ours.embed(prefill), 0), cache.at(0))
     out = ref.model(input_ids=prefill, use_cache=True)
     assert_close(hidden, out.last_hidden_state, "prefill hidden states")
@@ -130,9 +130,9 @@ def test_lm_cached_decode(models) -> None:
 def test_lm_chunked_prefill_equals_single_prefill(models) -> None:
     ours, ref = models("language_model")
     ids = prompt_ids(2, 11, seed=3)
-    single = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    single = KVCache.allocate(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
     whole = ours(ours.embed(ids), positions(ours.embed(ids), 0), single.at(0))
-    chunked = KVCache(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    chunked = KVCache.allocate(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
     first = ours(ours.embed(ids[:, :4]), positions(ours.embed(ids[:, :4]), 0), chunked.at(0))
     second = ours(ours.embed(ids[:, 4:]), positions(ours.embed(ids[:, 4:]), 4), chunked.at(4))
     assert_close(torch.cat((first, second), dim=1), whole, "chunked vs single prefill")

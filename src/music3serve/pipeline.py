@@ -120,7 +120,7 @@ class Pipeline:
         """Stage 0 for one song: codes [frames, 8], frame conditioning [frames, 8 * hidden], why it stopped."""
         lm, depth = self.models.language_model, self.models.depth_decoder
         ids = torch.tensor([cond_ids, uncond_ids], device=self.device)
-        cache = KVCache(lm.cfg, 2, ids.shape[1] + budget, lm.embed.weight.dtype, self.device)
+        cache = KVCache.allocate(lm.cfg, 2, ids.shape[1] + budget, lm.embed.weight.dtype, self.device)
         hidden = lm(lm.embed(ids), torch.arange(ids.shape[1], device=self.device), cache.at(0))[:, -1]
         position = ids.shape[1]
         seeds = torch.tensor([seed], device=self.device)

@@ -54,11 +54,15 @@ class AttentionBackend(Protocol):
 class KVCache:
     """Dense per-row key/value storage [layers, rows, kv_heads, capacity, head_dim] for rows that advance together."""
 
-    def __init__(self, cfg: LanguageModelConfig, rows: int, capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v, self.start = k, v, 0
+
+    @classmethod
+    def allocate(
+        cls, cfg: LanguageModelConfig, rows: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "KVCache":
         shape = (cfg.layers, rows, cfg.kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.start = 0
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     def at(self, start: int) -> "KVCache":
         """This cache, with the next inputs placed at positions start, start + 1, ..."""
