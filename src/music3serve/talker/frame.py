@@ -23,6 +23,11 @@ class Frame:
     feedback: torch.Tensor  # [2 * songs, hidden]: input embedding of the next step, both rows
 
 
+def both_rows(per_song: torch.Tensor) -> torch.Tensor:
+    """[songs] -> [2 * songs]: the same value for a song's cond and uncond rows (no host sync)."""
+    return per_song[:, None].expand(-1, 2).reshape(-1)
+
+
 def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
     cond, guided = guide(lm.logits(hidden), contract.AR_CFG_SCALE)
@@ -37,7 +42,7 @@ def talker_frame(
     column = sample_semantic(lm, hidden, seeds, frames)
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
-    semantic_embed = lm.embed_codes(semantic.repeat_interleave(2))
+    semantic_embed = lm.embed_codes(both_rows(semantic))
     sequence = [depth.projection(hidden), depth.projection(semantic_embed)]
     codes, depth_hiddens, residual_embeds = [semantic], [], []
     for codebook in range(1, contract.NUM_CODEBOOKS):
@@ -46,7 +51,7 @@ def talker_frame(
         _, guided = guide(depth.head_logits(out, codebook), contract.AR_CFG_SCALE)
         code = sample_top_k(guided, contract.AR_TOP_K, seeds, frames, codebook)
         codes.append(code)
-        residual_embeds.append(depth.embed_residual(code.repeat_interleave(2), codebook))
+        residual_embeds.append(depth.embed_residual(both_rows(code), codebook))
         if codebook < contract.NUM_CODEBOOKS - 1:
             sequence.append(depth.projection(residual_embeds[-1]))
     residual = torch.stack(residual_embeds, dim=1).sum(dim=1)

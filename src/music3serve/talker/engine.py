@@ -1,0 +1,231 @@
+"""Stage 0 engine: songs join and leave between steps; each step prefills within a token budget, then
+advances every decoding song by one frame and hands out the windows that became ready."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import contract
+from ..acoustic.windows import Window
+from ..errors import InputError, Music3Error
+from ..models.condition_encoder import ConditionEncoder
+from ..models.depth_decoder import DepthDecoder
+from ..models.language_model import LanguageModel
+from .slots import SlotCache
+from .step import FrameStep
+from .windows import WindowTracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    max_num_seqs: int = 16  # rows: two per song
+    max_model_len: int = contract.MAX_CONTEXT
+    max_num_batched_tokens: int = contract.MAX_CONTEXT  # prompt tokens prefilled per step, both rows counted
+    capture_sizes: tuple[int, ...] = (2, 4, 8, 16)
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.6
+
+
+@dataclass
+class WindowReady:
+    song: str
+    seed: int
+    window: Window
+    mixed: torch.Tensor  # [frames, hidden] float32: frame conditioning mixed by the condition encoder's weights
+
+
+@dataclass
+class SongFinished:
+    song: str
+    frames: int
+    ended_by: str  # "audio_end" or "budget"
+    codes: torch.Tensor  # [frames, 8]
+
+
+@dataclass
+class SongFailed:
+    song: str
+    message: str
+
+
+Event = WindowReady | SongFinished | SongFailed
+
+
+@dataclass
+class _Song:
+    id: str
+    seed: int
+    ids: torch.Tensor  # [2, prompt tokens]: cond and uncond rows
+    budget: int
+    pair: int | None = None
+    prefilled: int = 0
+    steps: int = 0  # frame steps taken; step 0's frame is not emitted
+    codes: list[torch.Tensor] = field(default_factory=list)
+    conditioning: torch.Tensor | None = None  # [budget, hidden] on the device
+    windows: WindowTracker = field(default_factory=WindowTracker)
+
+    @property
+    def frames(self) -> int:
+        return len(self.codes)
+
+
+class Talker:
+    def __init__(self, lm: LanguageModel, depth: DepthDecoder, encoder: ConditionEncoder, config: TalkerConfig):
+        if config.max_num_seqs < 2 or config.max_num_seqs % 2:
+            raise Music3Error(f"max_num_seqs counts cond/uncond rows and must be even and >= 2, got {config.max_num_seqs}")
+        self.lm, self.depth, self.encoder, self.config = lm, depth, encoder, config
+        self.device = lm.embed.weight.device
+        pairs = config.max_num_seqs // 2
+        check_memory(lm, depth, pairs, config)
+        self.slots = SlotCache(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype, self.device)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.step_fn = FrameStep(lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs)
+        self.waiting: deque[_Song] = deque()
+        self.active: list[_Song] = []  # song in pair p is active[p]
+        self.songs: dict[str, _Song] = {}
+
+    def _mix(self, conditioning: torch.Tensor) -> torch.Tensor:
+        return self.encoder.mix(conditioning.float())
+
+    def submit(self, song: str, cond_ids: list[int], uncond_ids: list[int], seed: int, requested_frames: int) -> int:
+        """Queue a song; returns its frame budget, fixed now."""
+        if song in self.songs:
+            raise InputError(f"song id {song!r} is already in use")
+        if len(cond_ids) != len(uncond_ids) or not cond_ids:
+            raise InputError("cond and uncond prompts must be non-empty and of the same length")
+        room = self.config.max_model_len - len(cond_ids)
+        if room < 1:
+            raise InputError(
+                f"the prompt has {len(cond_ids)} tokens and leaves no frames within max_model_len {self.config.max_model_len}"
+            )
+        budget = min(requested_frames, contract.MAX_FRAMES, room)
+        ids = torch.tensor([cond_ids, uncond_ids], dtype=torch.int64, device=self.device)
+        self.songs[song] = _Song(song, seed, ids, budget)
+        self.waiting.append(self.songs[song])
+        return budget
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def cancel(self, song: str) -> bool:
+        """Drop a song wherever it is; its rows are free for the next step. False if unknown."""
+        state = self.songs.pop(song, None)
+        if state is None:
+            return False
+        if state in self.waiting:
+            self.waiting.remove(state)
+        else:
+            self._release(state)
+        return True
+
+    @torch.inference_mode()
+    def step(self) -> list[Event]:
+        """One scheduler iteration: prefill within the token budget, then one frame for all decoding songs."""
+        events: list[Event] = []
+        self._prefill(events)
+        if self.active:
+            events += self._decode()
+        return events
+
+    def _prefill(self, events: list[Event]) -> None:
+        tokens = self.config.max_num_batched_tokens
+        while self.waiting and tokens >= 2 and len(self.active) < self.slots.pairs:
+            song = self.waiting[0]
+            if song.pair is not None and song.pair != len(self.active):  # pairs were packed since its last chunk
+                self.slots.move_pair(song.pair, len(self.active), song.prefilled)
+            song.pair = len(self.active)
+            total = song.ids.shape[1]
+            chunk = min(total - song.prefilled, tokens // 2)
+            ids = song.ids[:, song.prefilled : song.prefilled + chunk]
+            positions = torch.arange(song.prefilled, song.prefilled + chunk, device=self.device)
+            hidden = self.lm(self.lm.embed(ids), positions, self.slots.prefill(song.pair, song.prefilled))
+            song.prefilled += chunk
+            tokens -= 2 * chunk
+            if song.prefilled == total:
+                self.waiting.popleft()
+                self._activate(song, hidden[:, -1])
+
+    def _activate(self, song: _Song, hidden: torch.Tensor) -> None:
+        p, step = song.pair, self.step_fn
+        step.hidden[2 * p : 2 * p + 2] = hidden
+        step.positions[2 * p : 2 * p + 2] = song.ids.shape[1]
+        step.seeds[p], step.frames[p] = song.seed, 0
+        song.conditioning = torch.empty(song.budget, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
+        self.active.append(song)
+
+    def _decode(self) -> list[Event]:
+        step = self.step_fn
+        count = len(self.active)
+        step(2 * count)
+        codes, ended = step.codes[:count].to("cpu", copy=True), step.ended[:count].to("cpu", copy=True)
+        events: list[Event] = []
+        finished: list[_Song] = []
+        for p, song in enumerate(self.active):
+            index, song.steps = song.steps, song.steps + 1
+            if bool(ended[p]):
+                finished.append(song)
+                events += self._finish(song, "audio_end")
+            elif index > 0:
+                song.conditioning[song.frames] = step.mixed[p]
+                song.codes.append(codes[p])
+                events += [self._payload(song, w) for w in song.windows.ready(song.frames)]
+                if song.frames == song.budget:
+                    finished.append(song)
+                    events += self._finish(song, "budget")
+        for song in finished:
+            self.songs.pop(song.id, None)
+            self._release(song)
+        return events
+
+    def _payload(self, song: _Song, window: Window) -> WindowReady:
+        mixed = song.conditioning[window.start : window.start + window.frames]
+        return WindowReady(song.id, song.seed, window, mixed)
+
+    def _finish(self, song: _Song, ended_by: str) -> list[Event]:
+        if not song.frames:
+            return [SongFailed(song.id, "the model ended the song before its first frame (audio_end drawn at once)")]
+        log.info("talker song done", extra={"song": song.id, "frames": song.frames, "ended_by": ended_by})
+        windows = [self._payload(song, w) for w in song.windows.finish(song.frames)]
+        return [*windows, SongFinished(song.id, song.frames, ended_by, torch.stack(song.codes))]
+
+    def _release(self, song: _Song) -> None:
+        """Free the song's pair; the last active pair moves into the gap so active pairs stay packed."""
+        if song.pair is None or song not in self.active:
+            return
+        step, gap, last = self.step_fn, song.pair, len(self.active) - 1
+        if gap != last:
+            moved = self.active[last]
+            filled = moved.ids.shape[1] + moved.steps
+            self.slots.move_pair(last, gap, min(filled, self.slots.scratch))
+            for buffer in (step.hidden, step.positions):
+                buffer[2 * gap : 2 * gap + 2] = buffer[2 * last : 2 * last + 2]
+            step.seeds[gap], step.frames[gap] = step.seeds[last], step.frames[last]
+            self.active[gap], moved.pair = moved, gap
+        self.active.pop()
+        step.positions[2 * last : 2 * last + 2] = self.slots.scratch
+        step.hidden[2 * last : 2 * last + 2] = 0
+        song.pair = None
+
+
+def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: TalkerConfig) -> None:
+    """On CUDA: weights plus KV slots must fit in gpu_memory_utilization of the card, or startup fails."""
+    device = lm.embed.weight.device
+    if device.type != "cuda":
+        return
+    weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
+    kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
+    allowed = config.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory
+    if weights + kv > allowed:
+        gib = 1 << 30
+        raise Music3Error(
+            f"talker needs {weights / gib:.1f} GiB of weights + {kv / gib:.1f} GiB of KV for {2 * pairs} rows of "
+            f"{config.max_model_len} tokens, more than gpu_memory_utilization {config.gpu_memory_utilization} "
+            f"of the card ({allowed / gib:.1f} GiB): lower max_num_seqs or max_model_len, or raise the fraction"
+        )

@@ -1,0 +1,65 @@
+"""KV slots of the talker: one pair of rows (cond, uncond) per song, active pairs packed at the front.
+
+Storage is [layers, rows, kv_heads, capacity, head_dim]. Pair p owns rows 2p and 2p + 1. Songs that are
+decoding occupy pairs 0..active-1, so a decode step always works on the prefix of rows [0, 2 * active)
+and never gathers the cache; a song that leaves is replaced by the last active pair (its filled rows are
+copied). One extra position per row past max_model_len is scratch for padded rows of a captured step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import Music3Error
+from ..kernels.decode_attention import decode_attention
+from ..models.language_model import KVCache, LanguageModelConfig
+
+
+class SlotCache:
+    def __init__(
+        self, cfg: LanguageModelConfig, pairs: int, max_model_len: int, dtype: torch.dtype, device: torch.device | str
+    ):
+        self.cfg, self.pairs, self.max_model_len = cfg, pairs, max_model_len
+        self.scratch = max_model_len  # position written by padded rows
+        shape = (cfg.layers, 2 * pairs, cfg.kv_heads, max_model_len + 1, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_needed(cfg: LanguageModelConfig, pairs: int, max_model_len: int, dtype: torch.dtype) -> int:
+        elements = 2 * cfg.layers * 2 * pairs * cfg.kv_heads * (max_model_len + 1) * cfg.head_dim
+        return elements * torch.empty((), dtype=dtype).element_size()
+
+    def prefill(self, pair: int, start: int) -> KVCache:
+        """Attention backend writing the pair's rows at positions start.. and attending causally over [0, end)."""
+        rows = slice(2 * pair, 2 * pair + 2)
+        return KVCache(self.k[:, rows], self.v[:, rows]).at(start)
+
+    def decode(self, rows: int, positions: torch.Tensor) -> "DecodeRows":
+        return DecodeRows(self, rows, positions)
+
+    def move_pair(self, source: int, target: int, filled: int) -> None:
+        """Copy the first `filled` positions of pair `source` into pair `target`."""
+        src, dst = slice(2 * source, 2 * source + 2), slice(2 * target, 2 * target + 2)
+        self.k[:, dst, :, :filled] = self.k[:, src, :, :filled]
+        self.v[:, dst, :, :filled] = self.v[:, src, :, :filled]
+
+
+class DecodeRows:
+    """Attention backend for one new token on rows [0, rows), each at its own position (a device tensor)."""
+
+    def __init__(self, slots: SlotCache, rows: int, positions: torch.Tensor):
+        self.slots, self.rows = slots, rows
+        self.positions = positions[:rows]
+        self.row_index = torch.arange(rows, device=positions.device)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] != 1:
+            raise Music3Error("decode attention takes exactly one new token per row")
+        k_layer, v_layer = self.slots.k[layer], self.slots.v[layer]
+        k_layer[self.row_index, :, self.positions] = k[:, 0].to(k_layer.dtype)
+        v_layer[self.row_index, :, self.positions] = v[:, 0].to(v_layer.dtype)
+        # Padded rows (at the scratch position) attend to one position only: their output is discarded.
+        lengths = torch.where(self.positions >= self.slots.scratch, 1, self.positions + 1)
+        out = decode_attention(q[:, 0], k_layer[: self.rows], v_layer[: self.rows], lengths)
+        return out.reshape(self.rows, 1, -1)

@@ -1,0 +1,86 @@
+"""The frame step for all decoding songs, on static buffers: eager, or one CUDA graph per capture size.
+
+One step: sample every song's frame from its pair hiddens (CFG, top-k, the 7 depth-decoder codes), write
+the codes, the audio_end flags and the mixed frame conditioning to output buffers, then run the backbone
+on the feedback embeddings to get the next hiddens. Positions and frame counters advance on the device,
+so replays need no host work unless the set of songs changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .. import contract
+from ..models.depth_decoder import DepthDecoder
+from ..models.language_model import LanguageModel
+from .frame import talker_frame
+from .slots import SlotCache
+
+
+class FrameStep:
+    def __init__(
+        self,
+        lm: LanguageModel,
+        depth: DepthDecoder,
+        mix: Callable[[torch.Tensor], torch.Tensor],
+        slots: SlotCache,
+        capture_sizes: list[int],
+        use_graphs: bool,
+    ):
+        self.lm, self.depth, self.mix, self.slots = lm, depth, mix, slots
+        rows, songs, device = 2 * slots.pairs, slots.pairs, lm.embed.weight.device
+        hidden_size = lm.cfg.hidden
+        self.hidden = torch.zeros(rows, hidden_size, dtype=lm.embed.weight.dtype, device=device)
+        self.positions = torch.full((rows,), slots.scratch, dtype=torch.int64, device=device)
+        self.seeds = torch.zeros(songs, dtype=torch.int64, device=device)
+        self.frames = torch.zeros(songs, dtype=torch.int64, device=device)
+        self.codes = torch.zeros(songs, contract.NUM_CODEBOOKS, dtype=torch.int64, device=device)
+        self.ended = torch.zeros(songs, dtype=torch.bool, device=device)
+        self.mixed = torch.zeros(songs, hidden_size, dtype=torch.float32, device=device)
+        self.capture_sizes = sorted(s for s in capture_sizes if s <= rows and s % 2 == 0)  # whole pairs only
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if use_graphs:
+            self.capture()
+
+    def run_eager(self, rows: int) -> None:
+        songs = rows // 2
+        frame = talker_frame(self.lm, self.depth, self.hidden[:rows], self.seeds[:songs], self.frames[:songs])
+        self.codes[:songs] = frame.codes
+        self.ended[:songs] = frame.ended
+        self.mixed[:songs] = self.mix(frame.conditioning)
+        positions = self.positions[:rows]
+        backend = self.slots.decode(rows, self.positions)
+        self.hidden[:rows] = self.lm(frame.feedback[:, None], positions[:, None], backend)[:, 0]
+        self.positions[:rows] = torch.where(positions >= self.slots.scratch, positions, positions + 1)
+        self.frames[:songs] += 1
+
+    def graph_size(self, rows: int) -> int | None:
+        return next((size for size in self.capture_sizes if size >= rows), None)
+
+    def __call__(self, rows: int) -> None:
+        """Advance rows [0, rows) by one frame (rows past the active ones must sit at the scratch position)."""
+        size = self.graph_size(rows) if self.graphs else None
+        if size is None:
+            self.run_eager(rows)
+        else:
+            self.graphs[size].replay()
+
+    def capture(self) -> None:
+        """Record one graph per capture size; buffers are left as they were (all rows idle)."""
+        saved = [t.clone() for t in (self.hidden, self.positions, self.seeds, self.frames)]
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for size in self.capture_sizes:  # warm-up: kernel selection, Triton compilation
+                self.run_eager(size)
+        torch.cuda.current_stream().wait_stream(side)
+        for size in reversed(self.capture_sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.run_eager(size)
+            self.graphs[size] = graph
+        for buffer, value in zip((self.hidden, self.positions, self.seeds, self.frames), saved):
+            buffer.copy_(value)
