@@ -1,0 +1,160 @@
+"""The talker engine on the CPU: batch invariance, offline equality, stops, chunked prefill, cancel, windows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from music3serve import contract
+from music3serve.acoustic.windows import song_windows
+from music3serve.checkpoint import load_models
+from music3serve.errors import InputError
+from music3serve.pipeline import Pipeline
+from music3serve.prompt import encode_prompt
+from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
+
+# (caption, lyrics, frames, seed): prompts of different lengths.
+SONGS = [
+    ("dreamy synth-pop", "[verse]\nneon skies", 230, 11),
+    ("acoustic folk ballad with a long description of guitars and harmonica", "[verse]\nroad\n[chorus]\nhome", 41, 12),
+    ("drum and bass", "[intro]\n[verse]\nfast fast fast fast", 67, 13),
+    ("jazz trio", "[verse]\nblue\nnotes", 25, 14),
+    ("metal", "[verse]\nloud", 33, 15),
+    ("ambient drone", "[verse]\nslow breath " * 5, 48, 16),
+    ("k-pop", "[chorus]\nhey", 29, 17),
+    ("lofi hip hop beats to study to", "[verse]\nrain", 52, 18),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir: Path):
+    return load_models(tiny_dir, talker_dtype=torch.float32)
+
+
+def prompt(models, index: int) -> tuple[list[int], list[int]]:
+    caption, lyrics, _, _ = SONGS[index]
+    return encode_prompt(models.tokenizer, caption, lyrics)
+
+
+def run(models, plan: dict[int, int], config: TalkerConfig | None = None, cancel: dict[int, int] | None = None):
+    """Run songs (index -> step at which it arrives) to completion; returns finished, windows, failures."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, config or TalkerConfig())
+    finished, windows, failed = {}, {}, {}
+    step = 0
+    while step <= max(plan.values()) or talker.busy:
+        for index, arrival in plan.items():
+            if arrival == step:
+                _, _, frames, seed = SONGS[index]
+                talker.submit(str(index), *prompt(models, index), seed, frames)
+        for index, at in (cancel or {}).items():
+            if at == step:
+                assert talker.cancel(str(index))
+        for event in talker.step():
+            if isinstance(event, WindowReady):
+                windows.setdefault(int(event.song), []).append(event)
+            elif isinstance(event, SongFinished):
+                finished[int(event.song)] = event
+            else:
+                failed[int(event.song)] = event
+        step += 1
+    return finished, windows, failed
+
+
+def mixed_song(windows: list[WindowReady]) -> torch.Tensor:
+    """The song's mixed conditioning reassembled from its windows."""
+    frames = windows[-1].window.start + windows[-1].window.frames
+    out = torch.full((frames, windows[0].mixed.shape[1]), float("nan"))
+    for w in windows:
+        out[w.window.start : w.window.start + w.window.frames] = w.mixed
+    return out
+
+
+@pytest.fixture(scope="module")
+def solo(models):
+    """Song 0 alone."""
+    finished, windows, _ = run(models, {0: 0})
+    return finished[0], mixed_song(windows[0])
+
+
+@pytest.mark.parametrize("others", [1, 3, 7])
+def test_song_is_the_same_beside_other_songs(models, solo, others):
+    plan = {0: 2} | {i: (i * 5) % 9 for i in range(1, others + 1)}
+    finished, windows, failed = run(models, plan, TalkerConfig(max_num_seqs=16, max_num_batched_tokens=64))
+    assert not failed and set(finished) == set(plan)
+    assert torch.equal(finished[0].codes, solo[0].codes)
+    torch.testing.assert_close(mixed_song(windows[0]), solo[1], rtol=1e-5, atol=1e-6)
+
+
+def test_engine_equals_offline_pipeline(models, solo):
+    pipe = Pipeline(models)
+    _, _, frames, seed = SONGS[0]
+    codes, conditioning, ended_by = pipe.talk(*prompt(models, 0), frames, seed)
+    assert ended_by == solo[0].ended_by == "budget" and solo[0].frames == frames
+    assert torch.equal(solo[0].codes, codes)
+    torch.testing.assert_close(solo[1], models.condition_encoder.mix(conditioning), rtol=1e-5, atol=1e-6)
+
+
+def test_windows_follow_the_contract(models, solo):
+    _, windows, _ = run(models, {0: 0})
+    assert [w.window for w in windows[0]] == song_windows(solo[0].frames)
+
+
+def test_chunked_prefill_equals_prefill_at_once(models, solo):
+    tokens = len(prompt(models, 0)[0])
+    finished, windows, _ = run(models, {0: 0}, TalkerConfig(max_num_batched_tokens=2 * (tokens // 3) + 2))
+    assert torch.equal(finished[0].codes, solo[0].codes)
+    torch.testing.assert_close(mixed_song(windows[0]), solo[1], rtol=1e-5, atol=1e-6)
+
+
+def test_songs_queue_when_rows_are_full_and_pairs_stay_packed(models, solo):
+    # Two pairs for four songs: later songs wait for rows, and song 0 arrives while another is mid-prefill.
+    finished, _, failed = run(models, {1: 0, 3: 0, 0: 1, 2: 1}, TalkerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    assert not failed and set(finished) == {0, 1, 2, 3}
+    assert torch.equal(finished[0].codes, solo[0].codes)
+
+
+def test_cancel_frees_rows_and_leaves_others_alone(models, solo):
+    finished, _, _ = run(models, {3: 0, 0: 0, 5: 1}, TalkerConfig(max_num_seqs=6), cancel={3: 10})
+    assert 3 not in finished and {0, 5} <= set(finished)
+    assert torch.equal(finished[0].codes, solo[0].codes)
+
+
+def test_budget_is_capped_by_the_context(models):
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_model_len=64))
+    cond, uncond = prompt(models, 0)
+    assert talker.submit("a", cond, uncond, 1, 9000) == 64 - len(cond)
+    with pytest.raises(InputError, match="already in use"):
+        talker.submit("a", cond, uncond, 1, 10)
+    with pytest.raises(InputError, match="max_model_len"):
+        talker.submit("b", cond * 40, uncond * 40, 1, 10)
+
+
+@pytest.fixture(scope="module")
+def ending_models(tiny_dir: Path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ending") / "checkpoint"
+    shutil.copytree(tiny_dir, root)
+    folder = root / "language_model"
+    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    tensors = load_file(folder / shard)
+    tensors["lm_head.weight"][contract.AUDIO_END] *= 3
+    save_file(tensors, folder / shard, metadata={"format": "pt"})
+    return load_models(root, talker_dtype=torch.float32)
+
+
+def test_audio_end_stops_a_song_like_the_offline_pipeline(ending_models):
+    finished, windows, failed = run(ending_models, {i: 0 for i in range(4)}, TalkerConfig(max_num_seqs=8))
+    pipe = Pipeline(ending_models)
+    ended = 0
+    for index in finished:
+        _, _, frames, seed = SONGS[index]
+        codes, _, ended_by = pipe.talk(*prompt(ending_models, index), frames, seed)
+        assert finished[index].ended_by == ended_by and torch.equal(finished[index].codes, codes)
+        assert [w.window for w in windows[index]] == song_windows(codes.shape[0])
+        ended += ended_by == "audio_end"
+    assert ended >= 1, "the boosted audio_end logit should end at least one song early"
+    assert all(isinstance(f, SongFailed) and "first frame" in f.message for f in failed.values())
