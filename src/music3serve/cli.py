@@ -26,7 +26,7 @@ GET_MODEL = (
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "music3serve"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "music3serve"
 
 
 def tiny_checkpoint() -> Path:
@@ -46,8 +46,13 @@ def tiny_checkpoint() -> Path:
 
 def hf_cache_snapshot() -> Path | None:
     """The newest snapshot of the checkpoint in the local Hugging Face cache, if any."""
-    hub = os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
-    snapshots = Path(hub) / f"models--{REPO_ID.replace('/', '--')}" / "snapshots"
+    # Where huggingface_hub puts it: HF_HUB_CACHE, its old name HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub,
+    # where HF_HOME defaults to $XDG_CACHE_HOME/huggingface (then ~/.cache/huggingface).
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    home = os.environ.get("HF_HOME") or Path(xdg) / "huggingface"
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or Path(home) / "hub"
+    hub = Path(os.path.expandvars(os.path.expanduser(str(hub))))
+    snapshots = hub / f"models--{REPO_ID.replace('/', '--')}" / "snapshots"
     found = [p for p in snapshots.glob("*") if (p / "modular_model_index.json").is_file()]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -78,7 +83,9 @@ def text_argument(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="music3serve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="write one song to a .wav or .flac file")
@@ -93,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
     gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES)
+
+    bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
+    bench.add_argument("stage", choices=["talker", "acoustic"])
+    bench.add_argument("--no-peers", action="store_true", help="skip the diffusers reference run")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
@@ -123,12 +134,26 @@ def run_generate(args: argparse.Namespace) -> None:
     )
 
 
+def run_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Music3Error("benchmarks need a CUDA device")
+    if args.stage == "talker":
+        from .bench.talker import run
+    else:
+        from .bench.acoustic import run
+    print(run(peers=not args.no_peers))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "bench":
+            run_bench(args)
         else:
             from .tiny import write_tiny_checkpoint
 

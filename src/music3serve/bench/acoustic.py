@@ -1,0 +1,69 @@
+"""`music3serve bench acoustic`: DiT call time for cond+uncond of 1/2/4/8 windows, per precision, and the vocoder."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import contract
+from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
+
+PEAK_TFLOPS = 791.0
+
+
+def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW_FRAMES)) -> float:
+    """Matmul FLOPs of one DiT call over cond + uncond of `windows` windows."""
+    c = FULL_CONFIGS["dit"]
+    width, ff, tokens = c["num_attention_heads"] * c["attention_head_dim"], c["ff_inner_dim"], length + 1
+    stem = 2 * c["in_channels"] + c["condition_dim"]
+    block = 2 * tokens * (4 * width * width + 3 * width * ff) + 4 * tokens * tokens * width
+    per_sequence = c["num_layers"] * block + 2 * length * (stem * stem + stem * width + width * c["in_channels"])
+    return 2 * windows * per_sequence
+
+
+@torch.inference_mode()
+def dit_rows(device: str, dtype: torch.dtype, batches) -> list[list]:
+    dit = random_module("dit", device, dtype)
+    length = contract.latent_length(contract.WINDOW_FRAMES)
+    rows = []
+    for windows in batches:
+        x = torch.randn(2 * windows, 128, length, device=device, dtype=dtype)
+        cond = torch.randn(2 * windows, length, 2048, device=device, dtype=dtype)
+        t = torch.full((2 * windows,), 0.5, device=device, dtype=dtype)
+        call = lambda: dit(x, t, cond)  # noqa: E731
+        eager, graph = time_ms(call), time_ms(graphed(call))
+        best = min(eager, graph)
+        rows.append([str(dtype).removeprefix("torch."), windows, eager, graph, dit_flops(windows) / best / 1e9,
+                     dit_flops(windows) / best / 1e9 / PEAK_TFLOPS])
+    del dit
+    torch.cuda.empty_cache()
+    return rows
+
+
+@torch.inference_mode()
+def vocoder_ms(device: str, dtype: torch.dtype) -> float:
+    vocoder = random_module("vocoder", device, dtype)
+    latents = torch.randn(1, 128, contract.latent_length(contract.WINDOW_FRAMES), device=device, dtype=dtype)
+    return time_ms(lambda: vocoder(latents))
+
+
+def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 is the reference
+    try:
+        rows = dit_rows(device, torch.float32, batches) + dit_rows(device, torch.bfloat16, batches)
+        vocoder = {str(d).removeprefix("torch."): vocoder_ms(device, d) for d in (torch.float32, torch.bfloat16)}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    headers = ["dtype", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"]
+    out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window",
+           "", table(headers, rows), "", "vocoder per 689-column window: " +
+           ", ".join(f"{k} {v:.2f} ms" for k, v in vocoder.items())]
+    if peers:
+        from .peers import diffusers_dit_ms
+
+        out.append(
+            f"diffusers 0.42.1 single-branch DiT call: bf16 {diffusers_dit_ms(device, torch.bfloat16):.2f} ms, "
+            f"float32 (TF32 off) {diffusers_dit_ms(device, torch.float32):.2f} ms, "
+            f"float32 with TF32 {diffusers_dit_ms(device, torch.float32, tf32=True):.2f} ms"
+        )
+    return "\n".join(out)

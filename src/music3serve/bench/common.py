@@ -1,0 +1,97 @@
+"""Full-size configurations of the released checkpoint, random-weight modules, and GPU timing."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import contract
+from ..checkpoint import COMPONENTS
+
+# The released checkpoint's config values (MODEL_CONTRACT.md); weights are random, costs are the same.
+FULL_CONFIGS: dict[str, dict[str, Any]] = {
+    "language_model": {
+        "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "vocab_size": contract.LM_VOCAB_SIZE, "max_position_embeddings": contract.MAX_CONTEXT,
+    },
+    "depth_decoder": {
+        "hidden_size": 4096, "num_layers": 4, "num_attention_heads": 16, "intermediate_size": 6144,
+        "audio_vocab_size": 1024, "num_codebooks": 8, "max_position_embeddings": 16,
+    },
+    "condition_encoder": {
+        "condition_hidden_dim": 4096, "num_condition_layers": 8, "out_dim": 2048, "input_sampling_rate": 24000,
+        "input_hop_length": 960, "output_sampling_rate": contract.SAMPLE_RATE, "output_hop_length": 512,
+    },
+    "dit": {
+        "in_channels": 128, "condition_dim": 2048, "num_layers": 36, "num_attention_heads": 32,
+        "attention_head_dim": 64, "ff_inner_dim": 8192, "rotary_dim": 32, "fourier_embedding_dim": 256,
+    },
+    "vocoder": {
+        "latent_channels": 128, "decoder_input_dim": 1024, "decoder_hidden_dim": 1536,
+        "upsampling_ratios": [8, 8, 4, 2], "sampling_rate": contract.SAMPLE_RATE,
+    },
+}
+
+
+@torch.no_grad()
+def random_module(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Our module for a component at full size, filled with random weights of realistic scale."""
+    component = COMPONENTS[name]
+    with torch.device("meta"):
+        module = component.model(component.config(FULL_CONFIGS[name]))
+    module = module.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for pname, param in module.named_parameters():
+        if "norm" in pname or pname.endswith(("alpha", "scale")):
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.zero_()
+        else:
+            fan_in = param[0].numel() if "embed" not in pname and "positions" not in pname else 50
+            param.normal_(0.0, fan_in**-0.5, generator=gen)
+    return module.eval().requires_grad_(False)
+
+
+def time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 20) -> float:
+    """Median milliseconds of fn() on the current CUDA stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
+    """fn captured as a CUDA graph (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table."""
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

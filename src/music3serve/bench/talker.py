@@ -1,0 +1,83 @@
+"""`music3serve bench talker`: ms per frame step for 1/2/4/8 songs on the full-size model (random weights)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import contract
+from ..talker.engine import Talker, TalkerConfig
+from ..talker.frame import sample_semantic, talker_frame
+from .common import graphed, param_bytes, random_module, table, time_ms
+
+COPY_BW = 4.29e12  # B/s, device copy measured on the H200
+
+
+def weight_floor_ms(lm, depth) -> float:
+    """Bytes one frame must read once: backbone layers + restricted head, depth decoder x 7 calls."""
+    backbone = param_bytes(lm) - lm.embed.weight.numel() * lm.embed.weight.element_size()
+    depth_call = param_bytes(depth) - depth.embed.weight.numel() * depth.embed.weight.element_size()
+    depth_call -= depth.heads.numel() * depth.heads.element_size() * 6 // 7  # one head per call
+    return (backbone + 7 * depth_call) / COPY_BW * 1e3
+
+
+def admit(talker: Talker, songs: int, prompt_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(songs)
+    for i in range(songs):
+        ids = torch.randint(0, 151643, (prompt_tokens,), generator=gen).tolist()
+        uncond = [ids[0]] + [contract.AUDIO_CFG] * (prompt_tokens - 3) + ids[-2:]
+        talker.submit(f"bench{i}", ids, uncond, seed=i, requested_frames=contract.MAX_FRAMES)
+    while talker.waiting:
+        talker.step()
+
+
+def split_ms(talker: Talker, rows: int) -> dict[str, float]:
+    """Graph-timed parts of one step: sampling, the depth loop (frame minus sampling), the backbone."""
+    step, lm, depth = talker.step_fn, talker.lm, talker.depth
+    songs = rows // 2
+    hidden, seeds, frames = step.hidden[:rows], step.seeds[:songs], step.frames[:songs]
+    positions = step.positions[:rows]
+    feedback = hidden.clone()
+    parts = {
+        "sampling": lambda: sample_semantic(lm, hidden, seeds, frames),
+        "frame": lambda: talker_frame(lm, depth, hidden, seeds, frames),
+        "backbone": lambda: lm(feedback[:, None], positions[:, None], talker.slots.decode(rows, positions)),
+    }
+    ms = {name: time_ms(graphed(fn)) for name, fn in parts.items()}
+    return {"backbone": ms["backbone"], "depth": ms["frame"] - ms["sampling"], "sampling": ms["sampling"]}
+
+
+@torch.inference_mode()
+def run(
+    device: str = "cuda", concurrency=(1, 2, 4, 8), prompt_tokens: int = 300, steps: int = 50, peers: bool = True
+) -> str:
+    lm = random_module("language_model", device, torch.bfloat16)
+    depth = random_module("depth_decoder", device, torch.bfloat16, seed=1)
+    encoder = random_module("condition_encoder", device, torch.float32, seed=2)
+    talker = Talker(lm, depth, encoder, TalkerConfig(max_num_seqs=16, capture_sizes=(2, 4, 8, 16)))
+    floor = weight_floor_ms(lm, depth)
+    rows_out = []
+    for songs in concurrency:
+        admit(talker, songs, prompt_tokens)
+        rows = 2 * songs
+        graph_ms = time_ms(lambda: talker.step_fn(rows), repeat=steps)
+        started = time.perf_counter()
+        for _ in range(steps):
+            talker.step()
+        engine_ms = (time.perf_counter() - started) / steps * 1e3
+        parts = split_ms(talker, rows)
+        rows_out.append([songs, graph_ms, engine_ms, parts["backbone"], parts["depth"], parts["sampling"],
+                         graph_ms / floor])
+        for song in list(talker.songs):
+            talker.cancel(song)
+    headers = ["songs", "step ms (graph)", "step ms (engine, with host)", "backbone ms", "depth loop ms",
+               "sampling ms", "x weight-read floor"]
+    out = f"weight-read floor for one frame: {floor:.2f} ms\n\n" + table(headers, rows_out)
+    del talker, lm, depth, encoder
+    torch.cuda.empty_cache()
+    if peers:
+        from .peers import diffusers_frame_ms
+
+        out += f"\n\ndiffusers 0.42.1, one song, bf16: {diffusers_frame_ms(device, prompt_tokens=prompt_tokens):.1f} ms per frame"
+    return out
