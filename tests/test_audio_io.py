@@ -1,0 +1,111 @@
+"""Audio files and sample-rate conversion: band-limited resampling, 16-bit PCM, .wav/.flac writing."""
+
+from __future__ import annotations
+
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from music3serve.errors import InputError
+from music3serve.serving.audio_io import resample, to_pcm16, write_audio
+
+SOURCE, TARGET = 44_100, 32_000
+EDGE = 64  # output samples skipped at each end (the filter reaches 32 source samples, ~23 output samples)
+
+
+def tone(freq: float, rate: int, samples: int, phase: float = 0.0) -> np.ndarray:
+    return np.sin(2 * np.pi * freq * np.arange(samples) / rate + phase)
+
+
+def out_len(n: int) -> int:
+    return -(-n * TARGET // SOURCE)  # ceil(n * 32000 / 44100), in integers
+
+
+def test_resample_keeps_a_1khz_sine():
+    n = SOURCE // 2
+    source = np.stack([tone(1000, SOURCE, n), 0.5 * tone(1000, SOURCE, n, phase=1.0)]).astype(np.float32)
+    out = resample(source, SOURCE, TARGET)
+    assert out.shape == (2, out_len(n)) and out.dtype == np.float32
+    expected = np.stack([tone(1000, TARGET, out.shape[-1]), 0.5 * tone(1000, TARGET, out.shape[-1], phase=1.0)])
+    error = np.abs(out - expected)[:, EDGE:-EDGE]
+    assert error.max() < 1e-3
+
+
+def test_resample_attenuates_a_20khz_tone():
+    # 20 kHz is above the 16 kHz Nyquist of the output; unfiltered it would alias to 12 kHz at full level.
+    n = SOURCE // 2
+    source = np.stack([tone(20_000, SOURCE, n)] * 2).astype(np.float32)
+    out = resample(source, SOURCE, TARGET)[:, EDGE:-EDGE]
+    level_db = 20 * np.log10(np.sqrt(np.mean(out**2)) / np.sqrt(np.mean(source**2)))
+    assert level_db < -60
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 440, 441, 442, 1000, 44_100, 44_101, 100_003])
+def test_resample_length(n: int):
+    out = resample(np.zeros((2, n), dtype=np.float32), SOURCE, TARGET)
+    assert out.shape == (2, out_len(n))
+
+
+def test_resample_long_input_crosses_blocks_seamlessly():
+    # More output samples than one processing block (1 << 15): the block seams must not show.
+    n = 3 * SOURCE
+    source = tone(440, SOURCE, n)[None].astype(np.float32)
+    out = resample(source, SOURCE, TARGET)
+    expected = tone(440, TARGET, out.shape[-1])[None]
+    assert out.shape[-1] > 1 << 15
+    assert np.abs(out - expected)[:, EDGE:-EDGE].max() < 1e-3
+
+
+def test_resample_identity_when_rates_are_equal():
+    source = np.random.default_rng(0).uniform(-1, 1, (2, 1001)).astype(np.float32)
+    for rate in (SOURCE, TARGET):
+        out = resample(source, rate, rate)
+        assert out.shape == source.shape
+        np.testing.assert_array_equal(out, source)
+
+
+def test_to_pcm16_clips_and_rounds():
+    left = [0.0, 0.5, 1.0, 1.5, -1.0, -2.0, 0.6 / 32767, -0.6 / 32767, 0.4 / 32767, 100.0 / 32767]
+    right = [1.0, -1.0, 0.25, -0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    pcm = to_pcm16(np.array([left, right], dtype=np.float32))
+    assert pcm.dtype == np.dtype("<i2")
+    assert pcm.shape == (10, 2)  # interleaved: [samples, channels]
+    assert pcm[:, 0].tolist() == [0, 16384, 32767, 32767, -32767, -32767, 1, -1, 0, 100]
+    assert pcm[:, 1].tolist() == [32767, -32767, 8192, -8192, 0, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["song.mp3", "song.ogg", "song", "song.wav.txt", "song.wave"])
+def test_write_audio_rejects_other_suffixes(tmp_path: Path, name: str):
+    with pytest.raises(InputError, match=r"\.wav or \.flac") as info:
+        write_audio(tmp_path / name, np.zeros((2, 10), dtype=np.float32), SOURCE)
+    assert name in str(info.value)
+    assert not (tmp_path / name).exists()
+
+
+def stereo_noise(samples: int) -> np.ndarray:
+    return np.random.default_rng(1).uniform(-1.2, 1.2, (2, samples)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["song.wav", "SONG.WAV"])
+def test_write_wav_round_trip(tmp_path: Path, name: str):
+    waveform = stereo_noise(1234)
+    path = write_audio(tmp_path / "sub" / "dir" / name, waveform, TARGET)
+    assert path == tmp_path / "sub" / "dir" / name
+    with wave.open(str(path), "rb") as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()) == (2, 2, TARGET, 1234)
+        data = np.frombuffer(f.readframes(1234), dtype="<i2").reshape(-1, 2)
+    np.testing.assert_array_equal(data, to_pcm16(waveform))
+
+
+def test_write_flac_round_trip(tmp_path: Path):
+    waveform = stereo_noise(1234)
+    path = write_audio(tmp_path / "song.flac", waveform, SOURCE)
+    info = soundfile.info(str(path))
+    assert (info.format, info.subtype, info.samplerate, info.channels) == ("FLAC", "PCM_16", SOURCE, 2)
+    assert info.frames == 1234
+    data, rate = soundfile.read(str(path), dtype="int16")
+    assert rate == SOURCE
+    np.testing.assert_array_equal(data, to_pcm16(waveform))

@@ -1,0 +1,287 @@
+"""The command line, run in-process through music3serve.cli.main."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from music3serve import cli
+from music3serve.acoustic.windows import song_samples
+from music3serve.checkpoint import load_models
+from music3serve.errors import Music3Error
+from music3serve.pipeline import Pipeline, Song
+
+FRAMES = 50  # 2 s at 25 frames/s; the tiny checkpoint runs these to the budget with seed 0
+SONG_SAMPLES = song_samples(FRAMES)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Caches under tmp_path, no model from the environment, and the root logger put back afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.delenv("MUSIC3_MODEL", raising=False)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def generate_args(
+    output: Path, *extra: str, caption: str = "synth pop, 120 bpm", lyrics: str = "[verse]\nla la"
+) -> list[str]:
+    return ["generate", "--caption", caption, "--lyrics", lyrics, "--duration", "2", "--steps", "2",
+            "--seed", "0", "--device", "cpu", "-o", str(output), *extra]
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = cli.main(argv)
+    return code, capsys.readouterr().err
+
+
+def read_wav(path: Path) -> tuple[int, int, int, int, np.ndarray]:
+    with wave.open(str(path), "rb") as f:
+        params = (f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes())
+        data = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").reshape(-1, params[0])
+    return (*params, data)
+
+
+# --- real generation on the tiny checkpoint ---------------------------------------------------------------
+
+
+def test_generate_wav_44k(tiny_dir: Path, tmp_path: Path, capsys):
+    out = tmp_path / "song.wav"
+    code, err = run_cli(generate_args(out, "--model", str(tiny_dir)), capsys)
+    assert code == 0, err
+    assert "ended_by=budget" in err and f"frames={FRAMES}" in err
+    channels, width, rate, frames, data = read_wav(out)
+    assert (channels, width, rate, frames) == (2, 2, 44_100, SONG_SAMPLES)
+    assert np.abs(data).max() > 0  # not silence
+    assert not np.array_equal(data[:, 0], data[:, 1])  # two real channels, not one copied
+
+
+def test_generate_wav_32k(tiny_dir: Path, tmp_path: Path, capsys):
+    out = tmp_path / "song.wav"
+    code, err = run_cli(generate_args(out, "--model", str(tiny_dir), "--sample-rate", "32000"), capsys)
+    assert code == 0, err
+    channels, width, rate, frames, data = read_wav(out)
+    assert (channels, width, rate) == (2, 2, 32_000)
+    assert frames == math.ceil(SONG_SAMPLES * 32_000 / 44_100)
+    assert np.abs(data).max() > 0
+
+
+def test_generate_flac(tiny_dir: Path, tmp_path: Path, capsys):
+    out = tmp_path / "nested" / "song.flac"
+    code, err = run_cli(generate_args(out, "--model", str(tiny_dir)), capsys)
+    assert code == 0, err
+    info = soundfile.info(str(out))
+    assert (info.format, info.subtype, info.samplerate, info.channels, info.frames) == (
+        "FLAC", "PCM_16", 44_100, 2, SONG_SAMPLES)
+
+
+def test_tiny_writes_the_cache_once_and_reuses_it(tmp_path: Path, capsys, monkeypatch):
+    target = tmp_path / "xdg" / "music3serve" / "tiny-v1"
+    assert not target.exists()
+    code, err = run_cli(generate_args(tmp_path / "first.wav", "--tiny"), capsys)
+    assert code == 0, err
+    assert (target / "modular_model_index.json").is_file()
+    assert [p.name for p in target.parent.iterdir()] == ["tiny-v1"]  # no staging folder left behind
+    assert read_wav(tmp_path / "first.wav")[3] == SONG_SAMPLES
+
+    # Second call: the cached checkpoint is used as it is, nothing is written again.
+    import music3serve.tiny
+
+    def no_writing(*args, **kwargs):
+        raise AssertionError("the tiny checkpoint was written again")
+
+    loaded = []
+
+    def fake_from_pretrained(root, device="cpu", **dtypes):
+        loaded.append(Path(root))
+        raise Music3Error("stop here")
+
+    monkeypatch.setattr(music3serve.tiny, "write_tiny_checkpoint", no_writing)
+    monkeypatch.setattr(Pipeline, "from_pretrained", staticmethod(fake_from_pretrained))
+    code, err = run_cli(generate_args(tmp_path / "second.wav", "--tiny"), capsys)
+    assert (code, loaded) == (2, [target])
+    assert "error: stop here" in err
+
+
+def test_make_tiny_writes_a_loadable_checkpoint(tmp_path: Path, capsys):
+    target = tmp_path / "made" / "tiny"
+    assert cli.main(["make-tiny", str(target)]) == 0
+    assert str(target) in capsys.readouterr().out
+    models = load_models(target, device="cpu")
+    assert models.tokenizer is not None and models.vocoder is not None
+
+
+# --- argument handling (Pipeline stubbed where the model does not matter) ---------------------------------
+
+
+class Recorder:
+    """Stands in for Pipeline: records what generate was asked and returns a short stereo song."""
+
+    calls: list[dict] = []
+
+    @classmethod
+    def from_pretrained(cls, root, device="cpu", **dtypes):
+        cls.calls.append({"root": Path(root), "device": device})
+        return cls()
+
+    def generate(self, caption, lyrics, duration, seed, steps=30, progress=False, trace=False):
+        self.calls.append({"caption": caption, "lyrics": lyrics, "duration": duration, "seed": seed, "steps": steps})
+        waveform = np.zeros((2, 4410), dtype=np.float32)
+        return Song(waveform=waveform, sample_rate=44_100, codes=torch.zeros(3, 8, dtype=torch.long),
+                    ended_by="budget", budget=3)
+
+
+@pytest.fixture()
+def recorder(monkeypatch: pytest.MonkeyPatch) -> type[Recorder]:
+    monkeypatch.setattr(Recorder, "calls", [])
+    monkeypatch.setattr("music3serve.pipeline.Pipeline", Recorder)
+    return Recorder
+
+
+def test_caption_and_lyrics_from_files(tmp_path: Path, capsys, recorder):
+    caption = "## Dream pop\n- **airy** vocals, déjà vu 🎧\n"
+    lyrics = "[Verse]\nfirst line\n\n[Chorus] second line\n"
+    (tmp_path / "caption.md").write_text(caption, encoding="utf-8")
+    (tmp_path / "lyrics.txt").write_text(lyrics, encoding="utf-8")
+    argv = ["generate", "--caption", f"@{tmp_path / 'caption.md'}", "--lyrics", f"@{tmp_path / 'lyrics.txt'}",
+            "--duration", "7.5", "--seed", "11", "--steps", "3", "--model", str(tmp_path / "model"),
+            "--device", "cpu", "-o", str(tmp_path / "out.wav")]
+    code, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert recorder.calls == [
+        {"root": tmp_path / "model", "device": "cpu"},
+        {"caption": caption, "lyrics": lyrics, "duration": 7.5, "seed": 11, "steps": 3},
+    ]
+    assert read_wav(tmp_path / "out.wav")[:4] == (2, 2, 44_100, 4410)
+
+
+def test_literal_caption_and_lyrics(tmp_path: Path, capsys, recorder):
+    code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", "m", caption="plain", lyrics="words"), capsys)
+    assert code == 0, err
+    assert recorder.calls[1] == {"caption": "plain", "lyrics": "words", "duration": 2.0, "seed": 0, "steps": 2}
+
+
+@pytest.mark.parametrize("flag", ["--caption", "--lyrics"])
+def test_missing_at_file_is_an_argparse_error(tmp_path: Path, capsys, recorder, flag):
+    missing = tmp_path / "nowhere" / "text.txt"
+    argv = generate_args(tmp_path / "out.wav", "--model", "m")
+    argv[argv.index(flag) + 1] = f"@{missing}"
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and f"cannot read {missing}" in err
+    assert recorder.calls == []
+
+
+def test_unsupported_output_suffix(tmp_path: Path, capsys, recorder):
+    code, err = run_cli(generate_args(tmp_path / "out.mp3", "--model", "m"), capsys)
+    assert code == 2
+    assert err.startswith("error: output file must end in .wav or .flac") and "out.mp3" in err
+    assert recorder.calls == []  # refused before any model is loaded
+    assert not (tmp_path / "out.mp3").exists()
+
+
+def test_bad_request_values_exit_2(tiny_dir: Path, tmp_path: Path, capsys):
+    # Validation errors from the pipeline come out as `error: ...`, exit 2 (the real pipeline, no frames run).
+    code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", str(tiny_dir), "--seed", "-1"), capsys)
+    assert code == 2
+    assert "error: seed must be an integer" in err
+    assert not (tmp_path / "out.wav").exists()
+
+
+def test_log_level_any_case(tmp_path: Path, capsys, recorder):
+    code, err = run_cli(["--log-level", "debug", *generate_args(tmp_path / "out.wav", "--model", "m")], capsys)
+    assert code == 0, err
+    assert logging.getLogger().level == logging.DEBUG
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--log-level", "loud", *generate_args(tmp_path / "out.wav", "--model", "m")])
+    assert info.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
+# --- model resolution --------------------------------------------------------------------------------------
+
+
+def test_no_model_anywhere_says_how_to_get_it(tmp_path: Path, capsys):
+    code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
+    assert code == 2
+    assert err.startswith("error: no MiniMax-Music3 checkpoint found")
+    assert "huggingface-cli download MiniMaxAI/MiniMax-Music3" in err
+    assert "--model DIR" in err and "MUSIC3_MODEL" in err and "--tiny" in err
+    assert not (tmp_path / "out.wav").exists()
+
+
+def test_music3_model_not_a_checkpoint(tmp_path: Path, capsys, monkeypatch):
+    folder = tmp_path / "not a checkpoint"
+    folder.mkdir()
+    (folder / "README.md").write_text("hello")
+    monkeypatch.setenv("MUSIC3_MODEL", str(folder))
+    code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
+    assert code == 2
+    assert f"error: missing file {folder / 'modular_model_index.json'}" in err  # CheckpointError, with the path
+
+    monkeypatch.setenv("MUSIC3_MODEL", str(tmp_path / "absent"))
+    code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
+    assert code == 2
+    assert f"error: model folder {tmp_path / 'absent'} does not exist" in err
+
+
+def fake_snapshot(hub: Path, name: str) -> Path:
+    snapshot = hub / "models--MiniMaxAI--MiniMax-Music3" / "snapshots" / name
+    snapshot.mkdir(parents=True)
+    (snapshot / "modular_model_index.json").write_text("{}")
+    return snapshot
+
+
+def test_model_resolution_order(tmp_path: Path, monkeypatch):
+    snapshot = fake_snapshot(tmp_path / "hf" / "hub", "abc123")
+    fake_snapshot(tmp_path / "hf" / "hub", "old").parent.joinpath("incomplete").mkdir()  # no index: skipped
+    os.utime(snapshot.parent / "old", (1, 1))
+    assert cli.resolve_model(None, False) == snapshot
+    monkeypatch.setenv("MUSIC3_MODEL", str(tmp_path / "env"))
+    assert cli.resolve_model(None, False) == tmp_path / "env"
+    assert cli.resolve_model(str(tmp_path / "flag"), False) == tmp_path / "flag"
+
+
+@pytest.mark.parametrize("layout", ["hf_hub_cache", "hf_home", "tilde", "xdg", "legacy"])
+def test_hf_cache_found_where_huggingface_hub_puts_it(tmp_path: Path, monkeypatch, layout):
+    if layout != "hf_hub_cache":
+        monkeypatch.delenv("HF_HUB_CACHE")
+    if layout in ("hf_hub_cache", "hf_home"):  # $HF_HUB_CACHE, or $HF_HOME/hub (the same folder here)
+        hub = tmp_path / "hf" / "hub"
+    elif layout == "tilde":  # HF_HOME=~/... as huggingface_hub expands it
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("HF_HOME", "~/hf")
+        hub = tmp_path / "home" / "hf" / "hub"
+    elif layout == "xdg":  # no HF_HOME: $XDG_CACHE_HOME/huggingface/hub
+        monkeypatch.delenv("HF_HOME")
+        hub = tmp_path / "xdg" / "huggingface" / "hub"
+    else:  # the older name of HF_HUB_CACHE
+        hub = tmp_path / "legacy-hub"
+        monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(hub))
+    snapshot = fake_snapshot(hub, "abc123")
+    assert cli.hf_cache_snapshot() == snapshot
+
+
+def test_empty_xdg_cache_home_means_the_default(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert cli.cache_root() == tmp_path / "home" / ".cache" / "music3serve"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cli.cache_root() == tmp_path / "xdg" / "music3serve"
