@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_writable(path: Path) -> None:
+    """Fail before any model work if the output file could not be written."""
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise Music3Error(f"cannot write {path}: no write permission")
+
+
 def run_generate(args: argparse.Namespace) -> None:
     import torch
 
@@ -118,6 +127,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     if not args.output.lower().endswith((".wav", ".flac")):
         raise Music3Error(f"output file must end in .wav or .flac, got {args.output!r}")
+    check_writable(Path(args.output))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
@@ -159,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
             write_tiny_checkpoint(Path(args.directory), seed=args.seed)
             print(f"wrote a tiny random MiniMax-Music3 checkpoint to {args.directory}")
-    except Music3Error as exc:
+    except (Music3Error, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
