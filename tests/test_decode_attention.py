@@ -1,0 +1,193 @@
+"""Decode attention over filled KV rows: the torch reference against a naive SDPA loop (CPU), and the Triton
+kernel against the reference on a GPU (lengths 1..10240, mixed batches, garbage past the length, graph replay)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from music3serve.kernels import decode_attention, decode_attention_reference, triton_available
+from music3serve.kernels.decode_attention import _decode_attention_triton
+
+# Qwen3-8B talker attention: 32 query heads over 8 KV heads (GQA group 4), head_dim 128.
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+gpu = pytest.mark.gpu
+# tests/conftest.py skips `gpu` tests without CUDA; this also covers running with --noconftest.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _layered_cache(layers, rows, kv_heads, capacity, head_dim, *, dtype, device, generator):
+    """K and V as the engine holds them: [layers, rows, kv_heads, capacity, head_dim]."""
+    shape = (layers, rows, kv_heads, capacity, head_dim)
+    k = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+    return k, v
+
+
+def _naive(q, k_cache, v_cache, lengths, scale=None):
+    """One row at a time: SDPA over cache[:length], K/V heads repeated for GQA, all in fp32."""
+    rows, q_heads, _ = q.shape
+    group = q_heads // k_cache.shape[1]
+    outs = []
+    for r in range(rows):
+        n = int(lengths[r])
+        k = k_cache[r, :, :n].float().repeat_interleave(group, dim=0)  # [q_heads, n, D]
+        v = v_cache[r, :, :n].float().repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q[r].float()[:, None, :], k, v, scale=scale)  # [q_heads, 1, D]
+        outs.append(o[:, 0])
+    return torch.stack(outs)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+# ----------------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(Q_HEADS, KV_HEADS, HEAD_DIM), (8, 2, 32), (4, 4, 16)])
+def test_reference_matches_naive_sdpa_loop(q_heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(0)
+    rows, capacity = 5, 67
+    k_all, v_all = _layered_cache(3, rows, kv_heads, capacity, head_dim, dtype=torch.float32, device="cpu", generator=g)
+    k, v = k_all[1], v_all[1]  # a per-layer view: rows carry a stride
+    q = torch.randn(rows, q_heads, head_dim, generator=g)
+    lengths = torch.tensor([1, 2, 17, 66, 67], dtype=torch.int32)
+    ref = decode_attention_reference(q, k, v, lengths)
+    torch.testing.assert_close(ref, _naive(q, k, v, lengths), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        decode_attention_reference(q, k, v, lengths.long(), scale=0.3), _naive(q, k, v, lengths, scale=0.3),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    # The CPU dispatch is the reference.
+    torch.testing.assert_close(decode_attention(q, k, v, lengths), ref, rtol=0, atol=0)
+
+
+def test_reference_ignores_garbage_past_length_and_keeps_dtype():
+    g = torch.Generator().manual_seed(1)
+    rows, capacity = 4, 40
+    k_all, v_all = _layered_cache(2, rows, KV_HEADS, capacity, HEAD_DIM, dtype=torch.bfloat16, device="cpu", generator=g)
+    k, v = k_all[0], v_all[0]
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    lengths = torch.tensor([3, 40, 1, 25], dtype=torch.int64)
+    clean = decode_attention_reference(q, k, v, lengths)
+    assert clean.dtype == torch.bfloat16 and clean.shape == q.shape
+    for r, n in enumerate(lengths.tolist()):
+        k[r, :, n:] = float("nan")
+        v[r, :, n:] = float("inf")
+    dirty = decode_attention_reference(q, k, v, lengths)
+    assert torch.equal(clean, dirty)
+    torch.testing.assert_close(clean.float(), _naive(q, k, v, lengths), rtol=2e-2, atol=2e-2)
+
+
+def test_reference_zero_length_row_gives_zeros():
+    q = torch.randn(2, 8, 32)
+    k = torch.randn(2, 2, 10, 32)
+    v = torch.randn(2, 2, 10, 32)
+    out = decode_attention_reference(q, k, v, torch.tensor([0, 4]))
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1:], _naive(q[1:], k[1:], v[1:], torch.tensor([4])), rtol=1e-5, atol=1e-5)
+
+
+def test_module_imports_and_shape_errors():
+    with pytest.raises(ValueError):
+        decode_attention_reference(torch.randn(2, 6, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16),
+                                   torch.tensor([1, 1]))  # fmt: skip
+    with pytest.raises(ValueError):
+        decode_attention_reference(torch.randn(2, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16),
+                                   torch.tensor([1.0, 1.0]))  # fmt: skip
+    assert isinstance(triton_available(), bool)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+
+_LENGTHS = [1, 2, 15, 16, 17, 127, 128, 1000, 4095, 4096, 5000, 10239, 10240]
+_CAPACITY = 10240
+
+
+def _gpu_setup(rows, capacity=_CAPACITY, layers=2, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k_all, v_all = _layered_cache(layers, rows, KV_HEADS, capacity, HEAD_DIM, dtype=torch.bfloat16, device="cuda",
+                                  generator=g)  # fmt: skip
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
+    return q, k_all[layers - 1], v_all[layers - 1]
+
+
+def _oracle(q, k, v, lengths):
+    """The reference in fp32 on the bf16 inputs (no output rounding)."""
+    return decode_attention_reference(q.float(), k, v, lengths)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+@pytest.mark.parametrize("length", _LENGTHS)
+def test_triton_matches_reference_per_length(length):
+    rows = 2
+    q, k, v = _gpu_setup(rows, seed=length)
+    lengths = torch.full((rows,), length, dtype=torch.int32, device="cuda")
+    lengths[1] = max(1, length // 2)
+    out = decode_attention(q, k, v, lengths)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    err = _rel_err(out, _oracle(q, k, v, lengths))
+    print(f"length {length}: rel err {err:.2e}")
+    assert err < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_triton_mixed_lengths_garbage_and_explicit_splits():
+    rows = 16
+    q, k, v = _gpu_setup(rows, layers=3, seed=123)
+    lengths = torch.tensor(_LENGTHS + [3, 64, 9000], dtype=torch.int32, device="cuda")
+    assert lengths.numel() == rows
+    ref = _oracle(q, k, v, lengths)
+    out = decode_attention(q, k, v, lengths)
+    err = _rel_err(out, ref)
+    print(f"mixed 16 rows: rel err {err:.2e}")
+    assert err < 1e-2
+    # int64 lengths and a custom scale
+    out64 = decode_attention(q, k, v, lengths.long(), scale=0.05)
+    assert _rel_err(out64, decode_attention_reference(q.float(), k, v, lengths, scale=0.05)) < 1e-2
+    # other split counts and block sizes give the same answer
+    for splits, block_n in [(1, 64), (3, 32), (64, 64), (160, 128)]:
+        o = _decode_attention_triton(q, k, v, lengths, num_splits=splits, block_n=block_n)
+        assert _rel_err(o, ref) < 1e-2, (splits, block_n)
+    # garbage past each length changes nothing, bit for bit
+    for r, n in enumerate(lengths.tolist()):
+        k[r, :, n:] = float("nan")
+        v[r, :, n : n + 7] = float("inf")
+        v[r, :, n + 7 :] = 3e38
+    assert torch.equal(decode_attention(q, k, v, lengths), out)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_triton_cuda_graph_replay_with_new_lengths():
+    rows = 16
+    q, k, v = _gpu_setup(rows, seed=7)
+    static_q = q.clone()
+    static_lengths = torch.randint(1, 200, (rows,), dtype=torch.int32, device="cuda")
+    decode_attention(static_q, k, v, static_lengths)  # compile outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(static_q, k, v, static_lengths)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode_attention(static_q, k, v, static_lengths)
+    g = torch.Generator(device="cuda").manual_seed(99)
+    for new_lengths in ([_CAPACITY] * rows, [1] * rows, torch.randint(1, _CAPACITY + 1, (rows,)).tolist()):
+        static_lengths.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        static_q.copy_(torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = decode_attention(static_q, k, v, static_lengths)
+        assert torch.equal(static_out, eager)
+        assert _rel_err(static_out, _oracle(static_q, k, v, static_lengths)) < 1e-2
