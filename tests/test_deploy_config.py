@@ -1,0 +1,314 @@
+"""The deploy YAML: the seed file as written, our default, defaults for missing keys, and one refusal per rule."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from music3serve import contract
+from music3serve.errors import Music3Error
+from music3serve.serving.deploy_config import (
+    CompilationConfig,
+    ConfigError,
+    DeployConfig,
+    SharedMemoryExtra,
+    Stage0Config,
+    Stage0Sampling,
+    Stage1Config,
+    Stage1Sampling,
+    load_deploy_config,
+    parse_deploy_config,
+)
+from music3serve.talker.engine import TalkerConfig
+
+SEED = Path(__file__).parents[2] / "shared" / "seeds" / "minimax_music3.yaml"
+SOURCE = "deploy.yaml"
+DELETE = object()
+
+
+def default_dict() -> dict:
+    text = resources.files("music3serve.serving").joinpath("default_deploy.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+BASE = default_dict()
+
+
+def mutated(*changes: tuple[tuple, Any]) -> dict:
+    data = copy.deepcopy(BASE)
+    for path, value in changes:
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        if value is DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return data
+
+
+def path_text(path: tuple) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
+
+
+# The seed, as written.
+def test_seed_loads_as_written():
+    cfg = load_deploy_config(SEED)
+    s0, s1 = cfg.stages
+    assert (cfg.pipeline, cfg.async_chunk, cfg.trust_remote_code) == ("minimax_music3", True, True)
+    assert list(cfg.connectors) == ["connector_of_shared_memory"]
+    extra = cfg.connector.extra
+    assert cfg.connector.name == "SharedMemoryConnector"
+    assert (extra.codec_streaming, extra.shm_threshold_bytes, extra.connector_get_sleep_s) == (True, 65536, 0.01)
+    assert (extra.connector_get_max_wait_first_chunk_ms, extra.connector_get_max_wait_ms) == (30000, 10000)
+    assert extra.as_extra() == yaml.safe_load(SEED.read_text())["connectors"]["connector_of_shared_memory"]["extra"]
+    assert (s0.stage_id, s0.max_num_seqs, s0.gpu_memory_utilization, s0.dtype) == (0, 16, 0.6, "bfloat16")
+    assert (s0.max_model_len, s0.max_num_batched_tokens, s0.enforce_eager) == (10240, 10240, False)
+    c = s0.compilation_config
+    assert (c.mode, c.cudagraph_capture_sizes, c.cudagraph_mode) == (0, (1, 2, 4, 8, 16), "FULL_DECODE_ONLY")
+    assert (c.cudagraph_num_of_warmups, c.custom_ops) == (1, ("all",))
+    assert (s0.async_scheduling, s0.enable_prefix_caching, s0.devices) == (False, False, (0,))
+    assert s0.output_connectors == {"to_stage_1": "connector_of_shared_memory"}
+    p = s0.default_sampling_params
+    assert (p.temperature, p.max_tokens, p.seed) == (1.0, 9002, None)
+    assert (p.extra_args.cfg_role, p.extra_args.cfg_scale) == ("cond", contract.AR_CFG_SCALE)
+    assert (s1.stage_id, s1.max_num_seqs, s1.gpu_memory_utilization, s1.dtype, s1.enforce_eager) == (
+        1, 8, 0.2, "float32", True)
+    assert (s1.max_model_len, s1.max_num_batched_tokens, s1.render_batch, s1.graphs) == (4096, 4096, 8, False)
+    assert (s1.async_scheduling, s1.enable_prefix_caching, s1.devices) == (False, False, (0,))
+    assert s1.input_connectors == {"from_stage_0": "connector_of_shared_memory"}
+    q = s1.default_sampling_params
+    assert (q.temperature, q.max_tokens, q.seed) == (0.0, 4096, 0)
+    assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 4, 8)  # not in the seed: derived default
+
+
+def test_seed_maps_to_the_talker_config():
+    talker = load_deploy_config(SEED).talker_config()
+    assert talker == TalkerConfig(
+        max_num_seqs=16, max_model_len=10240, max_num_batched_tokens=10240, capture_sizes=(2, 4, 8, 16),
+        enforce_eager=False, gpu_memory_utilization=0.6,
+    )
+
+
+# Our default and the defaults of missing keys.
+def test_default_file_ships_with_the_package_and_loads():
+    assert resources.files("music3serve.serving").joinpath("default_deploy.yaml").is_file()
+    cfg = load_deploy_config(None)
+    assert "default_deploy.yaml" in cfg.source
+    assert cfg.stages[1].dtype == "float32" and cfg.stages[1].enforce_eager is False
+    assert cfg.talker_config() == TalkerConfig()
+
+
+def test_default_file_is_the_complete_set_of_defaults():
+    assert load_deploy_config(None) == parse_deploy_config({}, SOURCE) == DeployConfig()
+    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
+    s0, s1 = BASE["stages"]
+    assert BASE.keys() == names(DeployConfig) - {"source"}
+    assert s0.keys() == names(Stage0Config) and s1.keys() == names(Stage1Config)
+    assert s0["compilation_config"].keys() == s1["compilation_config"].keys() == names(CompilationConfig)
+    assert s0["default_sampling_params"].keys() == names(Stage0Sampling)
+    assert s1["default_sampling_params"].keys() == names(Stage1Sampling)
+    extra = BASE["connectors"]["connector_of_shared_memory"]["extra"]
+    assert {k + "_ms" if "max_wait" in k else k for k in extra} == names(SharedMemoryExtra)
+
+
+def test_missing_keys_take_defaults_and_stage_order_is_free():
+    stages = [{"stage_id": 1, "max_num_seqs": 3}, {"stage_id": 0, "max_num_seqs": 6}]
+    cfg = parse_deploy_config({"stages": stages}, SOURCE)
+    s0, s1 = cfg.stages
+    assert (s0.stage_id, s0.max_num_seqs, s0.compilation_config.cudagraph_capture_sizes) == (0, 6, (2, 4, 6))
+    assert (s1.stage_id, s1.max_num_seqs, s1.max_num_batched_tokens, s1.render_batch) == (1, 3, 3, 3)
+    assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 3)
+    assert s0.default_sampling_params.max_tokens == contract.MAX_FRAMES + 1
+
+
+def test_talker_config_mapping():
+    cfg = parse_deploy_config(mutated(
+        (("stages", 0, "max_num_seqs"), 12),
+        (("stages", 0, "compilation_config", "cudagraph_capture_sizes"), [12, 3, 1, 4]),
+        (("stages", 0, "max_model_len"), 4096), (("stages", 0, "max_num_batched_tokens"), 513),
+        (("stages", 0, "gpu_memory_utilization"), 0.5),
+    ), SOURCE)
+    assert cfg.talker_config() == TalkerConfig(12, 4096, 513, (4, 12), False, 0.5)
+    eager = parse_deploy_config(mutated((("stages", 0, "enforce_eager"), True)), SOURCE)
+    assert eager.talker_config().enforce_eager is True
+    no_graphs = parse_deploy_config(mutated((("stages", 0, "compilation_config", "cudagraph_mode"), "NONE")), SOURCE)
+    assert no_graphs.talker_config().enforce_eager is True
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        [(("stages", 0, "devices"), 0), (("stages", 1, "devices"), "  0 ")],  # int shorthand, spaces
+        [(("stages", 0, "gpu_memory_utilization"), 1), (("stages", 1, "gpu_memory_utilization"), 1.0),
+         (("stages", 1, "devices"), "1")],  # full cards: different GPUs
+        [(("stages", 0, "gpu_memory_utilization"), 0.7), (("stages", 1, "gpu_memory_utilization"), 0.3)],
+        [(("stages", 0, "enforce_eager"), True), (("stages", 0, "compilation_config", "cudagraph_capture_sizes"), [1])],
+        [(("stages", 0, "compilation_config", "cudagraph_capture_sizes"), []),
+         (("stages", 0, "compilation_config", "cudagraph_mode"), "NONE")],
+        [(("stages", 0, "compilation_config", "custom_ops"), [])],
+        [(("stages", 0, "dtype"), "float32"), (("stages", 1, "dtype"), "bfloat16")],
+        [(("stages", 0, "max_model_len"), 1000), (("stages", 1, "max_model_len"), 9),
+         (("stages", 1, "default_sampling_params", "max_tokens"), 9)],  # 999 frames: 9 windows
+        [(("stages", 0, "default_sampling_params", "seed"), 2**63 - 1),
+         (("stages", 1, "default_sampling_params", "seed"), None)],
+        [(("stages", 0, "default_sampling_params", "temperature"), 1),
+         (("stages", 1, "default_sampling_params", "temperature"), 0)],
+        [(("trust_remote_code",), True), (("async_chunk",), False),
+         (("connectors", "connector_of_shared_memory", "extra", "codec_streaming"), False)],
+        [(("connectors", "spare"), {"name": "SharedMemoryConnector"})],  # defined, unused
+    ],
+)
+def test_accepted_variants(changes):
+    parse_deploy_config(mutated(*changes), SOURCE)
+
+
+# Refusals: each names the file, the key path, the value and what is allowed.
+S0, S1 = ("stages", 0), ("stages", 1)
+C0, C1 = S0 + ("compilation_config",), S1 + ("compilation_config",)
+P0, P1 = S0 + ("default_sampling_params",), S1 + ("default_sampling_params",)
+EXTRA = ("connectors", "connector_of_shared_memory", "extra")
+INVALID: list[tuple[tuple, Any]] = [
+    (("pipeline",), "minimax_music2"), (("pipeline",), 3),
+    (("async_chunk",), 1), (("async_chunk",), "yes"), (("trust_remote_code",), "true"), (("trust_remote_code",), None),
+    (("connectors",), []), (("connectors",), {}), (("connectors", "connector_of_shared_memory"), "shm"),
+    (("connectors", "connector_of_shared_memory", "name"), "ZmqConnector"),
+    (("connectors", "connector_of_shared_memory", "extra"), None),
+    (EXTRA + ("codec_streaming",), 1), (EXTRA + ("shm_threshold_bytes",), -1), (EXTRA + ("shm_threshold_bytes",), True),
+    (EXTRA + ("shm_threshold_bytes",), 1.5), (EXTRA + ("connector_get_sleep_s",), 0),
+    (EXTRA + ("connector_get_sleep_s",), True), (EXTRA + ("connector_get_sleep_s",), "0.01"),
+    (EXTRA + ("connector_get_sleep_s",), 11), (EXTRA + ("connector_get_sleep_s",), float("nan")),
+    (EXTRA + ("connector_get_max_wait_first_chunk",), 0), (EXTRA + ("connector_get_max_wait_first_chunk",), 1.5),
+    (EXTRA + ("connector_get_max_wait_first_chunk",), True), (EXTRA + ("connector_get_max_wait",), 0),
+    (("stages",), {}), (("stages", 0), 5),
+    (S0 + ("stage_id",), 2), (S0 + ("stage_id",), True), (S0 + ("stage_id",), "0"), (S1 + ("stage_id",), 0),
+    (S0 + ("max_num_seqs",), 15), (S0 + ("max_num_seqs",), 0), (S0 + ("max_num_seqs",), True),
+    (S0 + ("max_num_seqs",), 16.0), (S1 + ("max_num_seqs",), 0), (S1 + ("max_num_seqs",), True),
+    (S0 + ("gpu_memory_utilization",), 0), (S0 + ("gpu_memory_utilization",), 1.5),
+    (S0 + ("gpu_memory_utilization",), True), (S0 + ("gpu_memory_utilization",), "0.6"),
+    (S1 + ("gpu_memory_utilization",), -0.1), (S1 + ("gpu_memory_utilization",), 0.41),  # 0.6 + 0.41 on GPU 0
+    (S0 + ("dtype",), "float16"), (S0 + ("dtype",), None), (S1 + ("dtype",), "int8"),
+    (S0 + ("max_model_len",), 10241), (S0 + ("max_model_len",), 0), (S0 + ("max_model_len",), True),
+    (S1 + ("max_model_len",), 88), (S1 + ("max_model_len",), "4096"),
+    (S0 + ("max_num_batched_tokens",), 1), (S0 + ("max_num_batched_tokens",), False),
+    (S1 + ("max_num_batched_tokens",), 0),
+    (S0 + ("enforce_eager",), "false"), (S1 + ("enforce_eager",), 0),
+    (C0, []), (C0 + ("mode",), 3), (C0 + ("mode",), False), (C0 + ("mode",), "0"), (C1 + ("mode",), 1),
+    (C0 + ("cudagraph_capture_sizes",), [0, 2]), (C0 + ("cudagraph_capture_sizes",), [2, 32]),
+    (C0 + ("cudagraph_capture_sizes",), [2, 2]), (C0 + ("cudagraph_capture_sizes",), "2,4"),
+    (C0 + ("cudagraph_capture_sizes",), [2, True]), (C0 + ("cudagraph_capture_sizes",), [1]),
+    (C0 + ("cudagraph_capture_sizes",), None), (C1 + ("cudagraph_capture_sizes",), [16]),
+    (C0 + ("cudagraph_mode",), "FULL"), (C0 + ("cudagraph_mode",), "PIECEWISE"),
+    (C0 + ("cudagraph_mode",), "full_decode_only"), (C1 + ("cudagraph_mode",), "FULL_AND_PIECEWISE"),
+    (C0 + ("cudagraph_num_of_warmups",), 0), (C0 + ("cudagraph_num_of_warmups",), 2),
+    (C0 + ("cudagraph_num_of_warmups",), True),
+    (C0 + ("custom_ops",), ["none"]), (C0 + ("custom_ops",), ["+rms_norm"]), (C0 + ("custom_ops",), "all"),
+    (S0 + ("async_scheduling",), True), (S1 + ("async_scheduling",), True), (S0 + ("async_scheduling",), "no"),
+    (S0 + ("enable_prefix_caching",), True), (S1 + ("enable_prefix_caching",), True),
+    (S0 + ("devices",), "0,1"), (S0 + ("devices",), "a"), (S0 + ("devices",), -1), (S0 + ("devices",), "-1"),
+    (S0 + ("devices",), True), (S0 + ("devices",), 1.5), (S0 + ("devices",), ""), (S1 + ("devices",), ["0"]),
+    (S0 + ("output_connectors",), "shm"), (S0 + ("output_connectors", "to_stage_1"), "nope"),
+    (S1 + ("input_connectors", "from_stage_0"), "nope"), (S1 + ("input_connectors", "from_stage_0"), None),
+    (P0, None), (P0 + ("temperature",), 0.7), (P0 + ("temperature",), True), (P0 + ("temperature",), "1.0"),
+    (P0 + ("max_tokens",), contract.MAX_FRAMES), (P0 + ("max_tokens",), True),
+    (P0 + ("seed",), -1), (P0 + ("seed",), 2**63), (P0 + ("seed",), True), (P0 + ("seed",), 1.5),
+    (P0 + ("extra_args", "cfg_role"), "uncond"), (P0 + ("extra_args", "cfg_scale"), 2.0),
+    (P0 + ("extra_args", "cfg_scale"), True), (P0 + ("extra_args",), "cond"),
+    (P1 + ("temperature",), 1.0), (P1 + ("max_tokens",), 88), (P1 + ("seed",), "0"),
+]
+UNKNOWN: list[tuple] = [
+    (), ("connectors", "connector_of_shared_memory"), EXTRA, S0, S1, C0, C1, P0, P1, P0 + ("extra_args",),
+    S0 + ("output_connectors",), S1 + ("input_connectors",),
+]
+
+
+@pytest.mark.parametrize("path, value", INVALID, ids=[f"{path_text(p)}={v!r}" for p, v in INVALID])
+def test_invalid_value(path, value):
+    with pytest.raises(ConfigError) as info:
+        parse_deploy_config(mutated((path, value)), SOURCE)
+    message = str(info.value)
+    assert message.startswith(f"{SOURCE}: {path_text(path)}: "), message
+    assert f"got {value!r}" in message and "allowed: " in message, message
+
+
+@pytest.mark.parametrize("where", UNKNOWN, ids=[path_text(p) or "<top>" for p in UNKNOWN])
+def test_unknown_key_at_every_level(where):
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        parse_deploy_config(mutated((where + ("foo",), 1)), SOURCE)
+    assert str(info.value).startswith(f"{SOURCE}: {path_text(where + ('foo',))}: "), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "changes, path, says",
+    [
+        ([(S0 + ("input_connectors",), {})], "stages[0].input_connectors", "only stage 1 has input_connectors"),
+        ([(S1 + ("output_connectors",), {})], "stages[1].output_connectors", "the last stage"),
+        ([(P1 + ("extra_args",), {})], "stages[1].default_sampling_params.extra_args", "only stage 0"),
+        ([(P0 + ("top_k",), 50)], "stages[0].default_sampling_params.top_k", "unknown key"),
+        ([(S0 + ("stage_id",), DELETE)], "stages[0].stage_id", "missing"),
+        ([(("stages",), [BASE["stages"][0]])], "stages", "stage_id 1 is missing"),
+        ([(("stages",), [])], "stages", "stage_id 0 is missing"),
+        ([(("stages",), BASE["stages"] + [{"stage_id": 1}])], "stages[2].stage_id", "exactly once"),
+        ([(("connectors", "other"), {}), (S1 + ("input_connectors", "from_stage_0"), "other")],
+         "stages[1].input_connectors.from_stage_0", "the connector stage 0 writes to (stages[0].output_connectors"),
+        ([(("connectors",), {"shm2": {}})], "stages[0].output_connectors.to_stage_1", "shm2"),
+        ([(S0 + ("max_model_len",), 1000), (S1 + ("max_model_len",), 8)], "stages[1].max_model_len", ">= 9"),
+        ([(S1 + ("max_num_batched_tokens",), 2), (C1 + ("cudagraph_capture_sizes",), [4])],
+         "stages[1].compilation_config.cudagraph_capture_sizes", "min(max_num_seqs, max_num_batched_tokens) = 2"),
+        ([(C0 + ("cudagraph_capture_sizes",), [1, 3])], "stages[0].compilation_config.cudagraph_capture_sizes",
+         "at least one even size"),
+        ([(C0 + ("cudagraph_mode",), "FULL")], "stages[0].compilation_config.cudagraph_mode", "refused: prefill"),
+        ([(C0 + ("mode",), 3)], "stages[0].compilation_config.mode", "refused: nothing is compiled"),
+        ([(S0 + ("async_scheduling",), True)], "stages[0].async_scheduling", "sampled"),
+        ([(EXTRA + ("connector_get_max_wait",), 5)], path_text(EXTRA + ("connector_get_sleep_s",)), "(0, 0.005]"),
+        ([(S1 + ("gpu_memory_utilization",), 0.5)], "stages[1].gpu_memory_utilization", "sum over the stages on GPU 0"),
+    ],
+)
+def test_cross_checks_and_hints(changes, path, says):
+    with pytest.raises(ConfigError) as info:
+        parse_deploy_config(mutated(*changes), SOURCE)
+    message = str(info.value)
+    assert message.startswith(f"{SOURCE}: {path}: ") and says in message, message
+
+
+# The file itself.
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("pipeline: [minimax_music3\n", "not valid YAML"),
+        ("stages:\n  - stage_id: 0\n   max_num_seqs: 4\n", "not valid YAML"),
+        ("pipeline: minimax_music3\npipeline: minimax_music3\n", "duplicate key 'pipeline'"),
+        ("stages:\n  - {stage_id: 0, stage_id: 1}\n", "duplicate key 'stage_id'"),
+        ("- stage_id: 0\n", "<top level>: got [{'stage_id': 0}]; allowed: a mapping"),
+        ("just text\n", "<top level>: got 'just text'"),
+        ("", "<top level>: got None"),
+        ("pipeline: !!python/object:os.system x\n", "not valid YAML"),
+    ],
+)
+def test_file_errors_name_the_file(tmp_path, text, says):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(path)
+    assert str(info.value).startswith(f"{path}: ") and says in str(info.value), str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the deploy config") as info:
+        load_deploy_config(tmp_path / "absent.yaml")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, Music3Error)
+    assert str(tmp_path / "absent.yaml") in str(info.value)
+
+
+def test_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    text = "stages:\n  - &s {stage_id: 0, max_num_seqs: 4}\n  - <<: *s\n    stage_id: 1\n    max_num_seqs: 2\n"
+    path.write_text(text)
+    cfg = load_deploy_config(path)
+    assert (cfg.stages[0].max_num_seqs, cfg.stages[1].max_num_seqs) == (4, 2)
