@@ -1,0 +1,383 @@
+"""Connectors: round trips in one process and across a spawned one, the shared-memory threshold, timeouts, and
+that no shared-memory segment outlives its use (read, close, normal exit, SIGTERM, SIGKILL + cleanup).
+
+Every wait is bounded: gets have timeouts, children are joined with timeouts and killed in teardown."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import music3serve
+from music3serve.errors import Music3Error
+from music3serve.serving.connectors import (
+    Connector,
+    ConnectorError,
+    ConnectorSettings,
+    ConnectorTimeout,
+    InProcessConnector,
+    Message,
+    SharedMemoryConnector,
+    make_connector,
+    timeouts,
+)
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segment bookkeeping is checked in /dev/shm")
+
+# The seed's connector_of_shared_memory.extra block, verbatim.
+SEED_EXTRA = {
+    "codec_streaming": True,
+    "shm_threshold_bytes": 65536,
+    "connector_get_sleep_s": 0.01,
+    "connector_get_max_wait_first_chunk": 30000,
+    "connector_get_max_wait": 10000,
+}
+# The same with small waits so that a test never sits for seconds.
+EXTRA = {**SEED_EXTRA, "connector_get_max_wait_first_chunk": 2000, "connector_get_max_wait": 200}
+THRESHOLD = SEED_EXTRA["shm_threshold_bytes"]
+CHILD_WAIT_S = 60.0  # a spawned child imports torch first; generous, but bounded
+SPAWN = mp.get_context("spawn")
+
+
+def payload(seed: int, large: bool) -> dict[str, torch.Tensor | np.ndarray]:
+    """Tensors of every kind the stages exchange, plus awkward ones (bf16, int64 extremes, NaN bits, 0-d,
+    empty, bool, non-contiguous, numpy)."""
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randn(200, 4096, generator=g) if large else torch.randn(4, 8, generator=g)
+    window.view(-1)[0] = float("nan")
+    window.view(-1).view(torch.int32)[1] = 0x7FC01234  # a NaN with a payload: must survive bit for bit
+    return {
+        "window": window,
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "ids": torch.tensor([-(2**63), 2**63 - 1, 0, 12345678901234], dtype=torch.int64),
+        "pcm": np.random.default_rng(seed).standard_normal((2, 33)).astype(np.float32),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 3),
+        "flags": torch.tensor([True, False, True]),
+        "strided": torch.arange(24, dtype=torch.int32).view(4, 6).t(),
+    }
+
+
+def raw(t: torch.Tensor | np.ndarray) -> bytes:
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).tobytes()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_same(got: Message, key: str, meta: dict, tensors: dict) -> None:
+    assert got.key == key
+    assert got.meta == meta
+    assert list(got.tensors) == list(tensors)
+    for name, want in tensors.items():
+        have = got.tensors[name]
+        assert type(have) is type(want), name
+        assert have.dtype == want.dtype, name
+        assert tuple(have.shape) == tuple(want.shape), name
+        assert raw(have) == raw(want), f"{name} differs"
+
+
+META = {"request_id": "r-1", "window": 3, "final": False, "scale": 1.5, "tags": ["a", None], "nested": {"x": [1]}}
+
+
+def test_settings_from_the_seed_block() -> None:
+    settings = ConnectorSettings.from_extra(SEED_EXTRA)
+    assert settings.shm_threshold_bytes == 65536 and settings.get_sleep_s == 0.01 and settings.codec_streaming
+    assert timeouts(SEED_EXTRA) == (30.0, 10.0)  # the YAML waits are milliseconds
+    assert timeouts(None) == (30.0, 10.0)
+    for bad in ({"connector_get_max_wait": 0}, {"connector_get_sleep_s": "fast"}, {"shm_threshold_bytes": -1}):
+        with pytest.raises(Music3Error, match=next(iter(bad))):
+            ConnectorSettings.from_extra(bad)
+    with pytest.raises(Music3Error, match="shm_treshold_bytes"):
+        ConnectorSettings.from_extra({"shm_treshold_bytes": 1})
+
+
+def test_make_connector() -> None:
+    conn = make_connector("SharedMemoryConnector", SEED_EXTRA, channels=("a",))
+    try:
+        assert isinstance(conn, SharedMemoryConnector) and isinstance(conn, Connector)
+        assert conn.settings.timeout_s == 10.0 and conn.prefix.startswith(f"m3s_{os.getpid()}_")
+    finally:
+        conn.close()
+    for kind in ("InProcessConnector", "MooncakeConnector", None):
+        with pytest.raises(Music3Error, match="allowed: SharedMemoryConnector"):
+            make_connector(kind, SEED_EXTRA)
+
+
+def test_in_process_round_trip_by_reference() -> None:
+    conn = InProcessConnector(EXTRA)
+    assert isinstance(conn, Connector)
+    tensors = payload(0, large=True)
+    conn.put("to_stage_1", ("song", META, tensors))
+    conn.put("to_stage_1", Message("song", {"window": 4}, {}))
+    got = conn.get("to_stage_1", 1.0)
+    assert got.key == "song" and got.meta == META
+    assert all(got.tensors[name] is tensors[name] for name in tensors)  # nothing copied
+    assert conn.get("to_stage_1", 1.0).meta == {"window": 4}  # FIFO
+    with pytest.raises(ConnectorError, match="JSON"):
+        conn.put("to_stage_1", ("song", {"bad": torch.zeros(1)}, {}))
+    conn.close()
+    with pytest.raises(ConnectorError, match="closed"):
+        conn.get("to_stage_1", 0)
+
+
+@pytest.mark.parametrize("kind", ["in_process", "shared_memory"])
+def test_get_times_out_after_the_configured_wait(kind: str) -> None:
+    conn = InProcessConnector(EXTRA) if kind == "in_process" else SharedMemoryConnector(EXTRA, channels=["pcm"])
+    try:
+        _, wait = timeouts(EXTRA)  # 200 ms
+        started = time.monotonic()
+        message = r"no message on channel 'pcm' after waiting \d+\.\d{3} s \(timeout 0\.2 s\)"
+        with pytest.raises(ConnectorTimeout, match=message):
+            conn.get("pcm", wait)
+        assert wait <= time.monotonic() - started < wait + 1.0
+        started = time.monotonic()
+        with pytest.raises(ConnectorTimeout):
+            conn.get("pcm", 0)
+        assert time.monotonic() - started < 0.5
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", ["in_process", "shared_memory"])
+def test_close_wakes_a_get_without_timeout(kind: str) -> None:
+    conn = InProcessConnector(EXTRA) if kind == "in_process" else SharedMemoryConnector(EXTRA, channels=["pcm"])
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            conn.get("pcm", None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    conn.close()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], ConnectorError) and "closed" in str(errors[0])
+
+
+def test_shared_memory_round_trip_in_one_process() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=("to_stage_1", "events"))
+    try:
+        small, large = payload(1, large=False), payload(2, large=True)
+        conn.put("events", ("song", META, small))
+        assert conn.segments() == []  # inline
+        conn.put("to_stage_1", ("song", META, large))
+        assert len(conn.segments(pid=os.getpid())) == 1  # one segment per message
+        assert_same(conn.get("events", 1.0), "song", META, small)
+        got = conn.get("to_stage_1", 1.0)
+        assert conn.segments() == []  # unlinked by the receiver
+        assert_same(got, "song", META, large)
+        got.tensors["window"].add_(1)  # the copy is the receiver's own memory
+        conn.put("events", ("done", {}, {}))
+        assert conn.get("events", 1.0) == Message("done", {}, {})
+        with pytest.raises(ConnectorError, match="unknown channel 'nope'"):
+            conn.put("nope", ("k", {}, {}))
+    finally:
+        conn.close()
+
+
+def test_threshold_boundary() -> None:
+    """At or above shm_threshold_bytes (summed over the message's tensors) travels in shared memory."""
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        cases = [
+            ({"x": torch.ones(THRESHOLD, dtype=torch.uint8)}, 1),
+            ({"x": torch.ones(THRESHOLD - 1, dtype=torch.uint8)}, 0),
+            ({"a": torch.ones(THRESHOLD // 8), "b": np.ones(THRESHOLD // 8, np.float32)}, 1),  # 2 x half
+            ({"a": torch.ones(THRESHOLD // 2 - 1, dtype=torch.uint8), "b": torch.ones(1, dtype=torch.uint8)}, 0),
+        ]
+        for tensors, segments in cases:
+            conn.put("c", ("k", {}, tensors))
+            assert len(conn.segments()) == segments, {n: t.shape for n, t in tensors.items()}
+            assert_same(conn.get("c", 1.0), "k", {}, tensors)
+            assert conn.segments() == []
+    finally:
+        conn.close()
+
+
+def test_close_unlinks_unread_segments() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    for i in range(3):
+        conn.put("c", (f"w{i}", {}, {"x": torch.zeros(200, 4096)}))
+    assert len(conn.segments()) == 3
+    conn.close()
+    assert conn.segments() == []
+    conn.close()  # idempotent
+    with pytest.raises(ConnectorError, match="closed"):
+        conn.put("c", ("k", {}, {}))
+
+
+# ---------------------------------------------------------------------------------------- across processes
+# Spawn targets live at module level so that the child can import them.
+
+
+def _echo_child(conn: SharedMemoryConnector) -> None:
+    while True:
+        msg = conn.get("down", CHILD_WAIT_S)
+        if msg.key == "stop":
+            break
+        conn.put("up", msg)
+    conn.close()
+
+
+def _flood_child(conn: SharedMemoryConnector, count: int, then: str) -> None:
+    """Put `count` large messages nobody reads, say so, then wait to be killed or return at once."""
+    for i in range(count):
+        conn.put("up", (f"w{i}", {"i": i}, {"x": torch.full((200, 4096), float(i))}))
+    conn.put("ready", (str(os.getpid()), {}, {}))
+    if then == "wait":
+        time.sleep(CHILD_WAIT_S)
+
+
+def _start(target, *args) -> mp.process.BaseProcess:
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _stop(proc: mp.process.BaseProcess) -> None:
+    proc.join(10.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10.0)
+
+
+@pytest.fixture(scope="module")
+def echo():
+    conn = SharedMemoryConnector(EXTRA, channels=("down", "up"))
+    proc = _start(_echo_child, conn)
+    try:
+        yield conn, proc
+    finally:
+        try:
+            conn.put("down", ("stop", {}, {}))
+        finally:
+            _stop(proc)
+            conn.close()
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["inline", "shared_memory"])
+def test_round_trip_across_a_spawned_process(echo, large: bool) -> None:
+    conn, proc = echo
+    tensors = payload(3, large)
+    conn.put("down", ("song", META, tensors))
+    got = conn.get("up", CHILD_WAIT_S)  # there and back: the child received it, then sent it itself
+    assert_same(got, "song", META, tensors)
+    assert conn.segments() == []  # both segments (there, back) unlinked by their readers
+    with pytest.raises(ConnectorError, match="already sent to another process"):
+        conn.open_channel("late")
+
+
+def test_sigkilled_child_segments_removed_by_cleanup() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=("up", "ready"))
+    proc = _start(_flood_child, conn, 3, "wait")
+    try:
+        assert conn.get("ready", CHILD_WAIT_S).key == str(proc.pid)
+        assert len(conn.segments(pid=proc.pid)) == 3
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10.0)
+        assert proc.exitcode == -signal.SIGKILL
+        assert len(conn.segments(pid=proc.pid)) == 3  # nobody could clean up in the child
+        assert conn.cleanup(pid=os.getpid()) == 0  # only the named process's segments
+        assert conn.cleanup(pid=proc.pid) == 3
+        assert conn.segments() == []
+        with pytest.raises(ConnectorError, match=r"message 'w0' on channel 'up' lost its shared-memory segment"):
+            conn.get("up", 1.0)  # what the dead worker queued reports itself, then the channel drains
+    finally:
+        _stop(proc)
+        conn.close()
+    assert conn.segments() == []
+
+
+def test_close_in_the_owner_removes_a_killed_childs_segments() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=("up", "ready"))
+    proc = _start(_flood_child, conn, 2, "wait")
+    try:
+        conn.get("ready", CHILD_WAIT_S)
+        proc.kill()
+        proc.join(10.0)
+        assert len(conn.segments()) == 2
+    finally:
+        _stop(proc)
+        conn.close()
+    assert conn.segments() == []
+
+
+def test_child_exit_and_sigterm_unlink_unread_segments() -> None:
+    """A worker that returns (atexit / finalizers) or gets SIGTERM removes what it sent and nobody read."""
+    conn = SharedMemoryConnector(EXTRA, channels=("up", "ready"))
+    returns = _start(_flood_child, conn, 2, "return")
+    waits = _start(_flood_child, conn, 2, "wait")
+    try:
+        ready = {conn.get("ready", CHILD_WAIT_S).key, conn.get("ready", CHILD_WAIT_S).key}
+        assert ready == {str(returns.pid), str(waits.pid)}
+        assert len(conn.segments(pid=waits.pid)) == 2
+        waits.terminate()  # SIGTERM
+        waits.join(10.0)
+        returns.join(10.0)
+        assert waits.exitcode == -signal.SIGTERM  # still dies of the signal
+        assert returns.exitcode == 0
+        assert conn.segments() == []
+    finally:
+        _stop(returns)
+        _stop(waits)
+        conn.close()
+
+
+def test_no_resource_tracker_warnings_and_nothing_left(tmp_path: Path) -> None:
+    """A whole program: owner and spawned worker exchange a large message both ways, then exit. The resource
+    tracker (which prints to the program's stderr when it shuts down) must have nothing to say."""
+    script = tmp_path / "exchange.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing as mp
+            import torch
+            from music3serve.serving.connectors import SharedMemoryConnector
+
+            def child(conn):
+                conn.put("up", conn.get("down", 60))
+                conn.get("down", 60)  # wait until the owner has read the reply
+                conn.close()
+
+            if __name__ == "__main__":
+                conn = SharedMemoryConnector(None, channels=("down", "up"))
+                proc = mp.get_context("spawn").Process(target=child, args=(conn,))
+                proc.start()
+                x = torch.randn(200, 4096)
+                conn.put("down", ("k", {"n": 1}, {"x": x}))
+                back = conn.get("up", 60)
+                assert torch.equal(back.tensors["x"], x)
+                conn.put("down", ("ack", {}, {}))
+                proc.join(60)
+                assert proc.exitcode == 0, proc.exitcode
+                print("LEFT", conn.segments(), conn.prefix)
+                conn.close()
+            """
+        )
+    )
+    src = str(Path(music3serve.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "LEFT [] m3s_" in done.stdout
+    prefix = done.stdout.split()[-1]
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+    for word in ("resource_tracker", "leaked", "Traceback", "Warning", "KeyError"):
+        assert word not in done.stderr, done.stderr
