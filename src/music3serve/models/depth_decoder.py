@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMLP, RMSNorm
+from .fusion import hot
+from .layers import GatedMLP, RMSNorm, rms_norm, swiglu
 from .weights import Source, require
 
 
@@ -47,11 +48,21 @@ class DepthBlock(nn.Module):
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = (p.view(b, t, self.heads, -1).transpose(1, 2) for p in self.qkv(self.attn_norm(x)).chunk(3, dim=-1))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(b, t, h))
-        return x + self.mlp(self.mlp_norm(x))
+        return depth_block(
+            x, self.attn_norm.weight, self.qkv.weight, self.o.weight, self.mlp_norm.weight,
+            self.mlp.gate_up.weight, self.mlp.down.weight, self.attn_norm.eps, self.heads,
+        )
+
+
+@hot
+def depth_block(x, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int) -> torch.Tensor:
+    """One causal depth-decoder block over x [rows, t, hidden]."""
+    b, t, h = x.shape
+    qkv = F.linear(rms_norm(x, attn_norm_w, eps), qkv_w)
+    q, k, v = (p.view(b, t, heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, h), o_w)
+    return x + swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w)
 
 
 class DepthDecoder(nn.Module):

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import contract
-from .layers import GatedMLP, RMSNorm, apply_rope, rope_angles
+from .fusion import hot
+from .layers import GatedMLP, RMSNorm, apply_rope, rms_norm, rope_angles, swiglu
 from .weights import Source, require
 
 
@@ -93,13 +94,36 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: AttentionBackend, layer: int):
-        cfg = self.cfg
-        b, t, _ = x.shape
-        kv_width = cfg.kv_heads * cfg.head_dim
-        q, k, v = self.qkv(x).split([cfg.heads * cfg.head_dim, kv_width, kv_width], dim=-1)
-        q = apply_rope(self.q_norm(q.view(b, t, cfg.heads, cfg.head_dim)), *rope)
-        k = apply_rope(self.k_norm(k.view(b, t, cfg.kv_heads, cfg.head_dim)), *rope)
-        return self.o(attend(layer, q, k, v.view(b, t, cfg.kv_heads, cfg.head_dim)))
+        q, k, v = self.inputs(x, rope)
+        return self.o(attend(layer, q, k, v))
+
+    def inputs(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Rotated, normed queries and keys, and values, of already-normed inputs."""
+        return attention_inputs(
+            x, self.qkv.weight, self.q_norm.weight, self.k_norm.weight, *rope, self.cfg.eps, self.cfg.heads, self.cfg.kv_heads
+        )
+
+
+@hot
+def attention_inputs(x, qkv_w, q_norm_w, k_norm_w, cos, sin, eps: float, heads: int, kv_heads: int):
+    b, t, _ = x.shape
+    head_dim = q_norm_w.shape[0]
+    q, k, v = F.linear(x, qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = apply_rope(rms_norm(q.view(b, t, heads, head_dim), q_norm_w, eps), cos, sin)
+    k = apply_rope(rms_norm(k.view(b, t, kv_heads, head_dim), k_norm_w, eps), cos, sin)
+    return q, k, v.view(b, t, kv_heads, head_dim)
+
+
+@hot
+def normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+@hot
+def residual_mlp(x, attn_out, o_w, norm_w, gate_up_w, down_w, eps: float) -> torch.Tensor:
+    """x + o(attn_out), then + SwiGLU(norm(.)): the second half of a decoder layer."""
+    x = x + F.linear(attn_out, o_w)
+    return x + swiglu(rms_norm(x, norm_w, eps), gate_up_w, down_w)
 
 
 class DecoderLayer(nn.Module):
@@ -111,8 +135,12 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
     def forward(self, x: torch.Tensor, rope, attend: AttentionBackend, layer: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, attend, layer)
-        return x + self.mlp(self.mlp_norm(x))
+        eps = self.attn.cfg.eps
+        q, k, v = self.attn.inputs(normed(x, self.attn_norm.weight, eps), rope)
+        attn_out = attend(layer, q, k, v)
+        return residual_mlp(
+            x, attn_out, self.attn.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight, self.mlp.down.weight, eps
+        )
 
 
 class LanguageModel(nn.Module):

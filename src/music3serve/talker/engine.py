@@ -14,6 +14,7 @@ from ..acoustic.windows import Window
 from ..errors import InputError, Music3Error
 from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
+from ..models.fusion import enable_fusion
 from ..models.language_model import LanguageModel
 from .slots import SlotCache
 from .step import FrameStep
@@ -30,6 +31,7 @@ class TalkerConfig:
     capture_sizes: tuple[int, ...] = (2, 4, 8, 16)
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.6
+    fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Talker:
         check_memory(lm, depth, pairs, config)
         self.slots = SlotCache(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype, self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if config.fuse and self.device.type == "cuda":
+            enable_fusion()
         self.step_fn = FrameStep(lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs)
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]

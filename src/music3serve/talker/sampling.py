@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.fusion import hot
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -57,6 +59,7 @@ def gumbel_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits.float() - torch.log(-torch.log(uniforms)), dim=-1)
 
 
+@hot
 def sample_top_k(
     logits: torch.Tensor, k: int, seeds: torch.Tensor, frames: torch.Tensor, codebook: int
 ) -> torch.Tensor:
