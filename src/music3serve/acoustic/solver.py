@@ -55,7 +55,8 @@ def solve(
         for i, ov in enumerate(overlaps):
             if ov:
                 x[i, :, :ov] = (1.0 - (1.0 - contract.NOISE_PROMPT_EPS) * t) * prompts[i] + t * carries[i].latent[:, :ov]
-        velocity = dit(torch.cat([x, x]).to(cond.dtype), t.expand(2 * len(x)).to(cond.dtype), both).float()
+        # t stays float32: the DiT's Fourier time embedding reads it in float32 (bf16 would round t by up to 2^-9).
+        velocity = dit(torch.cat([x, x]).to(cond.dtype), t.expand(2 * len(x)), both).float()
         v_cond, v_uncond = velocity.chunk(2)
         x = x + (times[k + 1] - t) * (v_uncond + contract.DIT_CFG_SCALE * (v_cond - v_uncond))
     for i, ov in enumerate(overlaps):

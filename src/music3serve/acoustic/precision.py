@@ -1,0 +1,220 @@
+"""Precision of stage 1: which parts run in bf16, the float32 islands, TF32 off, and measuring the cost against float32.
+
+A policy casts a component's parameters in place: everything to the stage dtype except the named float32 islands.
+Where dtypes meet, every weighted layer casts its input to its own weight dtype (a forward pre-hook), so an island
+computes in float32 on the upcast input and the next bf16 layer reads a bf16 copy. The DiT's residual stream dtype
+is set explicitly at each block's entry (float32 with the "residual" island, else the stage dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .. import contract
+
+# Parameter-name rules of the islands that may stay float32 while the rest of a component runs in bf16.
+DIT_ISLANDS: dict[str, Callable[[str], bool]] = {
+    "time": lambda name: name == "fourier" or name.startswith(("time_in.", "time_out.")),  # time embedding MLP
+    "norm": lambda name: ".norm1." in name or ".norm2." in name,  # LayerNorm statistics and affine
+    "stem": lambda name: name.startswith(("stem.", "proj_in.")),  # [latent, zeros, condition] -> width
+    "head": lambda name: name.startswith(("proj_out.", "post.")),  # width -> velocity
+    "residual": lambda name: False,  # the residual stream between blocks (no parameters)
+}
+VOCODER_ISLANDS: dict[str, Callable[[str], bool]] = {
+    "snake": lambda name: name.endswith("alpha"),  # sin(alpha x)^2 / alpha in float32
+    "in": lambda name: name.startswith(("latent_in.", "conv_in.")),
+    "out": lambda name: name.startswith(("snake_out.", "conv_out.")),
+}
+WEIGHTED = (nn.Linear, nn.Conv1d, nn.ConvTranspose1d, nn.LayerNorm)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Stage dtypes and the float32 islands of the bf16 ones."""
+
+    name: str = "float32"
+    dit: torch.dtype = torch.float32
+    dit_float32: frozenset[str] = frozenset()
+    vocoder: torch.dtype = torch.float32
+    vocoder_float32: frozenset[str] = frozenset()
+    condition_encoder: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for islands, known in ((self.dit_float32, DIT_ISLANDS), (self.vocoder_float32, VOCODER_ISLANDS)):
+            unknown = set(islands) - set(known)
+            if unknown:
+                raise ValueError(f"unknown float32 islands {sorted(unknown)}; known: {sorted(known)}")
+
+    @staticmethod
+    def named(name: str) -> "PrecisionPolicy":
+        """The policy for a stage `dtype` setting: "float32" (reference) or "bfloat16"."""
+        try:
+            return POLICIES[name]
+        except KeyError:
+            raise ValueError(f"acoustic dtype must be one of {sorted(POLICIES)}, got {name!r}") from None
+
+
+FLOAT32 = PrecisionPolicy()
+# Chosen from measure_precision on the tiny checkpoint (numbers in tests/test_renderer.py); re-measure on the real one.
+BFLOAT16 = PrecisionPolicy(
+    name="bfloat16",
+    dit=torch.bfloat16,
+    dit_float32=frozenset({"time", "norm", "stem", "head", "residual"}),
+    vocoder=torch.float32,
+)
+POLICIES = {"float32": FLOAT32, "bfloat16": BFLOAT16}
+
+
+def _cast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    x = args[0]
+    if torch.is_tensor(x) and x.is_floating_point() and x.dtype != module.weight.dtype:
+        return (x.to(module.weight.dtype), *args[1:])
+    return args
+
+
+def cast_component(
+    module: nn.Module,
+    dtype: torch.dtype,
+    islands: dict[str, Callable[[str], bool]],
+    keep: frozenset[str],
+    blocks: nn.ModuleList | None = None,
+) -> nn.Module:
+    """Cast `module`'s parameters in place: float32 where a kept island's rule matches, `dtype` elsewhere.
+
+    Cast down from float32 weights: an island of a module loaded in bf16 only gets the bf16 values back upcast.
+    `blocks` (the DiT's) get their input cast to the residual stream dtype when the component is mixed."""
+    for handle in getattr(module, "_precision_hooks", []):
+        handle.remove()
+    rules = [islands[name] for name in keep]
+    for name, param in module.named_parameters():
+        target = torch.float32 if any(rule(name) for rule in rules) else dtype
+        if param.dtype != target:
+            param.data = param.data.to(target)
+    hooks = []
+    if len({p.dtype for p in module.parameters()}) > 1 or "residual" in keep:
+        hooks = [m.register_forward_pre_hook(_cast_input) for m in module.modules() if isinstance(m, WEIGHTED)]
+        if blocks is not None:
+            stream = torch.float32 if "residual" in keep else dtype
+            hooks += [b.register_forward_pre_hook(lambda _m, a: (a[0].to(stream), *a[1:])) for b in blocks]
+    module._precision_hooks = hooks
+    return module
+
+
+def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy: PrecisionPolicy) -> None:
+    """Put the three acoustic components in the policy's dtypes (in place)."""
+    cast_component(encoder, policy.condition_encoder, {}, frozenset())
+    keep = policy.dit_float32 if policy.dit != torch.float32 else frozenset()
+    cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks)
+    keep = policy.vocoder_float32 if policy.vocoder != torch.float32 else frozenset()
+    cast_component(vocoder, policy.vocoder, VOCODER_ISLANDS, keep)
+
+
+@contextlib.contextmanager
+def ieee_float32(device: torch.device | str) -> Iterator[None]:
+    """float32 matmuls and convolutions without TF32 on CUDA while inside; the previous flags come back after.
+
+    The flags are process-wide: another thread running float32 CUDA work at the same time sees them too."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """10 log10(|reference|^2 / |reference - other|^2), in float64."""
+    reference, other = reference.double(), other.double()
+    noise = (reference - other).pow(2).sum().item()
+    return math.inf if noise == 0 else 10.0 * math.log10(reference.pow(2).sum().item() / noise)
+
+
+def rel_err(reference: torch.Tensor, other: torch.Tensor) -> float:
+    reference, other = reference.double(), other.double()
+    return float((reference - other).norm() / reference.norm().clamp_min(1e-30))
+
+
+@dataclass
+class PrecisionReport:
+    policy: str
+    latent_rel_err: list[float]  # per window, the carry lets errors build up from window to window
+    waveform_snr_db: float  # the whole song (cropped, clamped) against float32
+    vocoder_snr_db: float  # the policy's vocoder alone on the float32 latents, against the float32 vocoder
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        errs = ", ".join(f"{e:.2e}" for e in self.latent_rel_err)
+        return (f"{self.policy}: latent rel err [{errs}], waveform SNR {self.waveform_snr_db:.1f} dB, "
+                f"vocoder SNR {self.vocoder_snr_db:.1f} dB")
+
+
+def measure_precision(
+    models_fp32: Any,
+    models_low: Any,
+    policy: PrecisionPolicy = BFLOAT16,
+    frames: int = 450,
+    seed: int = 0,
+    steps: int = contract.DIT_STEPS,
+    conditioning: torch.Tensor | None = None,
+) -> PrecisionReport:
+    """Render one song with float32 and with `policy` (same conditioning and noise) and compare.
+
+    models_* carry condition_encoder, dit and vocoder (Music3Models will do); models_low is cast to `policy` in
+    place, so load it in float32 for true float32 islands. conditioning is [frames, streams * hidden] (random by
+    default, seeded)."""
+    from .renderer import Renderer
+
+    reference = Renderer.from_models(models_fp32, FLOAT32)
+    low = Renderer.from_models(models_low, policy)
+    if conditioning is None:
+        cfg = reference.encoder.cfg
+        conditioning = torch.randn(frames, cfg.streams * cfg.hidden, generator=torch.Generator().manual_seed(seed))
+    mixed = reference.mix(conditioning)
+    wave_ref, lat_ref = reference.render_song(mixed, seed, steps, song="reference")
+    wave_low, lat_low = low.render_song(mixed, seed, steps, song="low")
+    voc_ref = torch.cat([w.flatten() for w in reference.vocode(lat_ref)])
+    voc_low = torch.cat([w.flatten() for w in low.vocode(lat_ref)])
+    return PrecisionReport(
+        policy=policy.name,
+        latent_rel_err=[rel_err(a, b) for a, b in zip(lat_ref, lat_low)],
+        waveform_snr_db=snr_db(wave_ref, wave_low),
+        vocoder_snr_db=snr_db(voc_ref, voc_low),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m music3serve.acoustic.precision ROOT [--device cuda] [--frames 450] [--steps 30] [--conditioning F]"""
+    from ..checkpoint import load_component
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--frames", type=int, default=450)
+    parser.add_argument("--steps", type=int, default=contract.DIT_STEPS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--conditioning", type=Path, help="torch.save'd [frames, 8 * hidden] talker conditioning")
+    args = parser.parse_args(argv)
+    conditioning = torch.load(args.conditioning) if args.conditioning else None
+
+    def load() -> SimpleNamespace:
+        names = ("condition_encoder", "dit", "vocoder")
+        return SimpleNamespace(**{n: load_component(args.root, n, args.device, torch.float32) for n in names})
+
+    with torch.inference_mode():
+        print(measure_precision(load(), load(), BFLOAT16, args.frames, args.seed, args.steps, conditioning))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Stage 1 for many songs at once: ready windows batched by latent length, the overlap carry per song, PCM out.
+
+A window of a song can be rendered once the previous one is done (it needs that window's carry), so a call takes
+at most one window per song; windows of different songs with the same latent length share one DiT batch (cond and
+uncond rows of every window in the same call) and one vocoder batch. Not thread-safe: one caller at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import contract
+from ..models.condition_encoder import ConditionEncoder
+from ..models.dit import DiT
+from ..models.vocoder import Vocoder
+from .precision import FLOAT32, PrecisionPolicy, apply_policy, ieee_float32
+from .solver import Carry, noise, solve, time_grid
+from .windows import Window, carry_span, crop_waveform, song_windows
+
+FULL_LENGTH = contract.latent_length(contract.WINDOW_FRAMES)  # 689: every window but a song's last
+
+
+@dataclass(frozen=True)
+class WindowPayload:
+    """One window that the talker has finished: its frames' conditioning, mixed over the 8 streams.
+
+    Window i (frames 100 i ..) is not the last once the song has more than 100 i + 200 frames; at the song's end the
+    remaining window goes out with last=True and as many frames as there are (see windows.song_windows)."""
+
+    song: Hashable
+    seed: int
+    window: Window
+    mixed: torch.Tensor  # [window.frames, hidden], ConditionEncoder.mix of the talker's frame conditioning
+    steps: int = contract.DIT_STEPS
+
+
+@dataclass
+class RenderedWindow:
+    song: Hashable
+    window: Window
+    pcm: torch.Tensor  # [2, samples] float32 on the CPU, cropped and clamped to [-1, 1]
+    latent: torch.Tensor  # [channels, latent_length] float32 on the CPU
+
+
+@dataclass
+class _SongState:
+    seed: int
+    next_index: int
+    carry: Carry
+
+
+def euler_masked(
+    dit: DiT, initial: torch.Tensor, condition: torch.Tensor, carry: torch.Tensor, mask: torch.Tensor, times: torch.Tensor
+) -> torch.Tensor:
+    """solve() with tensor ops only, for a CUDA graph: every window gets the overlap splice of width
+    carry.shape[-1], masked off (mask [batch, 1, 1] False) for first windows. condition is [2 batch, L, dim]: the
+    cond rows, then zeros for the uncond ones. The same arithmetic as solve(), element by element."""
+    x = initial.clone()
+    ov = carry.shape[-1]
+    prompt = x[..., :ov].clone()
+    for k in range(len(times) - 1):
+        t = times[k]
+        x[..., :ov] = torch.where(mask, (1.0 - (1.0 - contract.NOISE_PROMPT_EPS) * t) * prompt + t * carry, x[..., :ov])
+        velocity = dit(torch.cat([x, x]).to(condition.dtype), t.expand(2 * len(x)), condition).float()
+        v_cond, v_uncond = velocity.chunk(2)
+        x = x + (times[k + 1] - t) * (v_uncond + contract.DIT_CFG_SCALE * (v_cond - v_uncond))
+    x[..., :ov] = torch.where(mask, carry, x[..., :ov])
+    return x
+
+
+class GraphedSolve:
+    """The whole Euler loop for `batch` full-length windows, captured once as a CUDA graph and replayed."""
+
+    def __init__(self, dit: DiT, batch: int, steps: int, pool: Any = None):
+        device, dtype = dit.proj_in.weight.device, dit.proj_in.weight.dtype
+        channels, overlap = dit.cfg.channels, min(contract.OVERLAP_LATENT, FULL_LENGTH)
+        self.batch = batch
+        self.initial = torch.zeros(batch, channels, FULL_LENGTH, device=device)
+        self.condition = torch.zeros(2 * batch, FULL_LENGTH, dit.cfg.condition, device=device, dtype=dtype)
+        self.carry = torch.zeros(batch, channels, overlap, device=device)
+        self.mask = torch.zeros(batch, 1, 1, dtype=torch.bool, device=device)
+        self.times = time_grid(steps).to(device)
+
+        def run() -> torch.Tensor:
+            return euler_masked(dit, self.initial, self.condition, self.carry, self.mask, self.times)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run()  # warm-up off the capture: lazy inits, cuBLAS workspaces, kernel choices
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = run()
+
+    def __call__(self, condition: list[torch.Tensor], initial: list[torch.Tensor], carries: list[Carry | None]):
+        self.initial.copy_(torch.stack(initial))
+        self.condition[: self.batch].copy_(torch.stack(condition))
+        self.mask.copy_(torch.tensor([c is not None for c in carries]).view(-1, 1, 1))
+        for i, c in enumerate(carries):
+            if c is not None:
+                self.carry[i].copy_(c.latent[:, : self.carry.shape[-1]])
+        self.graph.replay()
+        return list(self.output.clone())
+
+
+class Renderer:
+    """Condition projection, 30 Euler steps with guidance, vocoder and crop for ready windows of many songs."""
+
+    def __init__(
+        self,
+        condition_encoder: ConditionEncoder,
+        dit: DiT,
+        vocoder: Vocoder,
+        policy: PrecisionPolicy = FLOAT32,
+        graphs: bool = False,
+        max_batch: int = 8,
+    ):
+        apply_policy(condition_encoder, dit, vocoder, policy)  # casts the modules in place
+        self.encoder, self.dit, self.vocoder, self.policy = condition_encoder, dit, vocoder, policy
+        self.device = dit.proj_in.weight.device
+        self.graphs = graphs and self.device.type == "cuda"  # unused on the CPU
+        self.max_batch = max_batch
+        self._songs: dict[Hashable, _SongState] = {}
+        self._graphed: dict[tuple[int, int], GraphedSolve] = {}
+        self._pool = None
+
+    @classmethod
+    def from_models(cls, models: Any, policy: PrecisionPolicy = FLOAT32, **kwargs: Any) -> "Renderer":
+        return cls(models.condition_encoder, models.dit, models.vocoder, policy, **kwargs)
+
+    # Song state.
+    def next_index(self, song: Hashable) -> int:
+        """Index of the window this song needs next (0 for a song the renderer holds nothing for)."""
+        state = self._songs.get(song)
+        return 0 if state is None else state.next_index
+
+    @property
+    def songs(self) -> list[Hashable]:
+        return list(self._songs)
+
+    def finish(self, song: Hashable) -> None:
+        """Forget a song that ended: a no-op once its last window rendered (that drops it), else drops the carry."""
+        self._songs.pop(song, None)
+
+    def cancel(self, song: Hashable) -> None:
+        """Forget a song whose request went away; a later window 0 with this id starts afresh."""
+        self._songs.pop(song, None)
+
+    # Inputs.
+    @torch.inference_mode()
+    def mix(self, conditioning: torch.Tensor) -> torch.Tensor:
+        """[frames, streams * hidden] talker conditioning -> mixed [frames, hidden] on this renderer's device."""
+        return self.encoder.mix(conditioning.to(self.device, self.encoder.proj.weight.dtype))
+
+    def payloads(self, song: Hashable, seed: int, mixed: torch.Tensor, steps: int = contract.DIT_STEPS):
+        """The windows of a whole song's mixed conditioning [frames, hidden], in order."""
+        return [
+            WindowPayload(song, seed, w, mixed[w.start : w.start + w.frames], steps) for w in song_windows(mixed.shape[0])
+        ]
+
+    def _check(self, payloads: list[WindowPayload]) -> None:
+        seen: set[Hashable] = set()
+        for p in payloads:
+            w, name = p.window, f"song {p.song!r}"
+            if p.song in seen:
+                raise ValueError(f"{name} has two windows in one render call; send its windows one call after another")
+            seen.add(p.song)
+            state = self._songs.get(p.song)
+            expected = 0 if state is None else state.next_index
+            if w.index != expected:
+                raise ValueError(f"{name}: window {w.index} arrived out of order, window {expected} is next"
+                                 + (" (the renderer holds no state for this song)" if state is None else ""))
+            if state is not None and p.seed != state.seed:
+                raise ValueError(f"{name}: seed {p.seed} differs from the seed {state.seed} of its earlier windows")
+            if w.start != w.index * contract.WINDOW_HOP or not 1 <= w.frames <= contract.WINDOW_FRAMES or (
+                w.frames != contract.WINDOW_FRAMES and not w.last
+            ):
+                raise ValueError(f"{name}: {w} is not a window of the contract geometry")
+            if tuple(p.mixed.shape) != (w.frames, self.encoder.cfg.hidden):
+                raise ValueError(f"{name}: mixed conditioning is {tuple(p.mixed.shape)}, "
+                                 f"expected ({w.frames}, {self.encoder.cfg.hidden})")
+            if isinstance(p.steps, bool) or not isinstance(p.steps, int) or p.steps < 1:
+                raise ValueError(f"{name}: steps must be a positive integer, got {p.steps!r}")
+
+    # Rendering.
+    @torch.inference_mode()
+    def render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
+        """Render ready windows (at most one per song, each the song's next); results in the payloads' order."""
+        self._check(payloads)
+        carries = [self._songs[p.song].carry if p.song in self._songs else None for p in payloads]
+        with ieee_float32(self.device):
+            conditions = [self._condition(p, c) for p, c in zip(payloads, carries)]
+            latents: list[torch.Tensor] = [None] * len(payloads)  # type: ignore[list-item]
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, p in enumerate(payloads):
+                groups.setdefault((p.window.latent_length, p.steps), []).append(i)
+            for (length, steps), members in groups.items():
+                for chunk in _chunks(members, self.max_batch):
+                    initial = [noise(payloads[i].seed, payloads[i].window.index, length) for i in chunk]
+                    args = [conditions[i] for i in chunk], initial, [carries[i] for i in chunk]
+                    out = self._graph(len(chunk), steps)(*args) if self.graphs and length == FULL_LENGTH else solve(
+                        self.dit, *args, steps)
+                    for i, latent in zip(chunk, out):
+                        latents[i] = latent
+            waves = self.vocode(latents)
+        results = []
+        for p, latent, condition, wave in zip(payloads, latents, conditions, waves):
+            if p.window.last:
+                self._songs.pop(p.song, None)
+            else:
+                start, end = carry_span(latent.shape[-1])
+                carry = Carry(latent[:, start:end].clone(), condition[start:end].clone())
+                self._songs[p.song] = _SongState(p.seed, p.window.index + 1, carry)
+            pcm = crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu()
+            results.append(RenderedWindow(p.song, p.window, pcm, latent.float().cpu()))
+        return results
+
+    def _condition(self, payload: WindowPayload, carry: Carry | None) -> torch.Tensor:
+        """The window's condition [latent_length, dim] in float32, its first columns the carried ones."""
+        condition = self.encoder.project(payload.mixed[None].to(self.device))[0].float()
+        if carry is not None:
+            overlap = min(carry.latent.shape[-1], condition.shape[0])
+            condition[:overlap] = carry.condition[:overlap]
+        return condition
+
+    @torch.inference_mode()
+    def vocode(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Uncropped float32 waveforms [2, samples] of latents [channels, length], batched by equal length."""
+        waves: list[torch.Tensor] = [None] * len(latents)  # type: ignore[list-item]
+        groups: dict[int, list[int]] = {}
+        for i, latent in enumerate(latents):
+            groups.setdefault(latent.shape[-1], []).append(i)
+        dtype = self.vocoder.conv_in.weight.dtype
+        with ieee_float32(self.device):
+            for members in groups.values():
+                for chunk in _chunks(members, self.max_batch):
+                    batch = torch.stack([latents[i] for i in chunk]).to(self.device, dtype)
+                    for i, wave in zip(chunk, self.vocoder(batch).float()):
+                        waves[i] = wave
+        return waves
+
+    def _graph(self, batch: int, steps: int) -> GraphedSolve:
+        key = (batch, steps)
+        if key not in self._graphed:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._graphed[key] = GraphedSolve(self.dit, batch, steps, self._pool)
+        return self._graphed[key]
+
+    @torch.inference_mode()
+    def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS) -> None:
+        """Capture the full-window graphs for these batch sizes now rather than on first use."""
+        if self.graphs:
+            with ieee_float32(self.device):
+                for batch in sorted(set(batches), reverse=True):
+                    self._graph(min(batch, self.max_batch), steps)
+
+    def render_song(
+        self, mixed: torch.Tensor, seed: int, steps: int = contract.DIT_STEPS, song: Hashable | None = None,
+        progress: bool = False,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A whole song offline, window after window: waveform [2, samples] on the CPU and each window's latent."""
+        song = object() if song is None else song
+        pieces, latents = [], []
+        try:
+            for payload in tqdm(self.payloads(song, seed, mixed, steps), desc="windows", unit="window",
+                                disable=not progress):
+                (out,) = self.render([payload])
+                pieces.append(out.pcm)
+                latents.append(out.latent)
+        finally:
+            self.cancel(song)
+        return torch.cat(pieces, dim=-1), latents
+
+
+def _chunks(items: list[int], size: int) -> Iterable[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
