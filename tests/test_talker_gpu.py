@@ -13,7 +13,11 @@ pytestmark = pytest.mark.gpu
 
 
 def run_songs(models, enforce_eager: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    config = TalkerConfig(max_num_seqs=8, enforce_eager=enforce_eager, capture_sizes=(2, 4, 8))
+    return _run_with(models, TalkerConfig(max_num_seqs=8, enforce_eager=enforce_eager, capture_sizes=(2, 4, 8)))
+
+
+def _run_with(models, config: TalkerConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Codes and concatenated window conditioning of three songs of different lengths."""
     talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, config)
     for i, frames in enumerate((230, 40, 75)):
         cond, uncond = encode_prompt(models.tokenizer, f"song {i}", "[verse]\nla " * (i + 1))
@@ -36,3 +40,20 @@ def test_graph_replay_equals_eager(tiny_dir, dtype):
     for song in eager:
         assert torch.equal(eager[song][0], graphs[song][0])
         assert torch.equal(eager[song][1], graphs[song][1])
+
+
+def test_fused_hot_paths_match_plain_ones(tiny_dir):
+    from music3serve.models.fusion import disable_fusion, enable_fusion
+
+    models = load_models(tiny_dir, device="cuda", talker_dtype=torch.float32)
+    disable_fusion()
+    try:
+        config = TalkerConfig(max_num_seqs=8, enforce_eager=True, fuse=False)
+        plain = _run_with(models, config)
+        enable_fusion()
+        fused = _run_with(models, TalkerConfig(max_num_seqs=8, enforce_eager=True))
+    finally:
+        disable_fusion()
+    for song in plain:
+        assert torch.equal(plain[song][0][:20], fused[song][0][:20])
+        torch.testing.assert_close(plain[song][1][:20], fused[song][1][:20], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,291 @@
+"""The engine as a Python API: `submit(request)` streams events, `cancel(id)` stops a song.
+
+Both stages run in this process on two threads, each with its own CUDA stream, so the talker keeps writing
+frames while the renderer turns finished windows into PCM. Windows cross over an in-process queue, with a
+CUDA event so the renderer never reads conditioning the talker stream has not finished writing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import numpy as np
+import torch
+
+from .. import contract
+from ..acoustic.precision import PrecisionPolicy
+from ..acoustic.renderer import Renderer, WindowPayload
+from ..checkpoint import Music3Models, load_models
+from ..errors import InputError
+from ..pipeline import check_seed, check_steps, frames_for_duration
+from ..prompt import encode_prompt
+from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
+from .deploy_config import DeployConfig, load_deploy_config
+from .metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SongRequest:
+    caption: str
+    lyrics: str
+    duration_s: float = 30.0
+    seed: int | None = None
+    steps: int = contract.DIT_STEPS
+    id: str | None = None
+
+
+@dataclass
+class Accepted:
+    song: str
+    seed: int
+    budget_frames: int
+    prompt_tokens: int
+
+
+@dataclass
+class AudioChunk:
+    song: str
+    window: int
+    pcm: np.ndarray  # [2, samples] float32 at 44.1 kHz, in [-1, 1]
+    last: bool
+
+
+@dataclass
+class Done:
+    song: str
+    frames: int
+    ended_by: str
+    timings: dict[str, float]
+
+
+@dataclass
+class Failed:
+    song: str
+    message: str
+
+
+Event = Accepted | AudioChunk | Done | Failed
+
+
+@dataclass
+class _Client:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float
+    first_audio: float | None = None
+    finished: SongFinished | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, models: Music3Models, deploy: DeployConfig | None = None):
+        deploy = deploy or load_deploy_config()
+        self.deploy, self.models = deploy, models
+        self.tokenizer = models.tokenizer
+        self.device = models.language_model.embed.weight.device
+        stage1 = deploy.stages[1]
+        self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
+        self.renderer = Renderer.from_models(
+            models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
+        )
+        self.renderer.warmup([stage1.render_batch])
+        self.metrics = EngineMetrics()
+        self._clients: dict[str, _Client] = {}
+        self._control: queue.Queue = queue.Queue()
+        self._windows: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._talker_loop, name="music3-talker", daemon=True),
+            threading.Thread(target=self._renderer_loop, name="music3-renderer", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def from_pretrained(cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None) -> "Engine":
+        deploy = deploy or load_deploy_config()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        talker_dtype = getattr(torch, deploy.stages[0].dtype) if device != "cpu" else torch.float32
+        return cls(load_models(Path(root), device=device, talker_dtype=talker_dtype), deploy)
+
+    # Public API.
+    async def submit(self, request: SongRequest) -> AsyncIterator[Event]:
+        """Validate, queue and stream one song's events; bad input raises InputError before anything is queued."""
+        song, budget_request, seed, steps, cond, uncond = self._validate(request)
+        client = _Client(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        self._clients[song] = client
+        self.metrics.requests.inc()
+        self._control.put(("submit", song, cond, uncond, seed, budget_request, steps))
+        try:
+            while True:
+                event = await client.events.get()
+                yield event
+                if isinstance(event, (Done, Failed)):
+                    return
+        finally:
+            if self._clients.pop(song, None) is not None:
+                self.cancel(song)
+
+    def cancel(self, song: str) -> None:
+        """Stop a song wherever it is; its rows and pending windows are freed."""
+        self._control.put(("cancel", song))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._control.put(("stop",))
+        self._windows.put(("stop",))
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def _validate(self, request: SongRequest):
+        requested = frames_for_duration(request.duration_s)
+        seed = request.seed
+        if seed is None:
+            seed = self.deploy.stages[0].default_sampling_params.seed
+        seed = check_seed(secrets.randbits(63) if seed is None else seed)
+        steps = check_steps(request.steps)
+        song = request.id or uuid.uuid4().hex
+        if not isinstance(song, str) or not song or song in self._clients:
+            raise InputError(f"request id must be a new non-empty string, got {song!r}")
+        cond, uncond = encode_prompt(self.tokenizer, request.caption, request.lyrics)
+        return song, requested, seed, steps, cond, uncond
+
+    def _emit(self, song: str, event: Event) -> None:
+        client = self._clients.get(song)
+        if client is not None:
+            client.loop.call_soon_threadsafe(client.events.put_nowait, event)
+
+    # Stage 0 thread.
+    def _talker_loop(self) -> None:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        steps: dict[str, int] = {}
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            while not self._stop.is_set():
+                self._drain_control(steps, block=not self.talker.busy)
+                if not self.talker.busy:
+                    continue
+                try:
+                    events = self.talker.step()
+                except Exception as exc:  # a failed step fails its songs, never the engine
+                    log.exception("talker step failed")
+                    for song in list(self.talker.songs):
+                        self.talker.cancel(song)
+                        self._fail(song, f"stage 0 failed: {exc}")
+                    continue
+                self.metrics.talker_steps.inc()
+                ready = torch.cuda.Event() if stream else None
+                if ready:
+                    ready.record(stream)
+                for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
+                    if isinstance(event, SongFinished):
+                        self.metrics.frames.inc(event.frames)
+                        client = self._clients.get(event.song)
+                        if client:
+                            client.finished = event
+                    elif isinstance(event, WindowReady):
+                        payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
+                        self._windows.put(("window", payload, ready))
+                    elif isinstance(event, SongFailed):
+                        self._fail(event.song, event.message)
+
+    def _drain_control(self, steps: dict[str, int], block: bool) -> None:
+        try:
+            item = self._control.get(timeout=0.05) if block else self._control.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item[0] == "submit":
+                _, song, cond, uncond, seed, requested, n_steps = item
+                try:
+                    budget = self.talker.submit(song, cond, uncond, seed, requested)
+                except InputError as exc:
+                    self._fail(song, str(exc))
+                else:
+                    steps[song] = n_steps
+                    self._emit(song, Accepted(song, seed, budget, len(cond)))
+            elif item[0] == "cancel":
+                self.talker.cancel(item[1])
+                self._windows.put(("cancel", item[1]))
+            try:
+                item = self._control.get_nowait()
+            except queue.Empty:
+                return
+
+    # Stage 1 thread.
+    def _renderer_loop(self) -> None:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            while not self._stop.is_set():
+                self._take_windows(pending, stream, block=not pending)
+                batch = [q.popleft() for q in list(pending.values())[: self.renderer.max_batch]]
+                for song in [s for s, q in pending.items() if not q]:
+                    del pending[song]
+                if batch:
+                    self._render(batch)
+
+    def _take_windows(self, pending: dict[str, deque[WindowPayload]], stream, block: bool) -> None:
+        try:
+            item = self._windows.get(timeout=0.05) if block else self._windows.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item[0] == "window":
+                _, payload, ready = item
+                if ready is not None:
+                    stream.wait_event(ready)
+                    payload.mixed.record_stream(stream)
+                pending[payload.song].append(payload)
+            elif item[0] == "cancel":
+                pending.pop(item[1], None)
+                self.renderer.cancel(item[1])
+            try:
+                item = self._windows.get_nowait()
+            except queue.Empty:
+                return
+
+    def _render(self, batch: list[WindowPayload]) -> None:
+        try:
+            rendered = self.renderer.render(batch)
+        except Exception as exc:
+            log.exception("render failed")
+            for payload in batch:
+                self.renderer.cancel(payload.song)
+                self._fail(payload.song, f"stage 1 failed: {exc}")
+            return
+        self.metrics.windows.inc(len(rendered))
+        now = time.perf_counter()
+        for out in rendered:
+            client = self._clients.get(out.song)
+            if client is None:
+                continue
+            if client.first_audio is None:
+                client.first_audio = now
+                self.metrics.first_audio.observe(now - client.submitted)
+            self._emit(out.song, AudioChunk(out.song, out.window.index, out.pcm.numpy(), out.window.last))
+            if out.window.last:
+                self._done(out.song, client, now)
+
+    def _done(self, song: str, client: _Client, now: float) -> None:
+        finished = client.finished
+        timings = {"first_audio_s": client.first_audio - client.submitted, "total_s": now - client.submitted}
+        self.metrics.song_seconds.observe(timings["total_s"])
+        frames, ended_by = (finished.frames, finished.ended_by) if finished else (0, "unknown")
+        self._emit(song, Done(song, frames, ended_by, timings))
+
+    def _fail(self, song: str, message: str) -> None:
+        self.metrics.failures.inc()
+        self._emit(song, Failed(song, message))

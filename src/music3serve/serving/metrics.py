@@ -1,0 +1,28 @@
+"""Prometheus metrics of one engine (its own registry, so several engines in a process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 8, 13, 21, 34, 60, 120, 300)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("music3_requests", "Songs submitted", registry=r)
+        self.failures = Counter("music3_failures", "Songs that ended with an error", registry=r)
+        self.talker_steps = Counter("music3_talker_steps", "Stage-0 scheduler steps", registry=r)
+        self.frames = Counter("music3_frames", "Frames (40 ms each) written by stage 0", registry=r)
+        self.windows = Counter("music3_windows", "Windows rendered by stage 1", registry=r)
+        self.first_audio = Histogram(
+            "music3_first_audio_seconds", "Submit to first PCM chunk", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.song_seconds = Histogram(
+            "music3_song_seconds", "Submit to last PCM chunk", buckets=LATENCY_BUCKETS, registry=r
+        )
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
