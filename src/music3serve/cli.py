@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES)
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
-    bench.add_argument("stage", choices=["talker", "acoustic"])
+    bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
     bench.add_argument("--no-peers", action="store_true", help="skip the diffusers reference run")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
@@ -151,8 +151,15 @@ def run_bench(args: argparse.Namespace) -> None:
         raise Music3Error("benchmarks need a CUDA device")
     if args.stage == "talker":
         from .bench.talker import run
-    else:
+    elif args.stage == "acoustic":
         from .bench.acoustic import run
+    elif args.stage == "e2e":
+        from .bench.e2e import run
+    else:
+        from .bench.acoustic import precision
+
+        print(precision())
+        return
     print(run(peers=not args.no_peers))
 
 

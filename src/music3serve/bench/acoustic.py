@@ -67,3 +67,17 @@ def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
             f"float32 with TF32 {diffusers_dit_ms(device, torch.float32, tf32=True):.2f} ms"
         )
     return "\n".join(out)
+
+
+@torch.inference_mode()
+def precision(device: str = "cuda", frames: int = 450, steps: int = contract.DIT_STEPS) -> str:
+    """bf16 policy against float32 on full-size random weights (same weights, conditioning and noise)."""
+    from types import SimpleNamespace
+
+    from ..acoustic.precision import BFLOAT16, measure_precision
+
+    def models() -> SimpleNamespace:
+        names = ("condition_encoder", "dit", "vocoder")
+        return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=i) for i, n in enumerate(names)})
+
+    return str(measure_precision(models(), models(), BFLOAT16, frames=frames, steps=steps))

@@ -101,7 +101,7 @@ class Engine:
         self.renderer = Renderer.from_models(
             models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
         )
-        self.renderer.warmup([stage1.render_batch])
+        self.renderer.warmup(range(1, stage1.render_batch + 1))
         self.metrics = EngineMetrics()
         self._clients: dict[str, _Client] = {}
         self._control: queue.Queue = queue.Queue()

@@ -1,0 +1,68 @@
+"""`music3serve bench e2e`: the Engine end to end on full-size random weights: one 20 s song, eight 30 s songs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Music3Models
+from ..serving.deploy_config import load_deploy_config
+from ..serving.engine import AudioChunk, Done, Engine, SongRequest
+from ..tokenizer import load_tokenizer, write_tokenizer
+from .common import random_module, table
+
+LYRICS = "[verse]\nCity lights are fading slow\n[chorus]\nHold on, hold on"
+
+
+def random_models(device: str) -> Music3Models:
+    with tempfile.TemporaryDirectory() as folder:
+        write_tokenizer(Path(folder))
+        tokenizer = load_tokenizer(Path(folder))
+    return Music3Models(
+        tokenizer=tokenizer,
+        language_model=random_module("language_model", device, torch.bfloat16),
+        depth_decoder=random_module("depth_decoder", device, torch.bfloat16, seed=1),
+        condition_encoder=random_module("condition_encoder", device, torch.float32, seed=2),
+        dit=random_module("dit", device, torch.float32, seed=3),
+        vocoder=random_module("vocoder", device, torch.float32, seed=4),
+    )
+
+
+async def song(engine: Engine, duration: float, seed: int) -> dict[str, float]:
+    started, first, frames = time.perf_counter(), None, 0
+    async for event in engine.submit(SongRequest(f"pop song {seed}", LYRICS, duration, seed=seed)):
+        if isinstance(event, AudioChunk) and first is None:
+            first = time.perf_counter() - started
+        elif isinstance(event, Done):
+            frames = event.frames
+    return {"first_audio_s": first, "total_s": time.perf_counter() - started, "frames": frames}
+
+
+async def scenario(engine: Engine, durations: list[float]) -> tuple[list[dict[str, float]], float]:
+    started = time.perf_counter()
+    results = await asyncio.gather(*(song(engine, d, seed) for seed, d in enumerate(durations)))
+    return list(results), time.perf_counter() - started
+
+
+def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = False) -> str:
+    deploy = load_deploy_config()
+    stage1 = dataclasses.replace(deploy.stages[1], dtype=acoustic_dtype)
+    deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
+    engine = Engine(random_models(device), deploy)
+    try:
+        asyncio.run(scenario(engine, [10.0, 10.0]))  # warm-up: graphs of the renderer's batch sizes
+        rows = []
+        for label, durations in (("one 20 s song", [20.0]), ("eight 30 s songs", [30.0] * 8)):
+            results, wall = asyncio.run(scenario(engine, durations))
+            audio = sum(r["frames"] for r in results) / 25
+            rows.append([label, max(r["first_audio_s"] for r in results), min(r["first_audio_s"] for r in results),
+                         wall, audio / wall])
+    finally:
+        engine.close()
+    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time"]
+    return f"acoustic dtype {acoustic_dtype}, colocated (one worker, two streams)\n\n" + table(headers, rows)
