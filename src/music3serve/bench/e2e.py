@@ -19,6 +19,9 @@ from .common import random_module, table
 LYRICS = "[verse]\nCity lights are fading slow\n[chorus]\nHold on, hold on"
 
 
+SCENARIOS = [("one 20 s song", [20.0]), ("two 30 s songs", [30.0] * 2), ("eight 30 s songs", [30.0] * 8)]
+
+
 def random_models(device: str) -> Music3Models:
     with tempfile.TemporaryDirectory() as folder:
         write_tokenizer(Path(folder))
@@ -40,6 +43,8 @@ async def song(engine: Engine, duration: float, seed: int) -> dict[str, float]:
             first = time.perf_counter() - started
         elif isinstance(event, Done):
             frames = event.frames
+            print(f"  song {seed}: {frames} frames, first audio {first:.2f} s, done {time.perf_counter() - started:.2f} s",
+                  flush=True)
     return {"first_audio_s": first, "total_s": time.perf_counter() - started, "frames": frames}
 
 
@@ -60,7 +65,7 @@ def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = Fa
     rows = []
     try:
         asyncio.run(scenario(engine, [1.0]))  # warm-up: compiles the prefill shapes
-        for label, durations in (("one 20 s song", [20.0]), ("eight 30 s songs", [30.0] * 8)):
+        for label, durations in SCENARIOS:
             results, wall = asyncio.run(scenario(engine, durations))
             audio = sum(r["frames"] for r in results) / 25
             rows.append([label, max(r["first_audio_s"] for r in results), min(r["first_audio_s"] for r in results),

@@ -170,7 +170,8 @@ class Engine:
 
     # Stage 0 thread.
     def _talker_loop(self) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # High priority: the frame step's many small kernels go first when the DiT fills the GPU.
+        stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         steps: dict[str, int] = {}
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self._stop.is_set():
