@@ -306,8 +306,6 @@ def test_cancel_frees_rows_and_leaves_other_songs_alone(engine, solo, how):
     assert engine.renderer.songs == []
 
 
-@pytest.mark.xfail(strict=True, reason="engine.cancel(id) frees the song but never ends its stream: no Done or "
-                   "Failed is emitted, so a consumer iterating submit() waits forever and the id stays taken")
 def test_cancel_by_id_ends_the_stream(engine):
     req = SongRequest("cancelled", "[verse]\nstop", 30.0, seed=5, steps=STEPS, id="cancel-ends-stream")
 

@@ -27,7 +27,7 @@ from .. import contract
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import Renderer, WindowPayload
 from ..checkpoint import Music3Models, load_models
-from ..errors import InputError
+from ..errors import InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
@@ -107,9 +107,10 @@ class Engine:
         self._control: queue.Queue = queue.Queue()
         self._windows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         self._threads = [
-            threading.Thread(target=self._talker_loop, name="music3-talker", daemon=True),
-            threading.Thread(target=self._renderer_loop, name="music3-renderer", daemon=True),
+            threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
+            threading.Thread(target=self._guarded, args=(self._renderer_loop,), name="music3-renderer", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -140,10 +141,14 @@ class Engine:
                 self.cancel(song)
 
     def cancel(self, song: str) -> None:
-        """Stop a song wherever it is; its rows and pending windows are freed."""
+        """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed."""
+        self._emit(song, Failed(song, "cancelled"))
         self._control.put(("cancel", song))
 
     def close(self) -> None:
+        """Stop both stages; every open stream ends with Failed("engine closed")."""
+        for song in list(self._clients):
+            self._emit(song, Failed(song, "engine closed"))
         self._stop.set()
         self._control.put(("stop",))
         self._windows.put(("stop",))
@@ -151,13 +156,15 @@ class Engine:
             thread.join(timeout=30)
 
     def _validate(self, request: SongRequest):
+        if self._broken:
+            raise Music3Error(self._broken)
         requested = frames_for_duration(request.duration_s)
         seed = request.seed
         if seed is None:
             seed = self.deploy.stages[0].default_sampling_params.seed
         seed = check_seed(secrets.randbits(63) if seed is None else seed)
         steps = check_steps(request.steps)
-        song = request.id or uuid.uuid4().hex
+        song = uuid.uuid4().hex if request.id is None else request.id
         if not isinstance(song, str) or not song or song in self._clients:
             raise InputError(f"request id must be a new non-empty string, got {song!r}")
         cond, uncond = encode_prompt(self.tokenizer, request.caption, request.lyrics)
@@ -166,7 +173,20 @@ class Engine:
     def _emit(self, song: str, event: Event) -> None:
         client = self._clients.get(song)
         if client is not None:
-            client.loop.call_soon_threadsafe(client.events.put_nowait, event)
+            try:
+                client.loop.call_soon_threadsafe(client.events.put_nowait, event)
+            except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
+                self._clients.pop(song, None)
+
+    def _guarded(self, loop) -> None:
+        """Run a stage loop; if it dies, every open stream fails with the reason instead of waiting forever."""
+        try:
+            loop()
+        except BaseException as exc:
+            log.exception("engine thread died")
+            self._broken = f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
+            for song in list(self._clients):
+                self._fail(song, self._broken)
 
     # Stage 0 thread.
     def _talker_loop(self) -> None:
@@ -201,6 +221,9 @@ class Engine:
                         self._windows.put(("window", payload, ready))
                     elif isinstance(event, SongFailed):
                         self._fail(event.song, event.message)
+                for event in events:
+                    if isinstance(event, (SongFinished, SongFailed)):
+                        steps.pop(event.song, None)
 
     def _drain_control(self, steps: dict[str, int], block: bool) -> None:
         try:
@@ -219,6 +242,7 @@ class Engine:
                     self._emit(song, Accepted(song, seed, budget, len(cond)))
             elif item[0] == "cancel":
                 self.talker.cancel(item[1])
+                steps.pop(item[1], None)
                 self._windows.put(("cancel", item[1]))
             try:
                 item = self._control.get_nowait()
@@ -264,8 +288,8 @@ class Engine:
         except Exception as exc:
             log.exception("render failed")
             for payload in batch:
-                self.renderer.cancel(payload.song)
                 self._fail(payload.song, f"stage 1 failed: {exc}")
+                self.cancel(payload.song)  # stops its talker rows and drops its later windows
             return
         self.metrics.windows.inc(len(rendered))
         now = time.perf_counter()
