@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +64,8 @@ def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = Fa
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
     headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time"]
     rows = []
+    # If a scenario stalls, every thread's stack goes to stderr (the 2026-11-30 multi-song GPU run stalled).
+    faulthandler.dump_traceback_later(90, repeat=True)
     try:
         asyncio.run(scenario(engine, [1.0]))  # warm-up: compiles the prefill shapes
         for label, durations in SCENARIOS:
@@ -72,5 +75,6 @@ def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = Fa
                          wall, audio / wall])
             print(table(headers, rows[-1:]), flush=True)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         engine.close()
     return f"acoustic dtype {acoustic_dtype}, colocated (one worker, two streams)\n\n" + table(headers, rows)
