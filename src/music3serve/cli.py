@@ -1,4 +1,4 @@
-"""Command line: `music3serve generate ...` and `music3serve make-tiny DIR`."""
+"""Command line: `music3serve generate ...`, `music3serve serve ...` and `music3serve make-tiny DIR`."""
 
 from __future__ import annotations
 
@@ -100,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
     gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES)
+    gen.add_argument("--acoustic-dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="stage-1 precision: float32 is the reference, bfloat16 ~10x faster DiT (docs/precision.md)")
+
+    serve = commands.add_parser("serve", help="HTTP API: stream songs to clients while they are written")
+    where = serve.add_mutually_exclusive_group()
+    where.add_argument("--model", help="checkpoint folder (diffusers layout)")
+    where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
+    serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
+    serve.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
@@ -133,7 +144,7 @@ def run_generate(args: argparse.Namespace) -> None:
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
     root = resolve_model(args.model, args.tiny)
     log.info("loading model", extra={"path": str(root), "device": device})
-    pipeline = Pipeline.from_pretrained(root, device=device)
+    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype)
     song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=True)
     waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
     path = write_audio(args.output, waveform, args.sample_rate)
@@ -142,6 +153,31 @@ def run_generate(args: argparse.Namespace) -> None:
         extra={"path": str(path), "seconds": waveform.shape[-1] / args.sample_rate, "frames": song.frames,
                "ended_by": song.ended_by, **song.timings},
     )
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        from .serving.api import serve
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
+            raise
+        raise Music3Error(f"serving needs fastapi and uvicorn ({exc}): pip install 'music3serve[serve]'") from None
+    import torch
+
+    from .serving.deploy_config import load_deploy_config
+    from .serving.engine import Engine
+
+    deploy = load_deploy_config(args.config)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
+    root = resolve_model(args.model, args.tiny)
+    log.info("loading engine", extra={"path": str(root), "device": device, "config": args.config or "default"})
+    engine = Engine.from_pretrained(root, deploy, device)
+    try:
+        serve(engine, args.host, args.port, args.log_level)
+    finally:
+        engine.close()
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -169,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "serve":
+            run_serve(args)
         elif args.command == "bench":
             run_bench(args)
         else:

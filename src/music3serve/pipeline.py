@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import cached_property
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import contract
-from .acoustic.solver import Carry, noise, solve
-from .acoustic.windows import Window, carry_span, crop_waveform, song_windows
+from .acoustic.precision import PrecisionPolicy
+from .acoustic.renderer import Renderer
 from .checkpoint import Music3Models, load_models
 from .errors import InputError
 from .models.language_model import KVCache
@@ -72,12 +73,20 @@ def frame_budget(requested: int, prompt_tokens: int) -> int:
 class Pipeline:
     """Both stages in one process; the reference recipe step by step, batch of one song."""
 
-    def __init__(self, models: Music3Models):
-        self.models = models
+    def __init__(self, models: Music3Models, acoustic: str = "float32"):
+        """`acoustic` is the stage-1 precision policy; the acoustic modules are cast to it in place."""
+        self.models, self.acoustic = models, acoustic
+
+    @cached_property
+    def renderer(self) -> Renderer:
+        return Renderer.from_models(self.models, PrecisionPolicy.named(self.acoustic))
 
     @classmethod
-    def from_pretrained(cls, root: Path | str, device: str = "cpu", **dtypes: torch.dtype) -> "Pipeline":
-        return cls(load_models(Path(root), device=device, **dtypes))
+    def from_pretrained(
+        cls, root: Path | str, device: str = "cpu", talker_dtype: torch.dtype | None = None, acoustic: str = "float32"
+    ) -> "Pipeline":
+        """Load a checkpoint; acoustic modules load in float32 so a bf16 policy keeps true float32 islands."""
+        return cls(load_models(Path(root), device=device, talker_dtype=talker_dtype), acoustic)
 
     @property
     def device(self) -> torch.device:
@@ -148,30 +157,6 @@ class Pipeline:
     def render(
         self, conditioning: torch.Tensor, seed: int, steps: int = contract.DIT_STEPS, progress: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Stage 1 for one song: waveform [2, samples] on the CPU and each window's latent."""
-        encoder, vocoder = self.models.condition_encoder, self.models.vocoder
-        mixed = encoder.mix(conditioning.to(encoder.proj.weight.dtype))
-        carry: Carry | None = None
-        pieces, latents = [], []
-        windows = song_windows(conditioning.shape[0])
-        for window in tqdm(windows, desc="windows", unit="window", disable=not progress):
-            latent, carry = self.render_window(mixed, window, carry, seed, steps)
-            latents.append(latent)
-            wave = vocoder(latent[None].to(vocoder.conv_in.weight.dtype))[0]
-            pieces.append(crop_waveform(wave, window).float().cpu())
-        return torch.cat(pieces, dim=-1).clamp(-1.0, 1.0), latents
-
-    def render_window(
-        self, mixed: torch.Tensor, window: Window, carry: Carry | None, seed: int, steps: int
-    ) -> tuple[torch.Tensor, Carry]:
-        """Latent [channels, length] of one window and the carry for the next."""
-        encoder = self.models.condition_encoder
-        frames = mixed[window.start : window.start + window.frames]
-        condition = encoder.project(frames[None])[0]
-        if carry is not None:
-            overlap = min(carry.latent.shape[-1], condition.shape[0])
-            condition[:overlap] = carry.condition[:overlap]
-        initial = noise(seed, window.index, condition.shape[0])
-        (latent,) = solve(self.models.dit, [condition], [initial], [carry], steps)
-        start, end = carry_span(latent.shape[-1])
-        return latent, Carry(latent[:, start:end], condition[start:end])
+        """Stage 1 for one song, window after window: waveform [2, samples] on the CPU and each window's latent."""
+        mixed = self.renderer.mix(conditioning)
+        return self.renderer.render_song(mixed, seed, steps, progress=progress)

@@ -1,0 +1,368 @@
+"""The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
+
+FastAPI and uvicorn are imported here and nowhere else, so the engine core runs without them. This module never
+touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints, fields,
+headers and streaming semantics: docs/api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from typing import Any, AsyncIterator, Literal
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .. import contract
+from ..errors import InputError
+from .audio_io import OUTPUT_RATES, resample, to_pcm16
+from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+
+log = logging.getLogger(__name__)
+
+CHANNELS = 2
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
+UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streaming WAV, whose length is not known yet
+KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
+
+
+class SongBody(BaseModel):
+    """POST /v1/songs. Types are strict (a string is not a number, a bool is not an int); unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    caption: str
+    lyrics: str
+    duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    steps: int | None = Field(None, ge=1, le=1000)
+    format: Literal["wav", "pcm"] = "wav"
+    sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
+    stream: bool = True
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")  # default: a fresh uuid4 hex
+
+
+class SongFailedMidStream(RuntimeError):
+    """Raised out of a streaming response so the server drops the connection before the final chunk."""
+
+
+def wav_header(sample_rate: int, data_bytes: int | None = None, channels: int = CHANNELS) -> bytes:
+    """A 44-byte PCM16 WAV header; without `data_bytes` the sizes read 0xFFFFFFFF (unknown, for streaming)."""
+    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
+    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
+    block = channels * 2
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, channels, sample_rate,
+        sample_rate * block, block, 16, b"data", data,
+    )
+
+
+class StreamResampler:
+    """`audio_io.resample` of a stream fed piece by piece, equal to resampling the whole stream at once.
+
+    Output n reads source samples up to floor(n * down / up) + zeros, so it is emitted once those have arrived
+    (the last piece flushes the rest against zeros, as the whole-stream call does). The kept source starts on a
+    multiple of `down`, where the output grid meets the source grid, so every piece is resampled with exactly
+    the context and filter phases the whole-stream call would have used: no gaps or clicks between windows."""
+
+    def __init__(self, source_rate: int, target_rate: int, zeros: int = 32):
+        ratio = Fraction(target_rate, source_rate)
+        self.rates, self.zeros = (source_rate, target_rate), zeros
+        self.up, self.down = ratio.numerator, ratio.denominator
+        self.kept: np.ndarray | None = None  # source samples from index `start` on
+        self.start = self.received = self.emitted = 0
+
+    def feed(self, piece: np.ndarray, last: bool) -> np.ndarray:
+        piece = piece.astype(np.float32, copy=False)
+        self.kept = piece if self.kept is None else np.concatenate([self.kept, piece], axis=-1)
+        self.received += piece.shape[-1]
+        up, down = self.up, self.down
+        complete = self.received if last else self.received - self.zeros  # source the outputs may read up to
+        ready = max(0, math.ceil(complete * up / down))
+        if ready <= self.emitted:
+            return np.zeros(self.kept.shape[:-1] + (0,), np.float32)
+        first = self.start * up // down  # output index of the kept source's first sample (exact: start % down == 0)
+        out = resample(self.kept, *self.rates, zeros=self.zeros)[..., self.emitted - first : ready - first]
+        self.emitted = ready
+        needed = ready * down // up - self.zeros + 1  # first source sample the next output reads
+        start = max(self.start, needed // down * down)
+        self.kept, self.start = self.kept[..., start - self.start :], start
+        return out
+
+
+class PcmEncoder:
+    """Float windows at the model rate -> interleaved s16le bytes at the output rate."""
+
+    def __init__(self, sample_rate: int):
+        same = sample_rate == contract.SAMPLE_RATE
+        self.resampler = None if same else StreamResampler(contract.SAMPLE_RATE, sample_rate)
+        self.finished = False
+
+    def feed(self, pcm: np.ndarray, last: bool) -> bytes:
+        if self.finished:
+            return b""
+        self.finished = last
+        pcm = np.clip(pcm, -1.0, 1.0)  # as the offline waveform is clamped before it is resampled
+        if self.resampler is not None:
+            pcm = self.resampler.feed(pcm, last)
+        return to_pcm16(pcm).tobytes()
+
+
+@dataclass
+class SongState:
+    """What the API server knows of one song; GET /v1/songs/{id} returns it (without `stop`)."""
+
+    id: str
+    seed: int
+    frame_budget: int
+    format: str
+    sample_rate: int
+    state: str = "running"  # running | done | failed | cancelled
+    error: str | None = None
+    frames: int | None = None
+    ended_by: str | None = None
+    samples_sent: int = 0  # per channel, at the output rate
+    stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def public(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"}
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _describe(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append("the body must be a JSON object, sent with Content-Type: application/json")
+            continue
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+async def _pull(events: AsyncIterator[Event]) -> Event:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:  # not an exception a task may carry
+        return Failed("", "the engine ended the song without a Done or Failed event")
+
+
+async def _next_event(events: AsyncIterator[Event], stop: asyncio.Event) -> Event | None:
+    """The song's next event, or None once `stop` is set (DELETE or a client gone); then the engine generator
+    is closed, which cancels the song in the engine."""
+    if stop.is_set():
+        return None
+    step, halt = asyncio.ensure_future(_pull(events)), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({step, halt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+        if not step.done():
+            step.cancel()  # raises CancelledError inside the engine generator: its finally cancels the song
+            await asyncio.wait({step})
+    return None if step.cancelled() else step.result()
+
+
+async def _watch_disconnect(request: Request, stop: asyncio.Event) -> None:
+    """Set `stop` when the client goes away (the request body has been read, so only http.disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stop.set()
+
+
+class SongStream(StreamingResponse):
+    """A streaming response that stops its song when the client disconnects, whatever the ASGI version, and
+    always closes its body generator (so the engine generator's cleanup runs at once, not at garbage collection)."""
+
+    def __init__(self, content: AsyncIterator[bytes], song: SongState, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.song = song
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watcher = asyncio.ensure_future(_watch_disconnect(Request(scope, receive), self.song.stop))
+        try:
+            await self.stream_response(send)
+        except OSError:  # the client went away between two chunks (ASGI 2.4 servers raise on send)
+            self.song.stop.set()
+        finally:
+            watcher.cancel()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class SongService:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.running: dict[str, SongState] = {}
+        self.pending: dict[str, asyncio.Event] = {}  # client-given ids still waiting for acceptance
+        self.finished: OrderedDict[str, SongState] = OrderedDict()
+
+    def lookup(self, song: str) -> SongState | None:
+        return self.running.get(song) or self.finished.get(song)
+
+    def finish(self, song: SongState, state: str, error: str | None = None) -> None:
+        if song.state == "running":
+            song.state, song.error = state, error
+        self.running.pop(song.id, None)
+        self.finished[song.id] = song
+        while len(self.finished) > KEEP_FINISHED:
+            self.finished.popitem(last=False)
+
+    def cancel(self, song_id: str) -> None:
+        song = self.running.get(song_id)
+        stop = song.stop if song is not None else self.pending.get(song_id)
+        if stop is not None:
+            stop.set()  # ends the client's response; closing the engine generator cancels it there too
+        self.engine.cancel(song_id)
+
+    async def create(self, body: SongBody, request: Request) -> Response:
+        song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
+        if body.steps is not None:
+            song_request.steps = body.steps
+        events, stop = self.engine.submit(song_request), asyncio.Event()
+        owner = body.id is not None and self.pending.setdefault(body.id, stop) is stop
+        try:  # wait for acceptance, so input errors are still proper HTTP errors
+            first = await anext(events)
+        except InputError as exc:
+            return _error(400, str(exc))
+        except BaseException:
+            await events.aclose()
+            raise
+        finally:
+            if owner:
+                del self.pending[body.id]
+        if not isinstance(first, Accepted):
+            await events.aclose()
+            message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
+            return _error(400 if isinstance(first, Failed) else 500, message)
+        song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
+        self.running[song.id] = song
+        headers = {
+            "X-Song-Id": song.id, "X-Seed": str(song.seed), "X-Frame-Budget": str(song.frame_budget),
+            "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
+            "X-Channels": str(CHANNELS), "Cache-Control": "no-store",
+        }
+        if body.stream:
+            headers["X-Accel-Buffering"] = "no"  # ask proxies not to buffer the stream
+            return SongStream(self.stream(song, events), song, headers=headers, media_type=MEDIA_TYPES[song.format])
+        return await self.whole(song, events, request, headers)
+
+    async def stream(self, song: SongState, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+        encoder = PcmEncoder(song.sample_rate)
+        try:
+            if song.format == "wav":
+                yield wav_header(song.sample_rate)
+            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                async for data in audio:
+                    yield data
+            if song.state == "failed":
+                raise SongFailedMidStream(f"song {song.id} failed after {song.samples_sent} samples: {song.error}")
+        finally:
+            await events.aclose()
+            self.finish(song, "cancelled")
+
+    async def whole(self, song: SongState, events: AsyncIterator[Event], request: Request, headers: dict) -> Response:
+        watcher = asyncio.ensure_future(_watch_disconnect(request, song.stop))
+        try:
+            async with contextlib.aclosing(self.audio(song, events, PcmEncoder(song.sample_rate))) as audio:
+                data = b"".join([piece async for piece in audio])
+        finally:
+            watcher.cancel()
+            await events.aclose()
+            self.finish(song, "cancelled")
+        if song.state == "failed":
+            return _error(500, f"song {song.id} failed: {song.error}", headers)
+        if song.state != "done":
+            return _error(409, f"song {song.id} was cancelled before it was finished", headers)
+        if song.format == "wav":
+            data = wav_header(song.sample_rate, len(data)) + data
+        return Response(data, media_type=MEDIA_TYPES[song.format], headers=headers)
+
+    async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[bytes]:
+        """PCM bytes of each window as it arrives; sets the song's state when it ends."""
+        while song.state == "running":
+            event = await _next_event(events, song.stop)
+            if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
+                self.finish(song, "cancelled")
+            elif isinstance(event, AudioChunk):
+                data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
+                song.samples_sent += len(data) // (2 * CHANNELS)
+                if data:
+                    yield data
+            elif isinstance(event, Done):
+                tail = await asyncio.to_thread(encoder.feed, np.zeros((CHANNELS, 0), np.float32), True)
+                song.samples_sent += len(tail) // (2 * CHANNELS)
+                if tail:
+                    yield tail
+                song.frames, song.ended_by = event.frames, event.ended_by
+                self.finish(song, "done")
+            elif isinstance(event, Failed):
+                log.error("song failed", extra={"song": song.id, "error": event.message, "samples": song.samples_sent})
+                self.finish(song, "failed", event.message)
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The HTTP API over a running engine; the caller owns the engine (and closes it after the server stops)."""
+    app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written")
+    service = SongService(engine)
+    app.state.songs = service
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, _describe(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        if exc.status_code in (204, 304):
+            return Response(status_code=exc.status_code, headers=exc.headers)
+        return _error(exc.status_code, str(exc.detail), exc.headers)
+
+    @app.post("/v1/songs", response_model=None)
+    async def create_song(body: SongBody, request: Request) -> Response:
+        return await service.create(body, request)
+
+    @app.get("/v1/songs/{song_id}")
+    async def song_status(song_id: str) -> JSONResponse:
+        song = service.lookup(song_id)
+        if song is None:
+            return _error(404, f"no song {song_id!r} is running or finished recently")
+        return JSONResponse(song.public())
+
+    @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)
+    async def cancel_song(song_id: str) -> Response:
+        service.cancel(song_id)
+        return Response(status_code=204)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
+
+    return app
+
+
+SHUTDOWN_GRACE_S = 10  # on SIGINT/SIGTERM, songs still streaming get this long, then they are cancelled
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
+    """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
+    uvicorn.run(create_app(engine), host=host, port=port, log_config=None, log_level=log_level.lower(),
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

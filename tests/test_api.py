@@ -1,0 +1,337 @@
+"""The HTTP API on the CPU: a real uvicorn server in a thread over an Engine on the tiny checkpoint.
+
+Streams are compared sample for sample (int16, +-1 LSB) with the engine's own events, which match the offline
+pipeline to 1e-3; cancellation by DELETE,
+by a client that goes away and by a failing stage is checked against the engine's state and its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import math
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+import wave
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from music3serve import cli, contract
+from music3serve.pipeline import Pipeline
+from music3serve.serving.api import create_app
+from music3serve.serving.audio_io import resample, to_pcm16
+from music3serve.serving.engine import AudioChunk, Engine, SongRequest
+
+SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
+LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
+SHORT = 2
+TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def songs(engine: Engine) -> dict[int, np.ndarray]:
+    """The song per duration as the engine's own events carry it (float32, 44.1 kHz), checked against the
+    offline pipeline. Those two differ by rounding (decode attention vs SDPA in the talker, amplified by the
+    tiny random DiT; tests/test_engine.py measured 5.6e-5, about 2 LSB), so the API is held to the engine's
+    events to +-1 LSB and to the offline pipeline to the engine tests' 1e-3."""
+
+    async def collect(duration: float) -> np.ndarray:
+        request = SongRequest(SONG["caption"], SONG["lyrics"], duration, SONG["seed"], SONG["steps"])
+        pcm = [e.pcm async for e in engine.submit(request) if isinstance(e, AudioChunk)]
+        return np.concatenate(pcm, axis=-1)
+
+    pipe = Pipeline(engine.models)
+    out = {}
+    for duration in (SHORT, LONG):
+        out[duration] = asyncio.run(asyncio.wait_for(collect(duration), 60))
+        offline = pipe.generate(SONG["caption"], SONG["lyrics"], duration, SONG["seed"], steps=SONG["steps"]).waveform
+        assert out[duration].shape == offline.shape
+        assert np.abs(np.clip(out[duration], -1, 1) - offline).max() < 1e-3
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: Engine):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_config=None, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+@pytest.fixture
+def client(base_url: str):
+    with httpx.Client(base_url=base_url, timeout=TIMEOUT) as client:
+        yield client
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    text = client.get("/metrics").text
+    match = re.search(rf"^{name}_total ([0-9.e+]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def samples(body: bytes) -> np.ndarray:
+    assert len(body) % 4 == 0
+    return np.frombuffer(body, dtype="<i2").reshape(-1, 2)
+
+
+def assert_close_pcm(got: np.ndarray, want: np.ndarray) -> None:
+    """int16 samples equal to +-1 LSB (float rounding before the conversion)."""
+    assert got.shape == want.shape
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+def parse_wav(body: bytes, streaming: bool) -> tuple[int, np.ndarray]:
+    riff, size, wave_, fmt, fmt_size, tag, channels, rate, byte_rate, block, bits, data, data_size = struct.unpack(
+        "<4sI4s4sIHHIIHH4sI", body[:44]
+    )
+    assert (riff, wave_, fmt, data) == (b"RIFF", b"WAVE", b"fmt ", b"data")
+    assert (fmt_size, tag, channels, bits, block, byte_rate) == (16, 1, 2, 16, 4, rate * 4)
+    if streaming:
+        assert size == data_size == 0xFFFFFFFF
+    else:
+        assert data_size == len(body) - 44 and size == len(body) - 8
+    return rate, samples(body[44:])
+
+
+def wait_until(condition, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def engine_idle(engine: Engine, song: str) -> bool:
+    return song not in engine._clients and not engine.talker.busy
+
+
+# --- audio ------------------------------------------------------------------------------------------------
+def test_streaming_wav_equals_the_song_and_arrives_before_it_ends(client, songs):
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": LONG}) as response:
+        assert response.status_code == 200, response.read()
+        headers = response.headers
+        assert headers["content-type"] == "audio/wav"
+        assert (headers["x-seed"], headers["x-frame-budget"], headers["x-sample-rate"]) == ("0", "250", "44100")
+        body, status_while_streaming = b"", None
+        for piece in response.iter_bytes():
+            body += piece
+            if status_while_streaming is None and len(body) > 44 + 4 * contract.SAMPLE_RATE:
+                status_while_streaming = client.get(f"/v1/songs/{headers['x-song-id']}").json()["state"]
+    assert status_while_streaming == "running"  # the first window reached us before the last was rendered
+    rate, pcm = parse_wav(body, streaming=True)
+    assert rate == 44100
+    assert_close_pcm(pcm, to_pcm16(songs[LONG]))
+    assert (pcm != 0).any()
+    status = client.get(f"/v1/songs/{headers['x-song-id']}").json()
+    assert status["state"] == "done" and status["frames"] == 250 and status["samples_sent"] == len(pcm)
+
+
+def test_streaming_32k_has_no_gaps_between_windows(client, songs):
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": LONG, "sample_rate": 32000}) as response:
+        assert response.status_code == 200 and response.headers["x-sample-rate"] == "32000"
+        body = response.read()
+    rate, pcm = parse_wav(body, streaming=True)
+    assert rate == 32000
+    assert_close_pcm(pcm, to_pcm16(resample(songs[LONG], 44100, 32000)))
+
+
+def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "format": "pcm"}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/octet-stream"
+        assert (response.headers["x-sample-rate"], response.headers["x-channels"]) == ("44100", "2")
+        body = response.read()
+    assert len(body) == songs[SHORT].shape[-1] * 4
+    assert_close_pcm(samples(body), to_pcm16(songs[SHORT]))
+
+
+def test_non_streaming_response_is_a_complete_wav(client, songs):
+    response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "sample_rate": 32000})
+    assert response.status_code == 200 and response.headers["content-length"] == str(len(response.content))
+    rate, pcm = parse_wav(response.content, streaming=False)
+    with wave.open(io.BytesIO(response.content)) as f:
+        assert (f.getframerate(), f.getnchannels(), f.getnframes()) == (32000, 2, len(pcm))
+    assert len(pcm) == math.ceil(songs[SHORT].shape[-1] * 320 / 441)
+    assert_close_pcm(pcm, to_pcm16(resample(songs[SHORT], 44100, 32000)))
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"caption": ""}, "caption"),
+        ({"caption": "   "}, "caption"),
+        ({"lyrics": None}, "lyrics"),
+        ({"duration": 0}, "duration"),
+        ({"duration": -3}, "duration"),
+        ({"duration": 361}, "duration"),
+        ({"duration": "ten"}, "duration"),
+        ({"lyrics": "[verse]\n" + "la " * 6000}, "5000 tokens"),
+        ({"format": "mp3"}, "format"),
+        ({"sample_rate": 48000}, "sample_rate"),
+        ({"seed": "1"}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"steps": 0}, "steps"),
+        ({"stream": "yes"}, "stream"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"id": "has spaces"}, "id"),
+    ],
+)
+def test_bad_requests_are_400_and_never_reach_the_engine(client, change, needle):
+    requests = metric(client, "music3_requests")
+    response = client.post("/v1/songs", json={**SONG, "duration": SHORT, **change})
+    assert response.status_code == 400
+    assert needle in response.json()["error"]
+    assert metric(client, "music3_requests") == requests
+
+
+def test_malformed_json_and_unknown_routes(client):
+    response = client.post("/v1/songs", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]
+    assert client.get("/v1/nothing").status_code == 404
+    assert client.get("/v1/songs/never-seen").status_code == 404
+
+
+# --- cancellation and failure -----------------------------------------------------------------------------
+def test_delete_cancels_a_streaming_song(client, engine):
+    requests, failures = metric(client, "music3_requests"), metric(client, "music3_failures")
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
+        assert response.status_code == 200
+        song = response.headers["x-song-id"]
+        pieces = response.iter_bytes()
+        body = next(pieces)
+        while len(body) <= 44:  # past the header: the first window has arrived
+            body += next(pieces)
+        assert client.delete(f"/v1/songs/{song}").status_code == 204
+        body += b"".join(pieces)  # the stream ends cleanly, short of the song
+    seconds = (len(body) - 44) / 4 / contract.SAMPLE_RATE
+    assert 0 < seconds < 20
+    assert client.get(f"/v1/songs/{song}").json()["state"] == "cancelled"
+    wait_until(lambda: engine_idle(engine, song))
+    steps = metric(client, "music3_talker_steps")
+    time.sleep(0.3)
+    assert metric(client, "music3_talker_steps") == steps  # the talker stopped writing it
+    assert metric(client, "music3_requests") == requests + 1
+    assert metric(client, "music3_failures") == failures  # a cancel is not a failure
+    assert client.delete(f"/v1/songs/{song}").status_code == 204  # idempotent
+
+
+def test_client_disconnect_cancels_the_song(client, engine):
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
+        song = response.headers["x-song-id"]
+        assert next(response.iter_raw())[:4] == b"RIFF"
+    # Leaving the block closes the connection with the body unread.
+    wait_until(lambda: client.get(f"/v1/songs/{song}").json()["state"] == "cancelled")
+    wait_until(lambda: engine_idle(engine, song))
+
+
+def test_delete_cancels_a_non_streaming_song(base_url, client, engine):
+    outcome = {}
+
+    def post():
+        with httpx.Client(base_url=base_url, timeout=TIMEOUT) as other:
+            body = {**SONG, "duration": 60, "stream": False, "id": "whole-1"}
+            outcome["response"] = other.post("/v1/songs", json=body)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    wait_until(lambda: client.get("/v1/songs/whole-1").status_code == 200)
+    assert client.delete("/v1/songs/whole-1").status_code == 204
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    response = outcome["response"]
+    assert response.status_code == 409 and "cancelled" in response.json()["error"]
+    wait_until(lambda: engine_idle(engine, "whole-1"))
+
+
+def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
+    def broken(batch):
+        raise RuntimeError("out of tiny memory")
+
+    monkeypatch.setattr(engine.renderer, "render", broken)
+    failures = metric(client, "music3_failures")
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT}) as response:
+        assert response.status_code == 200  # accepted: the failure comes after the headers
+        song = response.headers["x-song-id"]
+        with pytest.raises(httpx.RemoteProtocolError):
+            response.read()
+    status = client.get(f"/v1/songs/{song}").json()
+    assert status["state"] == "failed" and "out of tiny memory" in status["error"]
+    assert metric(client, "music3_failures") == failures + 1
+
+
+# --- service endpoints and wiring -------------------------------------------------------------------------
+def test_health_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "music3_requests_total" in response.text and "music3_first_audio_seconds" in response.text
+
+
+def test_fastapi_is_imported_only_by_the_api_module():
+    root = Path(cli.__file__).parent
+    users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
+        r"^\s*(from|import) (fastapi|starlette|uvicorn)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
+    assert users == {"serving/api.py"}
+
+
+@pytest.fixture
+def root_logger():
+    """cli.main sets up logging; put the root logger back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, root_logger):
+    calls = {}
+
+    class FakeEngine:
+        def close(self):
+            calls["closed"] = True
+
+    def from_pretrained(root, deploy, device):
+        calls["engine"] = (Path(root), deploy.stages[0].max_num_seqs, device)
+        return FakeEngine()
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(app=app, **kw))
+    assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8123"]) == 0
+    assert calls["engine"] == (tmp_path, 16, "cpu") and calls["closed"]
+    assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
+    assert {r.path for r in calls["app"].routes} >= {"/v1/songs", "/v1/songs/{song_id}", "/health", "/metrics"}
+
+
+def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, root_logger):
+    monkeypatch.delitem(sys.modules, "music3serve.serving.api")  # import it afresh, without uvicorn
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    assert cli.main(["serve", "--tiny"]) == 2
+    assert "pip install 'music3serve[serve]'" in capsys.readouterr().err
