@@ -90,6 +90,12 @@ class Talker:
         if config.fuse and self.device.type == "cuda":
             enable_fusion()
         self.step_fn = FrameStep(lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs)
+        # Step outputs come back through pinned buffers and an event on the talker's own stream: a pageable
+        # copy could wait for work of other streams (the renderer's long DiT graphs) before returning.
+        pinned = self.device.type == "cuda"
+        self._host_codes = torch.empty((pairs, contract.NUM_CODEBOOKS), dtype=torch.int64, pin_memory=pinned)
+        self._host_ended = torch.empty(pairs, dtype=torch.bool, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]
         self.songs: dict[str, _Song] = {}
@@ -168,7 +174,12 @@ class Talker:
         step = self.step_fn
         count = len(self.active)
         step(2 * count)
-        codes, ended = step.codes[:count].to("cpu", copy=True), step.ended[:count].to("cpu", copy=True)
+        self._host_codes[:count].copy_(step.codes[:count], non_blocking=True)
+        self._host_ended[:count].copy_(step.ended[:count], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._copied.synchronize()
+        codes, ended = self._host_codes[:count].clone(), self._host_ended[:count].clone()
         events: list[Event] = []
         finished: list[_Song] = []
         for p, song in enumerate(self.active):
