@@ -15,7 +15,6 @@ import secrets
 import threading
 import time
 import uuid
-from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
@@ -25,7 +24,7 @@ import torch
 
 from .. import contract
 from ..acoustic.precision import PrecisionPolicy
-from ..acoustic.renderer import Renderer, WindowPayload
+from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..checkpoint import Music3Models, load_models
 from ..errors import InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
@@ -33,6 +32,7 @@ from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .deploy_config import DeployConfig, load_deploy_config
 from .metrics import EngineMetrics
+from .render_loop import RenderLoop
 
 log = logging.getLogger(__name__)
 
@@ -252,57 +252,42 @@ class Engine:
     # Stage 1 thread.
     def _renderer_loop(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            while not self._stop.is_set():
-                self._take_windows(pending, stream, block=not pending)
-                batch = [q.popleft() for q in list(pending.values())[: self.renderer.max_batch]]
-                for song in [s for s, q in pending.items() if not q]:
-                    del pending[song]
-                if batch:
-                    self._render(batch)
+            RenderLoop(self.renderer, lambda block: self._take_windows(stream, block), self._on_chunk, self._on_render_error).run()
 
-    def _take_windows(self, pending: dict[str, deque[WindowPayload]], stream, block: bool) -> None:
+    def _take_windows(self, stream, block: bool) -> list[tuple]:
+        """Everything queued for stage 1 (waiting up to 50 ms if asked to block); stop once closing."""
+        items = []
         try:
-            item = self._windows.get(timeout=0.05) if block else self._windows.get_nowait()
+            items.append(self._windows.get(timeout=0.05) if block else self._windows.get_nowait())
+            while True:
+                items.append(self._windows.get_nowait())
         except queue.Empty:
-            return
-        while True:
-            if item[0] == "window":
-                _, payload, ready = item
-                if ready is not None:
-                    stream.wait_event(ready)
-                    payload.mixed.record_stream(stream)
-                pending[payload.song].append(payload)
-            elif item[0] == "cancel":
-                pending.pop(item[1], None)
-                self.renderer.cancel(item[1])
-            try:
-                item = self._windows.get_nowait()
-            except queue.Empty:
-                return
+            pass
+        for item in items:
+            if item[0] == "window" and item[2] is not None:  # the talker stream's writes come first
+                stream.wait_event(item[2])
+                item[1].mixed.record_stream(stream)
+        if self._stop.is_set():
+            items.append(("stop",))
+        return [item[:2] for item in items]
 
-    def _render(self, batch: list[WindowPayload]) -> None:
-        try:
-            rendered = self.renderer.render(batch)
-        except Exception as exc:
-            log.exception("render failed")
-            for payload in batch:
-                self._fail(payload.song, f"stage 1 failed: {exc}")
-                self.cancel(payload.song)  # stops its talker rows and drops its later windows
-            return
-        self.metrics.windows.inc(len(rendered))
+    def _on_render_error(self, song: str, message: str) -> None:
+        self._fail(song, message)
+        self.cancel(song)  # stops its talker rows and drops its later windows
+
+    def _on_chunk(self, out: RenderedWindow) -> None:
+        self.metrics.windows.inc()
         now = time.perf_counter()
-        for out in rendered:
-            client = self._clients.get(out.song)
-            if client is None:
-                continue
-            if client.first_audio is None:
-                client.first_audio = now
-                self.metrics.first_audio.observe(now - client.submitted)
-            self._emit(out.song, AudioChunk(out.song, out.window.index, out.pcm.numpy(), out.window.last))
-            if out.window.last:
-                self._done(out.song, client, now)
+        client = self._clients.get(out.song)
+        if client is None:
+            return
+        if client.first_audio is None:
+            client.first_audio = now
+            self.metrics.first_audio.observe(now - client.submitted)
+        self._emit(out.song, AudioChunk(out.song, out.window.index, out.pcm.numpy(), out.window.last))
+        if out.window.last:
+            self._done(out.song, client, now)
 
     def _done(self, song: str, client: _Client, now: float) -> None:
         finished = client.finished

@@ -1,0 +1,58 @@
+"""Stage 1's work loop, the same in a thread beside the talker and in a separate worker process."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict, deque
+from typing import Callable, Iterable
+
+from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+
+log = logging.getLogger(__name__)
+
+# An inbox item: ("window", WindowPayload) | ("cancel", song) | ("stop",)
+Inbox = Callable[[bool], Iterable[tuple]]
+
+
+class RenderLoop:
+    """Windows queue per song; each render call takes the next window of up to max_batch songs."""
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        inbox: Inbox,
+        on_chunk: Callable[[RenderedWindow], None],
+        on_error: Callable[[str, str], None],
+    ):
+        self.renderer, self.inbox, self.on_chunk, self.on_error = renderer, inbox, on_chunk, on_error
+        self.pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
+
+    def run(self) -> None:
+        """Until a ("stop",) item arrives."""
+        while True:
+            for item in self.inbox(not self.pending):  # block only when there is nothing to render
+                if item[0] == "stop":
+                    return
+                if item[0] == "window":
+                    self.pending[item[1].song].append(item[1])
+                elif item[0] == "cancel":
+                    self.pending.pop(item[1], None)
+                    self.renderer.cancel(item[1])
+            batch = [q.popleft() for q in list(self.pending.values())[: self.renderer.max_batch]]
+            for song in [s for s, q in self.pending.items() if not q]:
+                del self.pending[song]
+            if batch:
+                self.render(batch)
+
+    def render(self, batch: list[WindowPayload]) -> None:
+        try:
+            rendered = self.renderer.render(batch)
+        except Exception as exc:  # a failed render fails its songs, never the loop
+            log.exception("render failed")
+            for payload in batch:
+                self.pending.pop(payload.song, None)
+                self.renderer.cancel(payload.song)
+                self.on_error(payload.song, f"stage 1 failed: {exc}")
+            return
+        for out in rendered:
+            self.on_chunk(out)
