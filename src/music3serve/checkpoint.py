@@ -222,8 +222,8 @@ class Music3Models:
     language_model: LanguageModel
     depth_decoder: DepthDecoder
     condition_encoder: ConditionEncoder
-    dit: DiT
-    vocoder: Vocoder
+    dit: DiT | None  # None where stage 1 runs in another process
+    vocoder: Vocoder | None
 
 
 def check_layout(root: Path) -> None:
@@ -244,8 +244,10 @@ def load_models(
     device: torch.device | str = "cpu",
     talker_dtype: torch.dtype | None = None,
     acoustic_dtype: torch.dtype = torch.float32,
+    acoustic: bool = True,
 ) -> Music3Models:
-    """Every component on `device`; the talker in bf16 on CUDA (float32 on the CPU) unless told otherwise."""
+    """Every component on `device`; the talker in bf16 on CUDA (float32 on the CPU) unless told otherwise.
+    With acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process)."""
     root = Path(root)
     check_layout(root)
     if talker_dtype is None:
@@ -255,6 +257,6 @@ def load_models(
         language_model=load_component(root, "language_model", device, talker_dtype),
         depth_decoder=load_component(root, "depth_decoder", device, talker_dtype),
         condition_encoder=load_component(root, "condition_encoder", device, torch.float32),
-        dit=load_component(root, "dit", device, acoustic_dtype),
-        vocoder=load_component(root, "vocoder", device, acoustic_dtype),
+        dit=load_component(root, "dit", device, acoustic_dtype) if acoustic else None,
+        vocoder=load_component(root, "vocoder", device, acoustic_dtype) if acoustic else None,
     )

@@ -33,6 +33,7 @@ from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .deploy_config import DeployConfig, load_deploy_config
 from .metrics import EngineMetrics
 from .render_loop import RenderLoop
+from .worker import RenderWorker, chunk_window
 
 log = logging.getLogger(__name__)
 
@@ -91,36 +92,62 @@ class _Client:
 
 
 class Engine:
-    def __init__(self, models: Music3Models, deploy: DeployConfig | None = None):
+    def __init__(self, models: Music3Models, deploy: DeployConfig | None = None, worker: RenderWorker | None = None):
+        """Colocated: both stages here (models hold all five components). Split: stage 1 runs in `worker`."""
         deploy = deploy or load_deploy_config()
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
         stage1 = deploy.stages[1]
         self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
-        self.renderer = Renderer.from_models(
-            models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
-        )
-        self.renderer.warmup(range(1, stage1.render_batch + 1))
+        self.worker = worker
+        if worker is None:
+            self.renderer = Renderer.from_models(
+                models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
+            )
+            self.renderer.warmup(range(1, stage1.render_batch + 1))
         self.metrics = EngineMetrics()
         self._clients: dict[str, _Client] = {}
         self._control: queue.Queue = queue.Queue()
         self._windows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
+        self._awaiting: dict[str, tuple[int, float | None, bool]] = {}  # split: windows out, deadline, answered
+        self._awaiting_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
-            threading.Thread(target=self._guarded, args=(self._renderer_loop,), name="music3-renderer", daemon=True),
+            threading.Thread(
+                target=self._guarded,
+                args=(self._renderer_loop if worker is None else self._receiver_loop,),
+                name="music3-stage1",
+                daemon=True,
+            ),
         ]
         for thread in self._threads:
             thread.start()
 
     @classmethod
-    def from_pretrained(cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None) -> "Engine":
+    def from_pretrained(
+        cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None, split: bool | None = None
+    ) -> "Engine":
+        """Stages whose `devices` differ run split (stage 1 in a worker process); `device` overrides both stages'
+        devices (e.g. "cpu" for tests); `split` forces the placement either way."""
         deploy = deploy or load_deploy_config()
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        talker_dtype = getattr(torch, deploy.stages[0].dtype) if device != "cpu" else torch.float32
-        return cls(load_models(Path(root), device=device, talker_dtype=talker_dtype), deploy)
+        s0, s1 = deploy.stages
+        if device is None:
+            device0, device1 = (f"cuda:{s.devices}" for s in (s0, s1)) if torch.cuda.is_available() else ("cpu", "cpu")
+        else:
+            device0 = device1 = device
+        split = (s0.devices != s1.devices and device is None) if split is None else split
+        talker_dtype = getattr(torch, s0.dtype) if device0 != "cpu" else torch.float32
+        models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split)
+        worker = RenderWorker(root, device1, s1, deploy.connector) if split else None
+        try:
+            return cls(models, deploy, worker)
+        except BaseException:
+            if worker is not None:
+                worker.close()
+            raise
 
     # Public API.
     async def submit(self, request: SongRequest) -> AsyncIterator[Event]:
@@ -143,6 +170,8 @@ class Engine:
     def cancel(self, song: str) -> None:
         """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed."""
         self._emit(song, Failed(song, "cancelled"))
+        with self._awaiting_lock:
+            self._awaiting.pop(song, None)
         self._control.put(("cancel", song))
 
     def close(self) -> None:
@@ -154,6 +183,8 @@ class Engine:
         self._windows.put(("stop",))
         for thread in self._threads:
             thread.join(timeout=30)
+        if self.worker is not None:
+            self.worker.close()
 
     def _validate(self, request: SongRequest):
         if self._broken:
@@ -218,7 +249,11 @@ class Engine:
                             client.finished = event
                     elif isinstance(event, WindowReady):
                         payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
-                        self._windows.put(("window", payload, ready))
+                        if self.worker is None:
+                            self._windows.put(("window", payload, ready))
+                        else:
+                            self._expect_chunk(payload.song)
+                            self.worker.send_window(payload)
                     elif isinstance(event, SongFailed):
                         self._fail(event.song, event.message)
                 for event in events:
@@ -243,7 +278,10 @@ class Engine:
             elif item[0] == "cancel":
                 self.talker.cancel(item[1])
                 steps.pop(item[1], None)
-                self._windows.put(("cancel", item[1]))
+                if self.worker is None:
+                    self._windows.put(("cancel", item[1]))
+                else:
+                    self.worker.send_cancel(item[1])
             try:
                 item = self._control.get_nowait()
             except queue.Empty:
@@ -271,6 +309,51 @@ class Engine:
         if self._stop.is_set():
             items.append(("stop",))
         return [item[:2] for item in items]
+
+    # Stage 1 in a worker process: this thread receives its PCM.
+    def _expect_chunk(self, song: str) -> None:
+        """A window went to the worker: its answer is due within the connector's wait (longer for the first)."""
+        with self._awaiting_lock:
+            outstanding, deadline, answered = self._awaiting.get(song, (0, None, False))
+            if deadline is None:
+                wait = self.worker.timeout_s if answered else self.worker.first_chunk_timeout_s
+                deadline = time.monotonic() + wait
+            self._awaiting[song] = (outstanding + 1, deadline, answered)
+
+    def _chunk_arrived(self, song: str, last: bool) -> None:
+        with self._awaiting_lock:
+            outstanding = self._awaiting.get(song, (1, None, True))[0] - 1
+            if last:
+                self._awaiting.pop(song, None)
+            elif outstanding <= 0:
+                self._awaiting[song] = (0, None, True)  # nothing due until the next window goes out
+            else:
+                self._awaiting[song] = (outstanding, time.monotonic() + self.worker.timeout_s, True)
+
+    def _overdue(self) -> list[str]:
+        now = time.monotonic()
+        with self._awaiting_lock:
+            late = [song for song, (_, deadline, _) in self._awaiting.items() if deadline is not None and now > deadline]
+            for song in late:
+                del self._awaiting[song]
+        return late
+
+    def _receiver_loop(self) -> None:
+        while not self._stop.is_set():
+            for song in self._overdue():
+                self._fail(song, "stage 1 sent no audio within the connector wait "
+                                 f"({self.worker.first_chunk_timeout_s:g} s first, {self.worker.timeout_s:g} s later)")
+                self.cancel(song)
+            message = self.worker.receive(0.05)
+            if message is None:
+                if not self.worker.alive():
+                    self.worker.connector.cleanup(self.worker.process.pid)
+                    raise Music3Error(f"the stage-1 worker died (exit code {self.worker.process.exitcode})")
+            elif message.key == "chunk":
+                self._chunk_arrived(message.meta["song"], message.meta["last"])
+                self._on_chunk(chunk_window(message))
+            elif message.key == "failed":
+                self._on_render_error(message.meta["song"], message.meta["message"])
 
     def _on_render_error(self, song: str, message: str) -> None:
         self._fail(song, message)

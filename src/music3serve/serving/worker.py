@@ -1,0 +1,133 @@
+"""Stage 1 in its own process, joined to the engine by the configured connector (the split placement)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ..acoustic.precision import PrecisionPolicy
+from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..acoustic.windows import Window
+from ..checkpoint import load_component
+from ..errors import Music3Error
+from .connectors import ConnectorTimeout, Message, make_connector, timeouts
+from .deploy_config import ConnectorConfig, Stage1Config
+from .render_loop import RenderLoop
+
+log = logging.getLogger(__name__)
+
+WINDOWS, PCM = "stage0_to_stage1", "stage1_to_engine"
+STARTUP_TIMEOUT_S = 1800.0  # loading 10 GB of acoustic weights and capturing graphs
+
+
+def window_message(payload: WindowPayload) -> Message:
+    w = payload.window
+    meta = {"song": payload.song, "seed": payload.seed, "steps": payload.steps,
+            "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
+    return Message("window", meta, {"mixed": payload.mixed.float().cpu()})
+
+
+def window_payload(message: Message) -> WindowPayload:
+    m = message.meta
+    window = Window(m["index"], m["start"], m["frames"], m["last"])
+    return WindowPayload(m["song"], m["seed"], window, message.tensors["mixed"], m["steps"])
+
+
+def chunk_window(message: Message) -> RenderedWindow:
+    m = message.meta
+    window = Window(m["index"], m["start"], m["frames"], m["last"])
+    return RenderedWindow(m["song"], window, torch.from_numpy(np.asarray(message.tensors["pcm"])), torch.empty(0))
+
+
+def worker_main(root: str, device: str, stage1: Stage1Config, connector) -> None:
+    """The worker process: load the acoustic stage, then render windows until told to stop."""
+    names = ("condition_encoder", "dit", "vocoder")
+    models = SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
+    renderer = Renderer.from_models(
+        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
+    )
+    renderer.warmup(range(1, stage1.render_batch + 1))
+    connector.put(PCM, Message("ready", {}, {}))
+
+    def inbox(block: bool) -> list[tuple]:
+        items = []
+        try:
+            message = connector.get(WINDOWS, 0.05 if block else 0)
+            while True:
+                items.append(("window", window_payload(message)) if message.key == "window" else
+                             (message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
+                message = connector.get(WINDOWS, 0)
+        except ConnectorTimeout:
+            return items
+
+    def on_chunk(out: RenderedWindow) -> None:
+        w = out.window
+        meta = {"song": out.song, "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
+        connector.put(PCM, Message("chunk", meta, {"pcm": out.pcm}))
+
+    def on_error(song: str, message: str) -> None:
+        connector.put(PCM, Message("failed", {"song": song, "message": message}, {}))
+
+    RenderLoop(renderer, inbox, on_chunk, on_error).run()
+    connector.close()
+
+
+class RenderWorker:
+    """Starts the worker process and carries windows to it and PCM back."""
+
+    def __init__(self, root: Path | str, device: str, stage1: Stage1Config, connector: ConnectorConfig):
+        extra = connector.extra.as_extra()
+        self.first_chunk_timeout_s, self.timeout_s = timeouts(extra)
+        self.connector = make_connector(connector.name, extra, channels=(WINDOWS, PCM))
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=worker_main, args=(str(root), device, stage1, self.connector), name="music3-stage1", daemon=True
+        )
+        self.process.start()
+        started = time.monotonic()
+        while True:
+            if not self.process.is_alive():
+                self.close()
+                raise Music3Error(f"the stage-1 worker exited with code {self.process.exitcode} while starting")
+            try:
+                self.connector.get(PCM, 1.0)
+                break
+            except ConnectorTimeout:
+                if time.monotonic() - started > STARTUP_TIMEOUT_S:
+                    self.close()
+                    raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
+
+    def send_window(self, payload: WindowPayload) -> None:
+        self.connector.put(WINDOWS, window_message(payload))
+
+    def send_cancel(self, song: str) -> None:
+        self.connector.put(WINDOWS, Message("cancel", {"song": song}, {}))
+
+    def receive(self, timeout_s: float) -> Message | None:
+        try:
+            return self.connector.get(PCM, timeout_s)
+        except ConnectorTimeout:
+            return None
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def close(self) -> None:
+        """Stop the worker (killing it if it does not stop) and remove every shared-memory segment."""
+        if self.process.is_alive():
+            try:
+                self.connector.put(WINDOWS, Message("stop", {}, {}))
+            except Music3Error:
+                pass
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self.connector.cleanup()
+        self.connector.close()

@@ -1,0 +1,89 @@
+"""The split placement: stage 1 in a worker process behind the shared-memory connector."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from music3serve.errors import Music3Error
+from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
+
+SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
+
+
+async def song_pcm(engine: Engine, seed: int, duration: float) -> np.ndarray | str:
+    chunks = []
+    async for event in engine.submit(SongRequest(f"pop {seed}", "[verse]\nla la", duration, seed=seed, steps=2)):
+        if isinstance(event, AudioChunk):
+            chunks.append(event.pcm)
+        elif isinstance(event, Failed):
+            return event.message
+    return np.concatenate(chunks, axis=-1)
+
+
+def run_songs(engine: Engine) -> list:
+    async def all_songs():
+        return await asyncio.wait_for(asyncio.gather(*(song_pcm(engine, s, d) for s, d in SONGS)), 240)
+
+    return asyncio.run(all_songs())
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu")
+    yield run_songs(engine)
+    engine.close()
+
+
+def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, colocated):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    try:
+        connector = engine.worker.connector
+        split = run_songs(engine)
+    finally:
+        engine.close()
+    for a, b in zip(split, colocated):
+        assert a.shape == b.shape
+        # Windows of different songs can share a render batch in one run and not the other: float32
+        # batching differences only (measured up to 7e-5 absolute on the tiny model).
+        assert np.abs(a - b).max() < 1e-3
+    assert not connector.segments()
+
+
+def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    connector = engine.worker.connector
+    try:
+
+        async def scenario():
+            stream = engine.submit(SongRequest("pop", "[verse]\nla", 30.0, seed=4, steps=2))
+            events = []
+            async for event in stream:
+                events.append(event)
+                if isinstance(event, AudioChunk) and event.window == 0:
+                    os.kill(engine.worker.process.pid, signal.SIGKILL)
+            return events
+
+        events = asyncio.run(asyncio.wait_for(scenario(), 240))
+        assert isinstance(events[-1], Failed) and "worker died" in events[-1].message
+        with pytest.raises(Music3Error, match="worker died"):
+            asyncio.run(song_pcm(engine, 5, 2.0))
+    finally:
+        engine.close()
+    assert not connector.segments()
+
+
+def test_stage1_silence_fails_the_song_after_the_connector_wait(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    engine.worker.first_chunk_timeout_s = 0.3  # the seed's 30 s first-chunk wait, shortened for the test
+    os.kill(engine.worker.process.pid, signal.SIGSTOP)  # alive but silent
+    try:
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 6, 2.0), 120))
+        assert isinstance(result, str) and "no audio within the connector wait" in result
+    finally:
+        os.kill(engine.worker.process.pid, signal.SIGCONT)
+        engine.close()
