@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from safetensors.torch import load_file, save_file
+
+from music3serve import contract
 from music3serve.tiny import write_tiny_checkpoint
 
 # CI runs on 2 cores, often next to other jobs. The tiny models here are made of small ops where a second
@@ -27,6 +32,19 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Treat it as read-only; tests that damage a checkpoint copy it first (shutil.copytree)."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ending_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny checkpoint whose audio_end logit row is tripled, so songs end by themselves."""
+    root = tmp_path_factory.mktemp("ending") / "checkpoint"
+    shutil.copytree(tiny_dir, root)
+    folder = root / "language_model"
+    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    tensors = load_file(folder / shard)
+    tensors["lm_head.weight"][contract.AUDIO_END] *= 3
+    save_file(tensors, folder / shard, metadata={"format": "pt"})
+    return root
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,15 +10,12 @@ queueing happen on the first `__anext__`, which is where InputError surfaces.
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pytest
-from safetensors.torch import load_file, save_file
 
 from music3serve import contract
 from music3serve.acoustic.windows import song_samples, song_windows
@@ -398,16 +395,8 @@ async def _bounded(stream):
 
 
 @pytest.fixture(scope="module")
-def ending_models(tiny_dir: Path, tmp_path_factory):
-    """A copy of the tiny checkpoint with the audio_end logit boosted (as in tests/test_talker_engine.py)."""
-    root = tmp_path_factory.mktemp("engine-ending") / "checkpoint"
-    shutil.copytree(tiny_dir, root)
-    folder = root / "language_model"
-    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
-    tensors = load_file(folder / shard)
-    tensors["lm_head.weight"][contract.AUDIO_END] *= 3
-    save_file(tensors, folder / shard, metadata={"format": "pt"})
-    return load_models(root, "cpu")
+def ending_models(ending_dir: Path):
+    return load_models(ending_dir, "cpu")
 
 
 @pytest.fixture

@@ -7,14 +7,11 @@ and its per-window noise is replaced by ours. Everything else runs as diffusers 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import diffusers.modular_pipelines.minimax_music3.denoise as ref_denoise
 import diffusers.modular_pipelines.minimax_music3.encoders as ref_encoders
@@ -96,19 +93,6 @@ def test_song_equals_reference(ours, reference, monkeypatch, duration, windows, 
     assert song.ended_by == "budget" and song.frames == int(duration * contract.FRAME_RATE)
     assert len(song_windows(song.frames)) == windows
     assert_same_song(song, run_reference(reference, monkeypatch, seed, duration, steps))
-
-
-@pytest.fixture(scope="module")
-def ending_dir(tiny_dir: Path, tmp_path_factory) -> Path:
-    """A copy of the tiny checkpoint whose audio_end logit is boosted, so songs end by themselves."""
-    root = tmp_path_factory.mktemp("ending") / "checkpoint"
-    shutil.copytree(tiny_dir, root)
-    folder = root / "language_model"
-    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
-    tensors = load_file(folder / shard)
-    tensors["lm_head.weight"][contract.AUDIO_END] *= 3
-    save_file(tensors, folder / shard, metadata={"format": "pt"})
-    return root
 
 
 def test_song_ended_by_audio_end_equals_reference(ending_dir, monkeypatch):

@@ -20,7 +20,7 @@ from .models.depth_decoder import DepthDecoder, DepthDecoderConfig
 from .models.dit import DiT, DiTConfig
 from .models.language_model import LanguageModel, LanguageModelConfig
 from .models.vocoder import Vocoder, VocoderConfig
-from .models.weights import ParamSource, Source, WeightNormSource
+from .models.weights import ParamSource, WeightNormSource
 
 
 @dataclass(frozen=True)
