@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}  # uvicorn adds the last
 
 
 class KeyValueFormatter(logging.Formatter):
