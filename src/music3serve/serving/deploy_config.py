@@ -3,305 +3,82 @@
 Every key of the seed deploy file drives this engine. Keys written for another engine's internals are
 accepted where their value can be honored here and refused, with the reason, where it cannot. Unknown keys,
 wrong types (a bool is not an int), out-of-range values and inconsistent combinations raise ConfigError naming
-the file, the key path, the value and what is allowed. Missing keys take the defaults below, which
-`default_deploy.yaml` spells out in full. Every key is described in docs/configuration.md.
+the file, the key path, the value and what is allowed. Missing keys take the defaults of :mod:`.deploy_schema`,
+which `default_deploy.yaml` spells out in full. Every key is described in docs/configuration.md.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import yaml
+from typing import Any
 
 from .. import contract
-from ..errors import Music3Error
+from .deploy_schema import (
+    CONNECTOR,
+    MAX_WINDOWS,
+    MIN_STAGE0_MAX_TOKENS,
+    PIPELINE,
+    SEED_LIMIT,
+    CfgArgs,
+    CompilationConfig,
+    ConnectorConfig,
+    DeployConfig,
+    SharedMemoryExtra,
+    Stage0Config,
+    Stage0Sampling,
+    Stage1Config,
+    Stage1Sampling,
+)
+from .deploy_yaml import ConfigError, Section, bad, is_int, read_deploy_yaml
 
-if TYPE_CHECKING:
-    from ..talker.engine import TalkerConfig
+__all__ = [
+    "CONNECTOR",
+    "CONNECTOR_CLASSES",
+    "CUDAGRAPH_MODES",
+    "MAX_WINDOWS",
+    "MIN_STAGE0_MAX_TOKENS",
+    "PIPELINE",
+    "SEED_LIMIT",
+    "STAGE0_DTYPES",
+    "STAGE1_DTYPES",
+    "CfgArgs",
+    "CompilationConfig",
+    "ConfigError",
+    "ConnectorConfig",
+    "DeployConfig",
+    "SharedMemoryExtra",
+    "Stage0Config",
+    "Stage0Sampling",
+    "Stage1Config",
+    "Stage1Sampling",
+    "load_deploy_config",
+    "parse_deploy_config",
+]
 
-PIPELINE = "minimax_music3"
-CONNECTOR = "connector_of_shared_memory"  # the default connector's name
 CONNECTOR_CLASSES = ("SharedMemoryConnector",)
 STAGE0_DTYPES = ("bfloat16", "float32")
 STAGE1_DTYPES = ("float32", "bfloat16")
 CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")
-MIN_STAGE0_MAX_TOKENS = contract.MAX_FRAMES + 1  # steps of the longest song: the first sampled frame is not emitted
-SEED_LIMIT = 2**63
 
 _REFUSED_GRAPH_MODES = {
     "FULL": "prefill steps always run eager here; only the uniform frame step of decoding songs is captured",
     "PIECEWISE": "this engine captures the whole step as one graph and never splits it around attention",
     "FULL_AND_PIECEWISE": "this engine captures the whole step as one graph and never splits it around attention",
 }
-_NOT_COMPILED = "nothing is compiled here: the steps are our own eager modules, captured as CUDA graphs"
-_REFUSED_COMPILATION_MODES = {1: _NOT_COMPILED, 2: _NOT_COMPILED, 3: _NOT_COMPILED}
-_UNKNOWN_KEY_HINTS = {
-    "input_connectors": " (stage 0 takes its requests from the API server; only stage 1 has input_connectors)",
-    "output_connectors": " (stage 1 is the last stage: its PCM goes to the API server; only stage 0 has them)",
-    "extra_args": " (only stage 0 has extra_args; stage 1's guidance is fixed by the checkpoint)",
-}
+_REFUSED_COMPILATION_MODES = dict.fromkeys(
+    (1, 2, 3), "nothing is compiled here: the steps are our own eager modules, captured as CUDA graphs"
+)
 
 
-class ConfigError(Music3Error, ValueError):
-    """A deploy configuration that cannot be served as written."""
-
-
-@dataclass(frozen=True)
-class SharedMemoryExtra:
-    codec_streaming: bool = True  # PCM goes to the client window by window, else as one piece at the end
-    shm_threshold_bytes: int = 65536  # payloads of this size or more travel in shared memory, smaller ones inline
-    connector_get_sleep_s: float = 0.01  # poll interval of a reader waiting for its next payload
-    connector_get_max_wait_first_chunk_ms: int = 30000  # wait for a song's first window/chunk, then fail the song
-    connector_get_max_wait_ms: int = 10000  # wait for each later one
-
-    def as_extra(self) -> dict[str, Any]:
-        """The `extra` block under its YAML key names (waits in milliseconds), as connectors read it."""
-        return {
-            "codec_streaming": self.codec_streaming,
-            "shm_threshold_bytes": self.shm_threshold_bytes,
-            "connector_get_sleep_s": self.connector_get_sleep_s,
-            "connector_get_max_wait_first_chunk": self.connector_get_max_wait_first_chunk_ms,
-            "connector_get_max_wait": self.connector_get_max_wait_ms,
-        }
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    name: str = "SharedMemoryConnector"
-    extra: SharedMemoryExtra = field(default_factory=SharedMemoryExtra)
-
-
-@dataclass(frozen=True)
-class CompilationConfig:
-    mode: int = 0  # 0 = no compilation, the only mode this engine runs
-    cudagraph_capture_sizes: tuple[int, ...] = (2, 4, 8, 16)
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
-    cudagraph_num_of_warmups: int = 1
-    custom_ops: tuple[str, ...] = ("all",)
-
-
-@dataclass(frozen=True)
-class CfgArgs:
-    cfg_role: str = "cond"
-    cfg_scale: float = contract.AR_CFG_SCALE
-
-
-@dataclass(frozen=True)
-class Stage0Sampling:
-    temperature: float = 1.0
-    max_tokens: int = MIN_STAGE0_MAX_TOKENS
-    seed: int | None = None  # song seed of requests that bring none; None: a fresh random seed per request
-    extra_args: CfgArgs = field(default_factory=CfgArgs)
-
-
-@dataclass(frozen=True)
-class Stage1Sampling:
-    temperature: float = 0.0
-    max_tokens: int = len(contract.window_starts(contract.MAX_FRAMES))  # 89 windows
-    seed: int | None = 0  # draws nothing at temperature 0; DiT noise is keyed by the song's seed
-
-
-@dataclass(frozen=True)
-class Stage0Config:
-    """The talker. Rows, not songs: every song is a cond/uncond pair of rows."""
-
-    stage_id: int = 0
-    max_num_seqs: int = 16
-    gpu_memory_utilization: float = 0.6
-    dtype: str = "bfloat16"
-    max_model_len: int = contract.MAX_CONTEXT
-    max_num_batched_tokens: int = contract.MAX_CONTEXT
-    enforce_eager: bool = False
-    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
-    async_scheduling: bool = False
-    enable_prefix_caching: bool = False
-    devices: tuple[int, ...] = (0,)
-    output_connectors: dict[str, str] = field(default_factory=lambda: {"to_stage_1": CONNECTOR})
-    default_sampling_params: Stage0Sampling = field(default_factory=Stage0Sampling)
-
-    @property
-    def graphs(self) -> bool:
-        return not self.enforce_eager and self.compilation_config.cudagraph_mode != "NONE"
-
-
-@dataclass(frozen=True)
-class Stage1Config:
-    """The acoustic decoder. One row per song; its "tokens" are windows (one per 100-frame hop)."""
-
-    stage_id: int = 1
-    max_num_seqs: int = 8
-    gpu_memory_utilization: float = 0.2
-    dtype: str = "float32"
-    max_model_len: int = len(contract.window_starts(contract.MAX_FRAMES))  # 89 windows
-    max_num_batched_tokens: int = 8
-    enforce_eager: bool = False
-    compilation_config: CompilationConfig = field(
-        default_factory=lambda: CompilationConfig(cudagraph_capture_sizes=(1, 2, 4, 8))  # window batches, not rows
-    )
-    async_scheduling: bool = False
-    enable_prefix_caching: bool = False
-    devices: tuple[int, ...] = (0,)
-    input_connectors: dict[str, str] = field(default_factory=lambda: {"from_stage_0": CONNECTOR})
-    default_sampling_params: Stage1Sampling = field(default_factory=Stage1Sampling)
-
-    @property
-    def graphs(self) -> bool:
-        return not self.enforce_eager and self.compilation_config.cudagraph_mode != "NONE"
-
-    @property
-    def render_batch(self) -> int:
-        """Windows one render call takes: one per song, at most max_num_batched_tokens."""
-        return min(self.max_num_seqs, self.max_num_batched_tokens)
-
-
-@dataclass(frozen=True)
-class DeployConfig:
-    pipeline: str = PIPELINE
-    async_chunk: bool = True
-    trust_remote_code: bool = False
-    connectors: dict[str, ConnectorConfig] = field(default_factory=lambda: {CONNECTOR: ConnectorConfig()})
-    stages: tuple[Stage0Config, Stage1Config] = field(default_factory=lambda: (Stage0Config(), Stage1Config()))
-    source: str = field(default="<defaults>", compare=False)
-
-    @property
-    def connector(self) -> ConnectorConfig:
-        """The connector between the stages (also worker -> API server traffic)."""
-        return self.connectors[self.stages[0].output_connectors["to_stage_1"]]
-
-    def talker_config(self) -> "TalkerConfig":
-        """Stage 0 as the talker engine's settings. Capture sizes count rows, so only even ones are kept."""
-        from ..talker.engine import TalkerConfig
-
-        s0 = self.stages[0]
-        sizes = tuple(sorted({s for s in s0.compilation_config.cudagraph_capture_sizes if s % 2 == 0}))
-        return TalkerConfig(
-            max_num_seqs=s0.max_num_seqs,
-            max_model_len=s0.max_model_len,
-            max_num_batched_tokens=s0.max_num_batched_tokens,
-            capture_sizes=sizes,
-            enforce_eager=not s0.graphs,
-            gpu_memory_utilization=s0.gpu_memory_utilization,
-        )
-
-
-# Reading.
 def load_deploy_config(path: Path | str | None = None) -> DeployConfig:
     """Read a deploy YAML; None reads the package's default_deploy.yaml."""
-    try:
-        if path is None:
-            resource = resources.files(__package__).joinpath("default_deploy.yaml")
-            source, text = f"{resource} (built-in default)", resource.read_text(encoding="utf-8")
-        else:
-            source, text = str(path), Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path or __package__}: cannot read the deploy config: {exc}") from None
-    try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    return parse_deploy_config(data, source)
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (PyYAML would keep the last silently)."""
-
-
-def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-            seen.add(key)
-        except TypeError:  # unhashable: construct_mapping reports it
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
-
-
-def _bad(source: str, path: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{source}: {path}: got {value!r}; allowed: {allowed}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
-class _Map:
-    """One mapping of the file: typed reads with defaults, after refusing keys not in `keys`."""
-
-    def __init__(self, data: Any, path: str, source: str, keys: tuple[str, ...]):
-        self.path, self.source = path, source
-        if not isinstance(data, dict):
-            raise _bad(source, path or "<top level>", data, f"a mapping with the keys {', '.join(keys)}")
-        for key in data:
-            if key not in keys:
-                hint = _UNKNOWN_KEY_HINTS.get(key, "") if isinstance(key, str) else ""
-                raise ConfigError(f"{source}: {self.key(key)}: unknown key{hint}; allowed here: {', '.join(keys)}")
-        self.data = data
-
-    def key(self, key: Any) -> str:
-        return f"{self.path}.{key}" if self.path else str(key)
-
-    def bad(self, key: str, value: Any, allowed: str) -> ConfigError:
-        return _bad(self.source, self.key(key), value, allowed)
-
-    def sub(self, key: str, keys: tuple[str, ...]) -> "_Map":
-        return _Map(self.data.get(key, {}), self.key(key), self.source, keys)
-
-    def bool(self, key: str, default: bool, refuse_true: str = "") -> bool:
-        v = self.data.get(key, default)
-        if not isinstance(v, bool) or (v and refuse_true):
-            raise self.bad(key, v, f"false ({refuse_true})" if refuse_true else "true or false")
-        return v
-
-    def int(self, key: str, default: int, lo: int, hi: float = math.inf, allowed: str = "", even: bool = False) -> int:
-        v = self.data.get(key, default)
-        if not (_is_int(v) and lo <= v <= hi and not (even and v % 2)):
-            span = f"an integer >= {lo}" if hi == math.inf else f"an integer in [{lo}, {hi}]"
-            raise self.bad(key, v, allowed or span)
-        return v
-
-    def number(self, key: str, default: float, ok: Any, allowed: str) -> float:
-        v = self.data.get(key, default)
-        if not (_is_number(v) and ok(v)):
-            raise self.bad(key, v, allowed)
-        return float(v)
-
-    def choice(self, key: str, default: str, choices: tuple[str, ...], why: str = "", refused: dict | None = None
-               ) -> str:
-        v = self.data.get(key, default)
-        if not (isinstance(v, str) and v in choices):
-            reason = (refused or {}).get(v) if isinstance(v, str) else None
-            why = f" ({why})" if why else ""
-            raise self.bad(key, v, " or ".join(choices) + why + (f"; refused: {reason}" if reason else ""))
-        return v
-
-    def seed(self, key: str, default: int | None) -> int | None:
-        v = self.data.get(key, default)
-        if v is not None and not (_is_int(v) and 0 <= v < SEED_LIMIT):
-            raise self.bad(key, v, "null or an integer in [0, 2**63)")
-        return v
+    return parse_deploy_config(*read_deploy_yaml(path))
 
 
 def parse_deploy_config(data: Any, source: str) -> DeployConfig:
     """Validate a loaded YAML document (`source` names it in errors) into a DeployConfig."""
-    top = _Map(data, "", source, ("pipeline", "async_chunk", "trust_remote_code", "connectors", "stages"))
+    top = Section(data, "", source, ("pipeline", "async_chunk", "trust_remote_code", "connectors", "stages"))
     pipeline = top.choice("pipeline", PIPELINE, (PIPELINE,), "this engine serves MiniMax-Music3 only")
     async_chunk = top.bool("async_chunk", True)
     trust_remote_code = top.bool("trust_remote_code", False)  # either way: no remote code is ever run here
@@ -313,19 +90,19 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
     for i, stage in enumerate(stages):
         path = f"stages[{i}].stage_id"
         if not isinstance(stage, dict):
-            raise _bad(source, f"stages[{i}]", stage, "a mapping of stage keys, with stage_id 0 or 1")
+            raise bad(source, f"stages[{i}]", stage, "a mapping of stage keys, with stage_id 0 or 1")
         if "stage_id" not in stage:
             raise ConfigError(f"{source}: {path}: missing; every stage needs stage_id 0 (talker) or 1 (acoustic)")
         sid = stage["stage_id"]
-        if not (_is_int(sid) and sid in (0, 1)):
-            raise _bad(source, path, sid, "0 (the talker) or 1 (the acoustic decoder)")
+        if not (is_int(sid) and sid in (0, 1)):
+            raise bad(source, path, sid, "0 (the talker) or 1 (the acoustic decoder)")
         if sid in where:
-            raise _bad(source, path, sid, f"each of 0 and 1 exactly once (stages[{where[sid]}] is already stage {sid})")
+            raise bad(source, path, sid, f"each of 0 and 1 exactly once (stages[{where[sid]}] is already stage {sid})")
         where[sid] = i
     for sid in (0, 1):
         if sid not in where:
             raise ConfigError(f"{source}: stages: stage_id {sid} is missing; allowed: exactly two stages, 0 and 1")
-    maps = [_Map(stages[where[s]], f"stages[{where[s]}]", source, _STAGE_KEYS + extra) for s, extra in _STAGE_EXTRA]
+    maps = [Section(stages[where[s]], f"stages[{where[s]}]", source, _STAGE_KEYS + extra) for s, extra in _STAGE_EXTRA]
     s0 = _stage0(maps[0], connectors)
     s1 = _stage1(maps[1], connectors, s0, maps[0].key("output_connectors.to_stage_1"))
     for device in set(s0.devices) | set(s1.devices):
@@ -342,12 +119,11 @@ _STAGE_KEYS = ("stage_id", "max_num_seqs", "gpu_memory_utilization", "dtype", "m
                "enforce_eager", "compilation_config", "async_scheduling", "enable_prefix_caching", "devices")
 _STAGE_EXTRA = ((0, ("output_connectors", "default_sampling_params")),
                 (1, ("input_connectors", "default_sampling_params")))
-_EXTRA_KEYS = ("codec_streaming", "shm_threshold_bytes", "connector_get_sleep_s", "connector_get_max_wait_first_chunk",
-               "connector_get_max_wait")
+_EXTRA_KEYS = tuple(SharedMemoryExtra().as_extra())
 _COMPILATION_KEYS = ("mode", "cudagraph_capture_sizes", "cudagraph_mode", "cudagraph_num_of_warmups", "custom_ops")
 
 
-def _connectors(top: _Map) -> dict[str, ConnectorConfig]:
+def _connectors(top: Section) -> dict[str, ConnectorConfig]:
     raw = top.data.get("connectors", {CONNECTOR: {}})
     if not isinstance(raw, dict) or not raw:
         raise top.bad("connectors", raw, "a non-empty mapping of connector names to {name, extra}")
@@ -355,7 +131,7 @@ def _connectors(top: _Map) -> dict[str, ConnectorConfig]:
     for cname in raw:
         if not (isinstance(cname, str) and cname.strip()):
             raise top.bad("connectors", cname, "connector names that are non-empty strings")
-        m = _Map(raw[cname], f"connectors.{cname}", top.source, ("name", "extra"))
+        m = Section(raw[cname], f"connectors.{cname}", top.source, ("name", "extra"))
         name = m.choice("name", "SharedMemoryConnector", CONNECTOR_CLASSES, "the only connector this engine has")
         e = m.sub("extra", _EXTRA_KEYS)
         first = e.int("connector_get_max_wait_first_chunk", d.connector_get_max_wait_first_chunk_ms, 1,
@@ -375,9 +151,9 @@ def _connectors(top: _Map) -> dict[str, ConnectorConfig]:
     return out
 
 
-def _common(m: _Map, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...], dtype_why: str) -> dict[str, Any]:
+def _common(m: Section, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...], dtype_why: str) -> dict[str, Any]:
     devices = m.data.get("devices", ",".join(map(str, d.devices)))
-    text = str(devices) if _is_int(devices) and devices >= 0 else devices
+    text = str(devices) if is_int(devices) and devices >= 0 else devices
     if not (isinstance(text, str) and re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*", text)):
         raise m.bad("devices", devices, 'a string of comma-separated GPU indices, e.g. "0"')
     ids = tuple(int(x) for x in text.split(","))
@@ -396,18 +172,20 @@ def _common(m: _Map, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...], dt
     )
 
 
-def _compilation(m: _Map, limit: int, limit_name: str, pairs: bool, enforce_eager: bool) -> CompilationConfig:
+def _compilation(m: Section, limit: int, limit_name: str, pairs: bool, enforce_eager: bool) -> CompilationConfig:
     c = m.sub("compilation_config", _COMPILATION_KEYS)
     mode = c.data.get("mode", 0)
-    if not (_is_int(mode) and mode == 0):
-        reason = _REFUSED_COMPILATION_MODES.get(mode) if _is_int(mode) else None
+    if not (is_int(mode) and mode == 0):
+        reason = _REFUSED_COMPILATION_MODES.get(mode) if is_int(mode) else None
         raise c.bad("mode", mode, "0 (no compilation)" + (f"; refused: {reason}" if reason else ""))
-    sizes = c.data.get("cudagraph_capture_sizes")
-    if "cudagraph_capture_sizes" not in c.data:  # default: powers of two up to the limit, and the limit
-        sizes = [s for s in (2 ** k for k in range(limit.bit_length())) if s <= limit and (s > 1 or not pairs)]
-        sizes = sizes + [limit] * (limit not in sizes)
+    if "cudagraph_capture_sizes" in c.data:
+        sizes = c.data["cudagraph_capture_sizes"]
+    else:  # powers of two up to the limit (from 2 where rows come in pairs), and the limit
+        sizes = [2**k for k in range(1 if pairs else 0, limit.bit_length())]
+        if limit not in sizes:
+            sizes.append(limit)
     allowed = f"a list of distinct integers in [1, {limit_name} = {limit}]"
-    if not (isinstance(sizes, list) and all(_is_int(s) and 1 <= s <= limit for s in sizes)
+    if not (isinstance(sizes, list) and all(is_int(s) and 1 <= s <= limit for s in sizes)
             and len(set(sizes)) == len(sizes)):
         raise c.bad("cudagraph_capture_sizes", sizes, allowed)
     graph_mode = c.choice("cudagraph_mode", "FULL_DECODE_ONLY", CUDAGRAPH_MODES, refused=_REFUSED_GRAPH_MODES)
@@ -423,7 +201,7 @@ def _compilation(m: _Map, limit: int, limit_name: str, pairs: bool, enforce_eage
     return CompilationConfig(mode, tuple(sizes), graph_mode, warmups, tuple(ops))
 
 
-def _edge(m: _Map, key: str, edge: str, connectors: dict[str, ConnectorConfig]) -> dict[str, str]:
+def _edge(m: Section, key: str, edge: str, connectors: dict[str, ConnectorConfig]) -> dict[str, str]:
     e = m.sub(key, (edge,))
     name = e.data.get(edge, CONNECTOR)
     if not (isinstance(name, str) and name in connectors):
@@ -431,7 +209,7 @@ def _edge(m: _Map, key: str, edge: str, connectors: dict[str, ConnectorConfig]) 
     return {edge: name}
 
 
-def _stage0(m: _Map, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
+def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
     d = Stage0Config()
     seqs = m.int("max_num_seqs", d.max_num_seqs, 2, even=True,
                  allowed="an even integer >= 2 (rows: every song is a cond/uncond pair)")
@@ -467,7 +245,7 @@ def _stage0(m: _Map, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
     )
 
 
-def _stage1(m: _Map, connectors: dict[str, ConnectorConfig], s0: Stage0Config, s0_output: str) -> Stage1Config:
+def _stage1(m: Section, connectors: dict[str, ConnectorConfig], s0: Stage0Config, s0_output: str) -> Stage1Config:
     d = Stage1Config()
     longest = max(1, min(contract.MAX_FRAMES, s0.max_model_len - 1))  # frames of the longest song stage 0 can write
     windows = len(contract.window_starts(longest))

@@ -1,0 +1,164 @@
+"""The deploy configuration as typed frozen dataclasses, with the defaults a missing YAML key takes.
+
+`default_deploy.yaml` spells these defaults out in full; docs/configuration.md describes every key. Reading and
+validating the YAML into these classes: :mod:`.deploy_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .. import contract
+
+if TYPE_CHECKING:
+    from ..talker.engine import TalkerConfig
+
+PIPELINE = "minimax_music3"
+CONNECTOR = "connector_of_shared_memory"  # the default connector's name
+MIN_STAGE0_MAX_TOKENS = contract.MAX_FRAMES + 1  # steps of the longest song: the first sampled frame is not emitted
+SEED_LIMIT = 2**63
+MAX_WINDOWS = len(contract.window_starts(contract.MAX_FRAMES))  # windows of the longest song: 89
+
+
+@dataclass(frozen=True)
+class SharedMemoryExtra:
+    codec_streaming: bool = True  # PCM goes to the client window by window, else as one piece at the end
+    shm_threshold_bytes: int = 65536  # payloads of this size or more travel in shared memory, smaller ones inline
+    connector_get_sleep_s: float = 0.01  # poll interval of a reader waiting for its next payload
+    connector_get_max_wait_first_chunk_ms: int = 30000  # wait for a song's first window/chunk, then fail the song
+    connector_get_max_wait_ms: int = 10000  # wait for each later one
+
+    def as_extra(self) -> dict[str, Any]:
+        """The `extra` block under its YAML key names (waits in milliseconds), as connectors read it."""
+        return {
+            "codec_streaming": self.codec_streaming,
+            "shm_threshold_bytes": self.shm_threshold_bytes,
+            "connector_get_sleep_s": self.connector_get_sleep_s,
+            "connector_get_max_wait_first_chunk": self.connector_get_max_wait_first_chunk_ms,
+            "connector_get_max_wait": self.connector_get_max_wait_ms,
+        }
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    name: str = "SharedMemoryConnector"
+    extra: SharedMemoryExtra = field(default_factory=SharedMemoryExtra)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    mode: int = 0  # 0 = no compilation, the only mode this engine runs
+    cudagraph_capture_sizes: tuple[int, ...] = (2, 4, 8, 16)
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_num_of_warmups: int = 1
+    custom_ops: tuple[str, ...] = ("all",)
+
+
+@dataclass(frozen=True)
+class CfgArgs:
+    cfg_role: str = "cond"
+    cfg_scale: float = contract.AR_CFG_SCALE
+
+
+@dataclass(frozen=True)
+class Stage0Sampling:
+    temperature: float = 1.0
+    max_tokens: int = MIN_STAGE0_MAX_TOKENS
+    seed: int | None = None  # song seed of requests that bring none; None: a fresh random seed per request
+    extra_args: CfgArgs = field(default_factory=CfgArgs)
+
+
+@dataclass(frozen=True)
+class Stage1Sampling:
+    temperature: float = 0.0
+    max_tokens: int = MAX_WINDOWS
+    seed: int | None = 0  # draws nothing at temperature 0; DiT noise is keyed by the song's seed
+
+
+class _Stage:
+    """What both stage dataclasses compute from their fields."""
+
+    enforce_eager: bool
+    compilation_config: CompilationConfig
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the stage captures CUDA graphs: not eager, and a graph mode other than NONE."""
+        return not self.enforce_eager and self.compilation_config.cudagraph_mode != "NONE"
+
+
+@dataclass(frozen=True)
+class Stage0Config(_Stage):
+    """The talker. Rows, not songs: every song is a cond/uncond pair of rows."""
+
+    stage_id: int = 0
+    max_num_seqs: int = 16
+    gpu_memory_utilization: float = 0.6
+    dtype: str = "bfloat16"
+    max_model_len: int = contract.MAX_CONTEXT
+    max_num_batched_tokens: int = contract.MAX_CONTEXT
+    enforce_eager: bool = False
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    async_scheduling: bool = False
+    enable_prefix_caching: bool = False
+    devices: tuple[int, ...] = (0,)
+    output_connectors: dict[str, str] = field(default_factory=lambda: {"to_stage_1": CONNECTOR})
+    default_sampling_params: Stage0Sampling = field(default_factory=Stage0Sampling)
+
+
+@dataclass(frozen=True)
+class Stage1Config(_Stage):
+    """The acoustic decoder. One row per song; its "tokens" are windows (one per 100-frame hop)."""
+
+    stage_id: int = 1
+    max_num_seqs: int = 8
+    gpu_memory_utilization: float = 0.2
+    dtype: str = "float32"
+    max_model_len: int = MAX_WINDOWS
+    max_num_batched_tokens: int = 8
+    enforce_eager: bool = False
+    compilation_config: CompilationConfig = field(
+        default_factory=lambda: CompilationConfig(cudagraph_capture_sizes=(1, 2, 4, 8))  # window batches, not rows
+    )
+    async_scheduling: bool = False
+    enable_prefix_caching: bool = False
+    devices: tuple[int, ...] = (0,)
+    input_connectors: dict[str, str] = field(default_factory=lambda: {"from_stage_0": CONNECTOR})
+    default_sampling_params: Stage1Sampling = field(default_factory=Stage1Sampling)
+
+    @property
+    def render_batch(self) -> int:
+        """Windows one render call takes: one per song, at most max_num_batched_tokens."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    pipeline: str = PIPELINE
+    async_chunk: bool = True
+    trust_remote_code: bool = False
+    connectors: dict[str, ConnectorConfig] = field(default_factory=lambda: {CONNECTOR: ConnectorConfig()})
+    stages: tuple[Stage0Config, Stage1Config] = field(default_factory=lambda: (Stage0Config(), Stage1Config()))
+    source: str = field(default="<defaults>", compare=False)
+
+    @property
+    def connector(self) -> ConnectorConfig:
+        """The connector between the stages (also worker -> API server traffic)."""
+        return self.connectors[self.stages[0].output_connectors["to_stage_1"]]
+
+    def talker_config(self) -> TalkerConfig:
+        """Stage 0 as the talker engine's settings. Capture sizes count rows, so only even ones are kept."""
+        from ..talker.engine import TalkerConfig
+
+        s0 = self.stages[0]
+        sizes = tuple(sorted({s for s in s0.compilation_config.cudagraph_capture_sizes if s % 2 == 0}))
+        return TalkerConfig(
+            max_num_seqs=s0.max_num_seqs,
+            max_model_len=s0.max_model_len,
+            max_num_batched_tokens=s0.max_num_batched_tokens,
+            capture_sizes=sizes,
+            enforce_eager=not s0.graphs,
+            gpu_memory_utilization=s0.gpu_memory_utilization,
+        )
+
