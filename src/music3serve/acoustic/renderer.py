@@ -7,6 +7,7 @@ uncond rows of every window in the same call) and one vocoder batch. Not thread-
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ def euler_masked(
 class GraphedSolve:
     """The whole Euler loop for `batch` full-length windows, captured once as a CUDA graph and replayed."""
 
-    def __init__(self, dit: DiT, batch: int, steps: int, pool: Any = None):
+    def __init__(self, dit: DiT, batch: int, steps: int, stream: torch.cuda.Stream, pool: Any = None):
         device, dtype = dit.proj_in.weight.device, dit.proj_in.weight.dtype
         channels, overlap = dit.cfg.channels, min(contract.OVERLAP_LATENT, FULL_LENGTH)
         self.batch = batch
@@ -89,14 +90,14 @@ class GraphedSolve:
         def run() -> torch.Tensor:
             return euler_masked(dit, self.initial, self.condition, self.carry, self.mask, self.times)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        # Warm-up, capture and replay all on the renderer's stream: its cuBLAS workspace is its own.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
             run()  # warm-up off the capture: lazy inits, cuBLAS workspaces, kernel choices
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = run()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+                self.output = run()
+        stream.synchronize()
 
     def __call__(self, condition: list[torch.Tensor], initial: list[torch.Tensor], carries: list[Carry | None]):
         self.initial.copy_(torch.stack(initial))
@@ -125,6 +126,7 @@ class Renderer:
         self.encoder, self.dit, self.vocoder, self.policy = condition_encoder, dit, vocoder, policy
         self.device = dit.proj_in.weight.device
         self.graphs = graphs and self.device.type == "cuda"  # unused on the CPU
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # all stage-1 work
         self.max_batch = max_batch
         self._songs: dict[Hashable, _SongState] = {}
         self._graphed: dict[tuple[int, int], GraphedSolve] = {}
@@ -192,6 +194,10 @@ class Renderer:
     @torch.inference_mode()
     def render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
         """Render ready windows (at most one per song, each the song's next); results in the payloads' order."""
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            return self._render(payloads)
+
+    def _render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
         self._check(payloads)
         carries = [self._songs[p.song].carry if p.song in self._songs else None for p in payloads]
         with ieee_float32(self.device):
@@ -204,8 +210,9 @@ class Renderer:
                 for chunk in _chunks(members, self.max_batch):
                     initial = [noise(payloads[i].seed, payloads[i].window.index, length) for i in chunk]
                     args = [conditions[i] for i in chunk], initial, [carries[i] for i in chunk]
-                    out = self._graph(len(chunk), steps)(*args) if self.graphs and length == FULL_LENGTH else solve(
-                        self.dit, *args, steps)
+                    # Only graphs captured at warm-up replay: capturing while serving would stall the other stage.
+                    graphed = self._graphed.get((len(chunk), steps)) if length == FULL_LENGTH else None
+                    out = graphed(*args) if graphed else solve(self.dit, *args, steps)
                     for i, latent in zip(chunk, out):
                         latents[i] = latent
             waves = self.vocode(latents)
@@ -250,7 +257,7 @@ class Renderer:
         if key not in self._graphed:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._graphed[key] = GraphedSolve(self.dit, batch, steps, self._pool)
+            self._graphed[key] = GraphedSolve(self.dit, batch, steps, self.stream, self._pool)
         return self._graphed[key]
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ import functools
 from typing import Callable, TypeVar
 
 import torch
+import torch._inductor.config
 
 F = TypeVar("F", bound=Callable)
 _plain: dict[str, Callable] = {}
@@ -31,6 +32,8 @@ def hot(fn: F) -> F:
 
 def enable_fusion() -> None:
     """Compile every registered function (inductor, dynamic shapes, no graph breaks)."""
+    # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
+    torch._inductor.config.emulate_precision_casts = True
     for name, fn in _plain.items():
         _fused.setdefault(name, torch.compile(fn, dynamic=True, fullgraph=True))
 

@@ -75,11 +75,14 @@ class KVCache:
         start, end = self.start, self.start + t
         self.k[layer, :, :, start:end] = k.transpose(1, 2)
         self.v[layer, :, :, start:end] = v.transpose(1, 2)
-        mask = None
-        if t > 1:
-            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
         keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        mask = None
+        if t > 1 and start > 0:  # a later chunk: causal within itself, full view of what came before
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+        causal = t > 1 and start == 0  # lets SDPA pick a flash kernel instead of materializing a mask
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
+        )
         return out.transpose(1, 2).reshape(b, t, -1)
 
 

@@ -123,6 +123,8 @@ class Engine:
                 daemon=True,
             ),
         ]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # start-up work on the default stream is done before the stages run
         for thread in self._threads:
             thread.start()
 
@@ -208,10 +210,13 @@ class Engine:
                 client.loop.call_soon_threadsafe(client.events.put_nowait, event)
             except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
                 self._clients.pop(song, None)
+                self._control.put(("cancel", song))
 
     def _guarded(self, loop) -> None:
         """Run a stage loop; if it dies, every open stream fails with the reason instead of waiting forever."""
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             loop()
         except BaseException as exc:
             log.exception("engine thread died")
@@ -221,8 +226,7 @@ class Engine:
 
     # Stage 0 thread.
     def _talker_loop(self) -> None:
-        # High priority: the frame step's many small kernels go first when the DiT fills the GPU.
-        stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        stream = self.talker.stream  # the talker's own high-priority stream (its graphs were captured on it)
         steps: dict[str, int] = {}
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self._stop.is_set():
@@ -289,9 +293,9 @@ class Engine:
 
     # Stage 1 thread.
     def _renderer_loop(self) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            RenderLoop(self.renderer, lambda block: self._take_windows(stream, block), self._on_chunk, self._on_render_error).run()
+        stream = self.renderer.stream  # the renderer's own stream (its graphs were captured on it)
+        inbox = lambda block: self._take_windows(stream, block)  # noqa: E731
+        RenderLoop(self.renderer, inbox, self._on_chunk, self._on_render_error).run()
 
     def _take_windows(self, stream, block: bool) -> list[tuple]:
         """Everything queued for stage 1 (waiting up to 50 ms if asked to block); stop once closing."""
@@ -321,8 +325,16 @@ class Engine:
             self._awaiting[song] = (outstanding + 1, deadline, answered)
 
     def _chunk_arrived(self, song: str, last: bool) -> None:
+        """A chunk came back: the worker is making progress, so every waiting song's clock restarts."""
         with self._awaiting_lock:
-            outstanding = self._awaiting.get(song, (1, None, True))[0] - 1
+            now = time.monotonic()
+            for other, (count, deadline, answered) in self._awaiting.items():
+                if deadline is not None:
+                    wait = self.worker.timeout_s if answered else self.worker.first_chunk_timeout_s
+                    self._awaiting[other] = (count, max(deadline, now + wait), answered)
+            if song not in self._awaiting:
+                return  # cancelled or failed meanwhile
+            outstanding = self._awaiting[song][0] - 1
             if last:
                 self._awaiting.pop(song, None)
             elif outstanding <= 0:

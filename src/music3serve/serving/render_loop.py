@@ -38,9 +38,12 @@ class RenderLoop:
                 elif item[0] == "cancel":
                     self.pending.pop(item[1], None)
                     self.renderer.cancel(item[1])
-            batch = [q.popleft() for q in list(self.pending.values())[: self.renderer.max_batch]]
-            for song in [s for s, q in self.pending.items() if not q]:
-                del self.pending[song]
+            songs = list(self.pending)[: self.renderer.max_batch]
+            batch = [self.pending[song].popleft() for song in songs]
+            for song in songs:  # round robin: served songs go to the back of the line
+                queue = self.pending.pop(song)
+                if queue:
+                    self.pending[song] = queue
             if batch:
                 self.render(batch)
 

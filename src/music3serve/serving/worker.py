@@ -47,6 +47,8 @@ def chunk_window(message: Message) -> RenderedWindow:
 
 def worker_main(root: str, device: str, stage1: Stage1Config, connector) -> None:
     """The worker process: load the acoustic stage, then render windows until told to stop."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # streams and graph captures belong to the worker's own GPU
     names = ("condition_encoder", "dit", "vocoder")
     models = SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
     renderer = Renderer.from_models(

@@ -3,6 +3,7 @@ advances every decoding song by one frame and hands out the windows that became 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -135,13 +136,19 @@ class Talker:
             self._release(state)
         return True
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream all stage-0 work runs on (None on the CPU)."""
+        return self.step_fn.stream
+
     @torch.inference_mode()
     def step(self) -> list[Event]:
         """One scheduler iteration: prefill within the token budget, then one frame for all decoding songs."""
         events: list[Event] = []
-        self._prefill(events)
-        if self.active:
-            events += self._decode()
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            self._prefill(events)
+            if self.active:
+                events += self._decode()
         return events
 
     def _prefill(self, events: list[Event]) -> None:

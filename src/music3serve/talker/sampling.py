@@ -38,7 +38,8 @@ def uniform_draws(seeds: torch.Tensor, frames: torch.Tensor, codebook: int, colu
     state = _mix32(state ^ _mix32(torch.full_like(state, codebook + 0x9E37)))
     column = torch.arange(columns, device=seeds.device, dtype=torch.int64)
     bits = _mix32(state[:, None] ^ _mix32(column + 0x51ED27)[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2**23 - 0.5) / 2**23 is exact in float32, so u < 1 and every Gumbel term is finite.
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def guide(logits: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

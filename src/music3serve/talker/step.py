@@ -41,6 +41,9 @@ class FrameStep:
         self.mixed = torch.zeros(songs, hidden_size, dtype=torch.float32, device=device)
         self.capture_sizes = sorted(s for s in capture_sizes if s <= rows and s % 2 == 0)  # whole pairs only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The stage's own stream, high priority: graphs captured on it keep its priority and its cuBLAS
+        # workspace, which no other stage's graphs share. Steps run (and replay) on it.
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         if use_graphs:
             self.capture()
 
@@ -67,20 +70,20 @@ class FrameStep:
         else:
             self.graphs[size].replay()
 
+    @torch.inference_mode()
     def capture(self) -> None:
-        """Record one graph per capture size; buffers are left as they were (all rows idle)."""
+        """Record one graph per capture size on the stage's stream; buffers are left as they were (rows idle)."""
         saved = [t.clone() for t in (self.hidden, self.positions, self.seeds, self.frames)]
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             for size in self.capture_sizes:  # warm-up: kernel selection, Triton compilation
                 self.run_eager(size)
-        torch.cuda.current_stream().wait_stream(side)
-        for size in reversed(self.capture_sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.run_eager(size)
-            self.graphs[size] = graph
-        for buffer, value in zip((self.hidden, self.positions, self.seeds, self.frames), saved):
-            buffer.copy_(value)
+            for size in reversed(self.capture_sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    self.run_eager(size)
+                self.graphs[size] = graph
+            for buffer, value in zip((self.hidden, self.positions, self.seeds, self.frames), saved):
+                buffer.copy_(value)
+        self.stream.synchronize()
