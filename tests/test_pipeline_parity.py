@@ -1,8 +1,9 @@
 """End-to-end parity with the diffusers 0.42.1 pipeline on the tiny checkpoint (float32).
 
-Both sides draw with the same rule: the reference's sampler is replaced by our counter-based Gumbel top-k
-(the reference keeps its own guidance, masking and top-k), keyed by its call order (8 draws per frame),
-and its per-window noise is replaced by ours. Everything else runs as diffusers wrote it.
+Both sides draw with the same rule: the reference's `_sample_top_k` (its final top-k and multinomial draw)
+is replaced by our counter-based Gumbel top-k, keyed by its call order (8 draws per frame); the reference
+keeps its own logits, guidance and top-50 conditional restriction. Its per-window noise is replaced by ours.
+Everything else runs as diffusers wrote it. tests/test_sampling.py covers the draws themselves.
 """
 
 from __future__ import annotations

@@ -147,3 +147,30 @@ def test_audio_end_stops_a_song_like_the_offline_pipeline(ending_models):
         ended += ended_by == "audio_end"
     assert ended >= 1, "the boosted audio_end logit should end at least one song early"
     assert all(isinstance(f, SongFailed) and "first frame" in f.message for f in failed.values())
+
+
+def test_a_song_mid_prefill_moves_with_the_packing_and_stays_the_same(models, solo, monkeypatch):
+    # Songs 3 and 4 decode in pairs 0 and 1 while song 0 prefills 8 tokens a step in pair 2; song 4 ends
+    # first, so song 0's partial prompt must move down to the freed pair before its next chunk.
+    from music3serve.talker.slots import SlotCache
+
+    relocations, in_prefill = [], [False]
+    move_pair, prefill = SlotCache.move_pair, Talker._prefill
+
+    def spy_prefill(self, events):
+        in_prefill[0] = True
+        try:
+            return prefill(self, events)
+        finally:
+            in_prefill[0] = False
+
+    def spy_move(self, source, target, filled):
+        if in_prefill[0]:
+            relocations.append((source, target, filled))
+        return move_pair(self, source, target, filled)
+
+    monkeypatch.setattr(Talker, "_prefill", spy_prefill)
+    monkeypatch.setattr(SlotCache, "move_pair", spy_move)
+    finished, _, failed = run(models, {3: 0, 4: 0, 0: 26}, TalkerConfig(max_num_seqs=6, max_num_batched_tokens=8))
+    assert relocations, "the scenario no longer exercises the relocation of a song mid-prefill"
+    assert not failed and torch.equal(finished[0].codes, solo[0].codes)
