@@ -194,7 +194,10 @@ class Renderer:
     @torch.inference_mode()
     def render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
         """Render ready windows (at most one per song, each the song's next); results in the payloads' order."""
-        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+        if self.stream is None:
+            return self._render(payloads)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs the caller's stream produced
+        with torch.cuda.stream(self.stream):
             return self._render(payloads)
 
     def _render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
