@@ -145,6 +145,8 @@ class Talker:
     def step(self) -> list[Event]:
         """One scheduler iteration: prefill within the token budget, then one frame for all decoding songs."""
         events: list[Event] = []
+        if self.stream is not None:  # prompts and cancels the caller issued on its own stream come first
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
             self._prefill(events)
             if self.active:
