@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from fractions import Fraction
 from typing import Any, AsyncIterator, Literal
 
 import numpy as np
@@ -27,15 +24,13 @@ from starlette.exceptions import HTTPException
 
 from .. import contract
 from ..errors import InputError
-from .audio_io import OUTPUT_RATES, resample, to_pcm16
+from .audio_io import CHANNELS, OUTPUT_RATES, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 
 log = logging.getLogger(__name__)
 
-CHANNELS = 2
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
-UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streaming WAV, whose length is not known yet
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 
 
@@ -57,68 +52,6 @@ class SongBody(BaseModel):
 
 class SongFailedMidStream(RuntimeError):
     """Raised out of a streaming response so the server drops the connection before the final chunk."""
-
-
-def wav_header(sample_rate: int, data_bytes: int | None = None, channels: int = CHANNELS) -> bytes:
-    """A 44-byte PCM16 WAV header; without `data_bytes` the sizes read 0xFFFFFFFF (unknown, for streaming)."""
-    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
-    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
-    block = channels * 2
-    return struct.pack(
-        "<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, channels, sample_rate,
-        sample_rate * block, block, 16, b"data", data,
-    )
-
-
-class StreamResampler:
-    """`audio_io.resample` of a stream fed piece by piece, equal to resampling the whole stream at once.
-
-    Output n reads source samples up to floor(n * down / up) + zeros, so it is emitted once those have arrived
-    (the last piece flushes the rest against zeros, as the whole-stream call does). The kept source starts on a
-    multiple of `down`, where the output grid meets the source grid, so every piece is resampled with exactly
-    the context and filter phases the whole-stream call would have used: no gaps or clicks between windows."""
-
-    def __init__(self, source_rate: int, target_rate: int, zeros: int = 32):
-        ratio = Fraction(target_rate, source_rate)
-        self.rates, self.zeros = (source_rate, target_rate), zeros
-        self.up, self.down = ratio.numerator, ratio.denominator
-        self.kept: np.ndarray | None = None  # source samples from index `start` on
-        self.start = self.received = self.emitted = 0
-
-    def feed(self, piece: np.ndarray, last: bool) -> np.ndarray:
-        piece = piece.astype(np.float32, copy=False)
-        self.kept = piece if self.kept is None else np.concatenate([self.kept, piece], axis=-1)
-        self.received += piece.shape[-1]
-        up, down = self.up, self.down
-        complete = self.received if last else self.received - self.zeros  # source the outputs may read up to
-        ready = max(0, math.ceil(complete * up / down))
-        if ready <= self.emitted:
-            return np.zeros(self.kept.shape[:-1] + (0,), np.float32)
-        first = self.start * up // down  # output index of the kept source's first sample (exact: start % down == 0)
-        out = resample(self.kept, *self.rates, zeros=self.zeros)[..., self.emitted - first : ready - first]
-        self.emitted = ready
-        needed = ready * down // up - self.zeros + 1  # first source sample the next output reads
-        start = max(self.start, needed // down * down)
-        self.kept, self.start = self.kept[..., start - self.start :], start
-        return out
-
-
-class PcmEncoder:
-    """Float windows at the model rate -> interleaved s16le bytes at the output rate."""
-
-    def __init__(self, sample_rate: int):
-        same = sample_rate == contract.SAMPLE_RATE
-        self.resampler = None if same else StreamResampler(contract.SAMPLE_RATE, sample_rate)
-        self.finished = False
-
-    def feed(self, pcm: np.ndarray, last: bool) -> bytes:
-        if self.finished:
-            return b""
-        self.finished = last
-        pcm = np.clip(pcm, -1.0, 1.0)  # as the offline waveform is clamped before it is resampled
-        if self.resampler is not None:
-            pcm = self.resampler.feed(pcm, last)
-        return to_pcm16(pcm).tobytes()
 
 
 @dataclass
