@@ -79,7 +79,7 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
 
 def test_stage1_silence_fails_the_song_after_the_connector_wait(tiny_dir):
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
-    engine.worker.first_chunk_timeout_s = 0.3  # the seed's 30 s first-chunk wait, shortened for the test
+    engine.worker.deadlines.first_chunk_s = 0.3  # the seed's 30 s first-chunk wait, shortened for the test
     os.kill(engine.worker.process.pid, signal.SIGSTOP)  # alive but silent
     try:
         result = asyncio.run(asyncio.wait_for(song_pcm(engine, 6, 2.0), 120))

@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-import numpy as np
 import torch
 
-from .. import contract
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..checkpoint import Music3Models, load_models
@@ -31,54 +29,12 @@ from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .deploy_config import DeployConfig, load_deploy_config
+from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
 from .render_loop import RenderLoop
 from .worker import RenderWorker, chunk_window
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SongRequest:
-    caption: str
-    lyrics: str
-    duration_s: float = 30.0
-    seed: int | None = None
-    steps: int = contract.DIT_STEPS
-    id: str | None = None
-
-
-@dataclass
-class Accepted:
-    song: str
-    seed: int
-    budget_frames: int
-    prompt_tokens: int
-
-
-@dataclass
-class AudioChunk:
-    song: str
-    window: int
-    pcm: np.ndarray  # [2, samples] float32 at 44.1 kHz, in [-1, 1]
-    last: bool
-
-
-@dataclass
-class Done:
-    song: str
-    frames: int
-    ended_by: str
-    timings: dict[str, float]
-
-
-@dataclass
-class Failed:
-    song: str
-    message: str
-
-
-Event = Accepted | AudioChunk | Done | Failed
 
 
 @dataclass
@@ -112,8 +68,6 @@ class Engine:
         self._windows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
-        self._awaiting: dict[str, tuple[int, float | None, bool]] = {}  # split: windows out, deadline, answered
-        self._awaiting_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
             threading.Thread(
@@ -172,8 +126,8 @@ class Engine:
     def cancel(self, song: str) -> None:
         """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed."""
         self._emit(song, Failed(song, "cancelled"))
-        with self._awaiting_lock:
-            self._awaiting.pop(song, None)
+        if self.worker is not None:
+            self.worker.deadlines.drop(song)
         self._control.put(("cancel", song))
 
     def close(self) -> None:
@@ -256,7 +210,6 @@ class Engine:
                         if self.worker is None:
                             self._windows.put(("window", payload, ready))
                         else:
-                            self._expect_chunk(payload.song)
                             self.worker.send_window(payload)
                     elif isinstance(event, SongFailed):
                         self._fail(event.song, event.message)
@@ -315,46 +268,12 @@ class Engine:
         return [item[:2] for item in items]
 
     # Stage 1 in a worker process: this thread receives its PCM.
-    def _expect_chunk(self, song: str) -> None:
-        """A window went to the worker: its answer is due within the connector's wait (longer for the first)."""
-        with self._awaiting_lock:
-            outstanding, deadline, answered = self._awaiting.get(song, (0, None, False))
-            if deadline is None:
-                wait = self.worker.timeout_s if answered else self.worker.first_chunk_timeout_s
-                deadline = time.monotonic() + wait
-            self._awaiting[song] = (outstanding + 1, deadline, answered)
-
-    def _chunk_arrived(self, song: str, last: bool) -> None:
-        """A chunk came back: the worker is making progress, so every waiting song's clock restarts."""
-        with self._awaiting_lock:
-            now = time.monotonic()
-            for other, (count, deadline, answered) in self._awaiting.items():
-                if deadline is not None:
-                    wait = self.worker.timeout_s if answered else self.worker.first_chunk_timeout_s
-                    self._awaiting[other] = (count, max(deadline, now + wait), answered)
-            if song not in self._awaiting:
-                return  # cancelled or failed meanwhile
-            outstanding = self._awaiting[song][0] - 1
-            if last:
-                self._awaiting.pop(song, None)
-            elif outstanding <= 0:
-                self._awaiting[song] = (0, None, True)  # nothing due until the next window goes out
-            else:
-                self._awaiting[song] = (outstanding, time.monotonic() + self.worker.timeout_s, True)
-
-    def _overdue(self) -> list[str]:
-        now = time.monotonic()
-        with self._awaiting_lock:
-            late = [song for song, (_, deadline, _) in self._awaiting.items() if deadline is not None and now > deadline]
-            for song in late:
-                del self._awaiting[song]
-        return late
-
     def _receiver_loop(self) -> None:
         while not self._stop.is_set():
-            for song in self._overdue():
+            waits = self.worker.deadlines
+            for song in waits.overdue():
                 self._fail(song, "stage 1 sent no audio within the connector wait "
-                                 f"({self.worker.first_chunk_timeout_s:g} s first, {self.worker.timeout_s:g} s later)")
+                                 f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
                 self.cancel(song)
             message = self.worker.receive(0.05)
             if message is None:
@@ -362,7 +281,6 @@ class Engine:
                     self.worker.connector.cleanup(self.worker.process.pid)
                     raise Music3Error(f"the stage-1 worker died (exit code {self.worker.process.exitcode})")
             elif message.key == "chunk":
-                self._chunk_arrived(message.meta["song"], message.meta["last"])
                 self._on_chunk(chunk_window(message))
             elif message.key == "failed":
                 self._on_render_error(message.meta["song"], message.meta["message"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,12 +81,59 @@ def worker_main(root: str, device: str, stage1: Stage1Config, connector) -> None
     connector.close()
 
 
+class ChunkDeadlines:
+    """The connector's waits per song: a window sent is answered within the wait (longer for a song's first),
+    and while the worker sends anything, every waiting song's clock restarts (it is queued, not lost)."""
+
+    def __init__(self, first_chunk_s: float, later_s: float):
+        self.first_chunk_s, self.later_s = first_chunk_s, later_s
+        self.songs: dict[str, tuple[int, float | None, bool]] = {}  # windows out, deadline, answered before
+        self.lock = threading.Lock()
+
+    def sent(self, song: str) -> None:
+        with self.lock:
+            outstanding, deadline, answered = self.songs.get(song, (0, None, False))
+            if deadline is None:
+                deadline = time.monotonic() + (self.later_s if answered else self.first_chunk_s)
+            self.songs[song] = (outstanding + 1, deadline, answered)
+
+    def answered(self, song: str, last: bool) -> None:
+        with self.lock:
+            now = time.monotonic()
+            for other, (count, deadline, before) in self.songs.items():
+                if deadline is not None:
+                    wait = self.later_s if before else self.first_chunk_s
+                    self.songs[other] = (count, max(deadline, now + wait), before)
+            if song not in self.songs:
+                return  # cancelled or failed meanwhile
+            outstanding = self.songs[song][0] - 1
+            if last:
+                del self.songs[song]
+            elif outstanding <= 0:
+                self.songs[song] = (0, None, True)  # nothing due until the next window goes out
+            else:
+                self.songs[song] = (outstanding, now + self.later_s, True)
+
+    def overdue(self) -> list[str]:
+        """Songs past their deadline (forgotten here: the caller fails them)."""
+        now = time.monotonic()
+        with self.lock:
+            late = [song for song, (_, deadline, _) in self.songs.items() if deadline is not None and now > deadline]
+            for song in late:
+                del self.songs[song]
+        return late
+
+    def drop(self, song: str) -> None:
+        with self.lock:
+            self.songs.pop(song, None)
+
+
 class RenderWorker:
     """Starts the worker process and carries windows to it and PCM back."""
 
     def __init__(self, root: Path | str, device: str, stage1: Stage1Config, connector: ConnectorConfig):
         extra = connector.extra.as_extra()
-        self.first_chunk_timeout_s, self.timeout_s = timeouts(extra)
+        self.deadlines = ChunkDeadlines(*timeouts(extra))
         self.connector = make_connector(connector.name, extra, channels=(WINDOWS, PCM))
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
@@ -106,6 +154,7 @@ class RenderWorker:
                     raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
 
     def send_window(self, payload: WindowPayload) -> None:
+        self.deadlines.sent(payload.song)
         self.connector.put(WINDOWS, window_message(payload))
 
     def send_cancel(self, song: str) -> None:
@@ -113,9 +162,12 @@ class RenderWorker:
 
     def receive(self, timeout_s: float) -> Message | None:
         try:
-            return self.connector.get(PCM, timeout_s)
+            message = self.connector.get(PCM, timeout_s)
         except ConnectorTimeout:
             return None
+        if message.key == "chunk":
+            self.deadlines.answered(message.meta["song"], message.meta["last"])
+        return message
 
     def alive(self) -> bool:
         return self.process.is_alive()

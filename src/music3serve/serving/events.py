@@ -1,0 +1,52 @@
+"""What a caller sends the engine (SongRequest) and the events it streams back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import contract
+
+
+@dataclass
+class SongRequest:
+    caption: str
+    lyrics: str
+    duration_s: float = 30.0
+    seed: int | None = None
+    steps: int = contract.DIT_STEPS
+    id: str | None = None
+
+
+@dataclass
+class Accepted:
+    song: str
+    seed: int
+    budget_frames: int
+    prompt_tokens: int
+
+
+@dataclass
+class AudioChunk:
+    song: str
+    window: int
+    pcm: np.ndarray  # [2, samples] float32 at 44.1 kHz, in [-1, 1]
+    last: bool
+
+
+@dataclass
+class Done:
+    song: str
+    frames: int
+    ended_by: str
+    timings: dict[str, float]
+
+
+@dataclass
+class Failed:
+    song: str
+    message: str
+
+
+Event = Accepted | AudioChunk | Done | Failed
