@@ -7,7 +7,6 @@ uncond rows of every window in the same call) and one vocoder batch. Not thread-
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any

@@ -91,7 +91,7 @@ class Engine:
         deploy = deploy or load_deploy_config()
         s0, s1 = deploy.stages
         if device is None:
-            device0, device1 = (f"cuda:{s.devices}" for s in (s0, s1)) if torch.cuda.is_available() else ("cpu", "cpu")
+            device0, device1 = (f"cuda:{s.devices[0]}" for s in (s0, s1)) if torch.cuda.is_available() else ("cpu", "cpu")
         else:
             device0 = device1 = device
         split = (s0.devices != s1.devices and device is None) if split is None else split
