@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from music3serve.acoustic.precision import (
-    BFLOAT16, FLOAT32, PrecisionPolicy, ieee_float32, measure_precision, rel_err, snr_db,
+    BFLOAT16, FLOAT32, PrecisionPolicy, float32_matmuls, measure_precision, rel_err, snr_db,
 )
 from music3serve.acoustic.renderer import Renderer, WindowPayload, euler_masked
 from music3serve.acoustic.solver import Carry, noise, solve, time_grid
@@ -167,11 +167,11 @@ def test_masked_loop_of_the_graph_path_equals_solve(models):
     assert torch.equal(torch.stack(want), got)
 
 
-def test_ieee_float32_restores_the_tf32_flags():
+def test_float32_matmuls_restores_the_tf32_flags():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        with ieee_float32("cuda"):
+        with float32_matmuls("cuda"):
             assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:

@@ -46,6 +46,7 @@ class PrecisionPolicy:
     dit_float32: frozenset[str] = frozenset()
     vocoder: torch.dtype = torch.float32
     vocoder_float32: frozenset[str] = frozenset()
+    vocoder_tf32: bool = False  # a float32 vocoder's convolutions may use TF32 (10-bit mantissa inputs)
     condition_encoder: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -119,15 +120,14 @@ def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy:
 
 
 @contextlib.contextmanager
-def ieee_float32(device: torch.device | str) -> Iterator[None]:
-    """float32 matmuls and convolutions without TF32 on CUDA while inside; the previous flags come back after.
-
-    The flags are process-wide: another thread running float32 CUDA work at the same time sees them too."""
+def float32_matmuls(device: torch.device | str, tf32: bool = False) -> Iterator[None]:
+    """float32 matmuls and convolutions without TF32 (with it if `tf32`) on CUDA while inside; the previous flags
+    come back after. The flags are process-wide: another thread's float32 CUDA work at the same time sees them."""
     if torch.device(device).type != "cuda":
         yield
         return
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     try:
         yield
     finally:

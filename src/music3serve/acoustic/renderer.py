@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 from .. import contract
 from ..models.condition_encoder import ConditionEncoder
 from ..models.dit import DiT
+from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
-from .precision import FLOAT32, PrecisionPolicy, apply_policy, ieee_float32
+from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
 from .solver import Carry, noise, solve, time_grid
 from .windows import Window, carry_span, crop_waveform, song_windows
 
@@ -120,8 +121,11 @@ class Renderer:
         policy: PrecisionPolicy = FLOAT32,
         graphs: bool = False,
         max_batch: int = 8,
+        fuse: bool = False,
     ):
         apply_policy(condition_encoder, dit, vocoder, policy)  # casts the modules in place
+        if fuse and dit.proj_in.weight.device.type == "cuda":
+            enable_fusion()  # the DiT block's LayerNorms, RoPE, GLU and residual adds fused around the GEMMs
         self.encoder, self.dit, self.vocoder, self.policy = condition_encoder, dit, vocoder, policy
         self.device = dit.proj_in.weight.device
         self.graphs = graphs and self.device.type == "cuda"  # unused on the CPU
@@ -202,7 +206,7 @@ class Renderer:
     def _render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
         self._check(payloads)
         carries = [self._songs[p.song].carry if p.song in self._songs else None for p in payloads]
-        with ieee_float32(self.device):
+        with float32_matmuls(self.device):
             conditions = [self._condition(p, c) for p, c in zip(payloads, carries)]
             latents: list[torch.Tensor] = [None] * len(payloads)  # type: ignore[list-item]
             groups: dict[tuple[int, int], list[int]] = {}
@@ -246,7 +250,7 @@ class Renderer:
         for i, latent in enumerate(latents):
             groups.setdefault(latent.shape[-1], []).append(i)
         dtype = self.vocoder.conv_in.weight.dtype
-        with ieee_float32(self.device):
+        with float32_matmuls(self.device, tf32=self.policy.vocoder_tf32):
             for members in groups.values():
                 for chunk in _chunks(members, self.max_batch):
                     batch = torch.stack([latents[i] for i in chunk]).to(self.device, dtype)
@@ -266,7 +270,7 @@ class Renderer:
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS) -> None:
         """Capture the full-window graphs for these batch sizes now rather than on first use."""
         if self.graphs:
-            with ieee_float32(self.device):
+            with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fusion import hot
 from .layers import apply_rope, rope_angles
 from .weights import Source, require
 
@@ -61,13 +62,26 @@ class DiTBlock(nn.Module):
         self.ff_out = nn.Linear(cfg.ff, cfg.width)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        b, t, w = x.shape
-        q, k, v = (p.view(b, t, self.heads, -1) for p in self.qkv(self.norm1(x)).chunk(3, dim=-1))
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        x = x + self.o(attn.transpose(1, 2).reshape(b, t, w))
-        value, gate = self.ff_in(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.ff_out(value * F.silu(gate))
+        return dit_block(
+            x, *rope, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.o.weight, self.norm2.weight,
+            self.norm2.bias, self.ff_in.weight, self.ff_in.bias, self.ff_out.weight, self.ff_out.bias, self.heads,
+        )
+
+
+@hot
+def dit_block(x, cos, sin, norm1_w, norm1_b, qkv_w, o_w, norm2_w, norm2_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b,
+              heads: int) -> torch.Tensor:
+    """One DiT block over x [batch, tokens, width]; each layer reads its input in its own weight dtype, so
+    float32 islands (acoustic/precision.py) compute on upcast inputs and the residual stream keeps x's dtype."""
+    b, t, w = x.shape
+    h = F.layer_norm(x.to(norm1_w.dtype), (w,), norm1_w, norm1_b)
+    q, k, v = (p.view(b, t, heads, -1) for p in F.linear(h.to(qkv_w.dtype), qkv_w).chunk(3, dim=-1))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
+    h = F.layer_norm(x.to(norm2_w.dtype), (w,), norm2_w, norm2_b)
+    value, gate = F.linear(h.to(ff_in_w.dtype), ff_in_w, ff_in_b).chunk(2, dim=-1)
+    return x + F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
 
 
 class DiT(nn.Module):

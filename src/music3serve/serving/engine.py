@@ -59,7 +59,8 @@ class Engine:
         self.worker = worker
         if worker is None:
             self.renderer = Renderer.from_models(
-                models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
+                models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
+                fuse=stage1.graphs,
             )
             self.renderer.warmup(range(1, stage1.render_batch + 1))
         self.metrics = EngineMetrics()

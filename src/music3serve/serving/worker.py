@@ -53,7 +53,8 @@ def worker_main(root: str, device: str, stage1: Stage1Config, connector) -> None
     names = ("condition_encoder", "dit", "vocoder")
     models = SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
     renderer = Renderer.from_models(
-        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch
+        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
+        fuse=stage1.graphs,
     )
     renderer.warmup(range(1, stage1.render_batch + 1))
     connector.put(PCM, Message("ready", {}, {}))

@@ -1,0 +1,117 @@
+"""Where the GPU time goes (one device call, full-size random weights): kernel tables of the talker frame step
+(graph replay, 1 and 8 songs), the GEMV-shaped backbone matmuls against copy bandwidth, the DiT call of the bf16
+policy (8 windows: plain and fused), and the vocoder per precision with its SNR against IEEE float32.
+
+    PYTHONPATH=src python3 bench/profile_gpu.py [talker|gemv|dit|vocoder ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from music3serve.acoustic.precision import BFLOAT16, DIT_ISLANDS, cast_component, float32_matmuls, snr_db
+from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
+from music3serve.bench.common import graphed, random_module, time_ms
+from music3serve.bench.talker import COPY_BW, admit
+from music3serve.models.fusion import disable_fusion, enable_fusion
+from music3serve.talker.engine import Talker, TalkerConfig
+
+
+def kernel_table(fn, label: str, calls: int = 10, rows: int = 25) -> None:
+    """The kernels fn launches, by device time per call, largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / calls
+    launches = sum(e.count for e in events) // calls
+    print(f"\n### {label}: {total / 1e3:.2f} ms of kernels, {launches} launches per call")
+    for e in events[:rows]:
+        print(f"{e.self_device_time_total / calls:9.1f} us {e.count // calls:5d}x  {e.key[:120]}")
+
+
+@torch.inference_mode()
+def talker() -> None:
+    lm = random_module("language_model", "cuda", torch.bfloat16)
+    depth = random_module("depth_decoder", "cuda", torch.bfloat16, seed=1)
+    encoder = random_module("condition_encoder", "cuda", torch.float32, seed=2)
+    engine = Talker(lm, depth, encoder, TalkerConfig(max_num_seqs=16, capture_sizes=(2, 16)))
+    for songs in (1, 8):
+        admit(engine, songs, 300)
+        print(f"\ntalker step, {songs} songs: {time_ms(lambda: engine.step_fn(2 * songs), repeat=50):.2f} ms (graph)")
+        kernel_table(lambda: engine.step_fn(2 * songs), f"talker frame step, {songs} song(s), graph replay")
+        for song in list(engine.songs):
+            engine.cancel(song)
+    disable_fusion()
+
+
+@torch.inference_mode()
+def gemv() -> None:
+    """cuBLAS at the talker's row counts: each backbone weight shape x 36 layers, in a graph, as % of copy."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+              "depth qkv": (12288, 4096), "depth gate_up": (12288, 4096), "depth down": (4096, 6144)}
+    for rows in (2, 4, 16):
+        line = []
+        for name, (n, k) in shapes.items():
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(36)]
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            ms = time_ms(graphed(lambda: [F.linear(x, w) for w in weights]))
+            line.append(f"{name} {36 * n * k * 2 / (ms * 1e-3) / COPY_BW:.0%}")
+        print(f"rows {rows}: " + ", ".join(line))
+
+
+@torch.inference_mode()
+def dit() -> None:
+    length, model = 689, random_module("dit", "cuda", torch.float32)
+    for label, islands in (("bf16 policy", BFLOAT16.dit_float32), ("bf16, no islands", frozenset())):
+        cast_component(model, torch.bfloat16, DIT_ISLANDS, islands, blocks=model.blocks)
+        for windows in (1, 8):
+            x = torch.randn(2 * windows, 128, length, device="cuda")
+            cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
+            t = torch.full((2 * windows,), 0.5, device="cuda")
+            call = lambda: model(x, t, cond)  # noqa: E731
+            with float32_matmuls("cuda"):
+                disable_fusion()
+                plain = time_ms(graphed(call))
+                enable_fusion()
+                started = time.perf_counter()
+                call()
+                compiled_s = time.perf_counter() - started
+                fused = time_ms(graphed(call))
+                tflops = dit_flops(windows) / fused / 1e9
+                print(f"\nDiT {label}, {windows} window(s): plain {plain:.2f} ms, fused {fused:.2f} ms "
+                      f"({tflops:.0f} TFLOP/s, {tflops / PEAK_TFLOPS:.0%} of peak; first fused call {compiled_s:.1f} s)")
+                if windows == 8 and islands:
+                    kernel_table(graphed(call), f"DiT {label}, 8 windows, fused, graph", calls=3)
+    disable_fusion()
+
+
+@torch.inference_mode()
+def vocoder() -> None:
+    latents = torch.randn(8, 128, 689, device="cuda")
+    model = random_module("vocoder", "cuda", torch.float32)
+    with float32_matmuls("cuda"):
+        ieee_ms, reference = time_ms(lambda: model(latents)), model(latents)
+    with float32_matmuls("cuda", tf32=True):
+        tf32_ms, tf32 = time_ms(lambda: model(latents)), model(latents)
+    low = model.to(torch.bfloat16)
+    bf16_ms, bf16 = time_ms(lambda: low(latents.bfloat16())), low(latents.bfloat16()).float()
+    print(f"\nvocoder, 8 windows: float32 {ieee_ms:.1f} ms, TF32 {tf32_ms:.1f} ms (SNR {snr_db(reference, tf32):.1f} dB), "
+          f"bf16 {bf16_ms:.1f} ms (SNR {snr_db(reference, bf16):.1f} dB)")
+    kernel_table(lambda: model(latents.bfloat16()), "vocoder bf16, 8 windows", calls=3, rows=12)
+
+
+if __name__ == "__main__":
+    parts = {"talker": talker, "gemv": gemv, "dit": dit, "vocoder": vocoder}
+    for name in sys.argv[1:] or list(parts):
+        parts[name]()
+        torch.cuda.empty_cache()
