@@ -47,6 +47,16 @@ def ending_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return root
 
 
+@pytest.fixture(autouse=True)
+def plain_hot_paths_afterwards():
+    """Fusion (models/fusion.py) is process-wide: a test that turned it on (an engine on CUDA does) must not leave
+    later tests running through compiled hot paths by accident."""
+    from music3serve.models.fusion import disable_fusion
+
+    yield
+    disable_fusion()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -31,8 +31,6 @@ async def song(engine: Engine, seed: int, duration: float) -> tuple[np.ndarray, 
 def test_concurrent_songs_complete(tiny_dir):
     """The stall seen on the H200 (2026-11-30): several songs at once never finished. Each must finish, with
     every window's audio (other songs change GEMM shapes on the GPU, so PCM is not compared bit for bit)."""
-    from music3serve.models.fusion import disable_fusion
-
     engine = Engine(load_models(tiny_dir, device="cuda"))
     try:
         durations = {seed: 12.0 + 3 * seed for seed in range(4)}  # 3-4 windows each, overlapping renders
@@ -45,5 +43,4 @@ def test_concurrent_songs_complete(tiny_dir):
             assert np.isfinite(pcm).all() and np.abs(pcm).max() > 0
     finally:
         engine.close()
-        disable_fusion()
         torch.cuda.synchronize()

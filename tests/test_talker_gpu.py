@@ -12,15 +12,6 @@ from music3serve.talker.engine import SongFinished, Talker, TalkerConfig, Window
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def plain_hot_paths_afterwards():
-    """Fusion is process-wide; later tests must not run through it by accident."""
-    from music3serve.models.fusion import disable_fusion
-
-    yield
-    disable_fusion()
-
-
 def run_songs(models, enforce_eager: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return _run_with(models, TalkerConfig(max_num_seqs=8, enforce_eager=enforce_eager, capture_sizes=(2, 4, 8)))
 

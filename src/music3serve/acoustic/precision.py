@@ -44,6 +44,7 @@ class PrecisionPolicy:
     name: str = "float32"
     dit: torch.dtype = torch.float32
     dit_float32: frozenset[str] = frozenset()
+    dit_tf32: bool = False  # the DiT's float32 islands may use TF32 matmuls (10-bit mantissa inputs)
     vocoder: torch.dtype = torch.float32
     vocoder_float32: frozenset[str] = frozenset()
     vocoder_tf32: bool = False  # a float32 vocoder's convolutions may use TF32 (10-bit mantissa inputs)
@@ -174,24 +175,40 @@ def measure_precision(
     models_* carry condition_encoder, dit and vocoder (Music3Models will do); models_low is cast to `policy` in
     place, so load it in float32 for true float32 islands. conditioning is [frames, streams * hidden] (random by
     default, seeded)."""
+    return compare_policies(models_fp32, lambda: models_low, [policy], frames, seed, steps, conditioning)[0]
+
+
+def compare_policies(
+    models_fp32: Any,
+    load_low: Callable[[], Any],
+    policies: list[PrecisionPolicy],
+    frames: int = 450,
+    seed: int = 0,
+    steps: int = contract.DIT_STEPS,
+    conditioning: torch.Tensor | None = None,
+) -> list[PrecisionReport]:
+    """measure_precision for several policies against one float32 render; load_low() gives fresh float32 models."""
     from .renderer import Renderer
 
     reference = Renderer.from_models(models_fp32, FLOAT32)
-    low = Renderer.from_models(models_low, policy)
     if conditioning is None:
         cfg = reference.encoder.cfg
         conditioning = torch.randn(frames, cfg.streams * cfg.hidden, generator=torch.Generator().manual_seed(seed))
     mixed = reference.mix(conditioning)
     wave_ref, lat_ref = reference.render_song(mixed, seed, steps, song="reference")
-    wave_low, lat_low = low.render_song(mixed, seed, steps, song="low")
     voc_ref = torch.cat([w.flatten() for w in reference.vocode(lat_ref)])
-    voc_low = torch.cat([w.flatten() for w in low.vocode(lat_ref)])
-    return PrecisionReport(
-        policy=policy.name,
-        latent_rel_err=[rel_err(a, b) for a, b in zip(lat_ref, lat_low)],
-        waveform_snr_db=snr_db(wave_ref, wave_low),
-        vocoder_snr_db=snr_db(voc_ref, voc_low),
-    )
+    reports = []
+    for policy in policies:
+        low = Renderer.from_models(load_low(), policy)
+        wave_low, lat_low = low.render_song(mixed, seed, steps, song="low")
+        voc_low = torch.cat([w.flatten() for w in low.vocode(lat_ref)])
+        reports.append(PrecisionReport(
+            policy=policy.name,
+            latent_rel_err=[rel_err(a, b) for a, b in zip(lat_ref, lat_low)],
+            waveform_snr_db=snr_db(wave_ref, wave_low),
+            vocoder_snr_db=snr_db(voc_ref, voc_low),
+        ))
+    return reports
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -208,10 +208,11 @@ class Renderer:
         carries = [self._songs[p.song].carry if p.song in self._songs else None for p in payloads]
         with float32_matmuls(self.device):
             conditions = [self._condition(p, c) for p, c in zip(payloads, carries)]
-            latents: list[torch.Tensor] = [None] * len(payloads)  # type: ignore[list-item]
-            groups: dict[tuple[int, int], list[int]] = {}
-            for i, p in enumerate(payloads):
-                groups.setdefault((p.window.latent_length, p.steps), []).append(i)
+        latents: list[torch.Tensor] = [None] * len(payloads)  # type: ignore[list-item]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, p in enumerate(payloads):
+            groups.setdefault((p.window.latent_length, p.steps), []).append(i)
+        with float32_matmuls(self.device, tf32=self.policy.dit_tf32):
             for (length, steps), members in groups.items():
                 for chunk in _chunks(members, self.max_batch):
                     initial = [noise(payloads[i].seed, payloads[i].window.index, length) for i in chunk]
@@ -221,7 +222,7 @@ class Renderer:
                     out = graphed(*args) if graphed else solve(self.dit, *args, steps)
                     for i, latent in zip(chunk, out):
                         latents[i] = latent
-            waves = self.vocode(latents)
+        waves = self.vocode(latents)
         results = []
         for p, latent, condition, wave in zip(payloads, latents, conditions, waves):
             if p.window.last:
@@ -270,7 +271,7 @@ class Renderer:
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS) -> None:
         """Capture the full-window graphs for these batch sizes now rather than on first use."""
         if self.graphs:
-            with float32_matmuls(self.device):
+            with float32_matmuls(self.device, tf32=self.policy.dit_tf32):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import contract
+from ..acoustic.precision import BFLOAT16, DIT_ISLANDS, FLOAT32, PrecisionPolicy, cast_component, float32_matmuls
+from ..models.fusion import disable_fusion, enable_fusion
 from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
 
 PEAK_TFLOPS = 791.0
@@ -21,20 +25,25 @@ def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW
 
 
 @torch.inference_mode()
-def dit_rows(device: str, dtype: torch.dtype, batches) -> list[list]:
-    dit = random_module("dit", device, dtype)
+def dit_rows(device: str, policy: PrecisionPolicy, batches, fuse: bool) -> list[list]:
+    """DiT calls as the renderer makes them under `policy` (islands, TF32 flags), hot paths fused or not."""
+    dit = random_module("dit", device, torch.float32)
+    cast_component(dit, policy.dit, DIT_ISLANDS, policy.dit_float32 if policy.dit != torch.float32 else frozenset(),
+                   blocks=dit.blocks)
+    (enable_fusion if fuse else disable_fusion)()
     length = contract.latent_length(contract.WINDOW_FRAMES)
     rows = []
-    for windows in batches:
-        x = torch.randn(2 * windows, 128, length, device=device, dtype=dtype)
-        cond = torch.randn(2 * windows, length, 2048, device=device, dtype=dtype)
-        t = torch.full((2 * windows,), 0.5, device=device, dtype=dtype)
-        call = lambda: dit(x, t, cond)  # noqa: E731
-        eager, graph = time_ms(call), time_ms(graphed(call))
-        best = min(eager, graph)
-        rows.append([str(dtype).removeprefix("torch."), windows, eager, graph, dit_flops(windows) / best / 1e9,
-                     dit_flops(windows) / best / 1e9 / PEAK_TFLOPS])
-    del dit
+    with float32_matmuls(device, tf32=policy.dit_tf32):
+        for windows in batches:
+            x = torch.randn(2 * windows, 128, length, device=device, dtype=policy.dit)
+            cond = torch.randn(2 * windows, length, 2048, device=device, dtype=policy.dit)
+            t = torch.full((2 * windows,), 0.5, device=device)
+            call = lambda: dit(x, t, cond)  # noqa: E731
+            eager, graph = time_ms(call), time_ms(graphed(call))
+            best = min(eager, graph)
+            rows.append([policy.name + (", fused" if fuse else ""), windows, eager, graph,
+                         dit_flops(windows) / best / 1e9, dit_flops(windows) / best / 1e9 / PEAK_TFLOPS])
+    disable_fusion()
     torch.cuda.empty_cache()
     return rows
 
@@ -47,14 +56,14 @@ def vocoder_ms(device: str, dtype: torch.dtype) -> float:
 
 
 def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 is the reference
-    try:
-        rows = dit_rows(device, torch.float32, batches) + dit_rows(device, torch.bfloat16, batches)
+    rows = dit_rows(device, FLOAT32, [b for b in batches if b <= 2], fuse=False)  # slow: 1 and 2 windows
+    for policy in (BFLOAT16, replace(BFLOAT16, name="bfloat16, TF32 islands", dit_tf32=True)):
+        rows += dit_rows(device, policy, batches, fuse=False) + dit_rows(device, policy, batches, fuse=True)
+    with float32_matmuls(device):
         vocoder = {str(d).removeprefix("torch."): vocoder_ms(device, d) for d in (torch.float32, torch.bfloat16)}
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-    headers = ["dtype", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"]
+    with float32_matmuls(device, tf32=True):
+        vocoder["float32 with TF32"] = vocoder_ms(device, torch.float32)
+    headers = ["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"]
     out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window",
            "", table(headers, rows), "", "vocoder per 689-column window: " +
            ", ".join(f"{k} {v:.2f} ms" for k, v in vocoder.items())]
@@ -71,13 +80,20 @@ def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
 
 @torch.inference_mode()
 def precision(device: str = "cuda", frames: int = 450, steps: int = contract.DIT_STEPS) -> str:
-    """bf16 policy against float32 on full-size random weights (same weights, conditioning and noise)."""
+    """The bf16 policy and its candidate variants against float32 on full-size random weights (same weights,
+    conditioning and noise)."""
     from types import SimpleNamespace
 
-    from ..acoustic.precision import BFLOAT16, measure_precision
+    from ..acoustic.precision import compare_policies
 
     def models() -> SimpleNamespace:
         names = ("condition_encoder", "dit", "vocoder")
         return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=i) for i, n in enumerate(names)})
 
-    return str(measure_precision(models(), models(), BFLOAT16, frames=frames, steps=steps))
+    variants = [
+        BFLOAT16,
+        replace(BFLOAT16, name="bfloat16, TF32 DiT islands", dit_tf32=True),
+        replace(BFLOAT16, name="bfloat16, TF32 vocoder", vocoder_tf32=True),
+        replace(BFLOAT16, name="bfloat16, bf16 vocoder", vocoder=torch.bfloat16),
+    ]
+    return "\n".join(str(r) for r in compare_policies(models(), models, variants, frames=frames, steps=steps))
