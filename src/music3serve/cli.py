@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
     bench.add_argument("--no-peers", action="store_true", help="skip the diffusers reference run")
+    bench.add_argument("--placement", default="colocated", choices=["colocated", "split", "split-one-gpu"],
+                       help="e2e only: where stage 1 runs (split needs two GPUs)")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
@@ -196,7 +198,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
         print(precision())
         return
-    print(run(peers=not args.no_peers))
+    print(run(peers=not args.no_peers, **({"placement": args.placement} if args.stage == "e2e" else {})))
 
 
 def main(argv: list[str] | None = None) -> int:

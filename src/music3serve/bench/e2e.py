@@ -8,32 +8,49 @@ import faulthandler
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from ..checkpoint import Music3Models
+from ..errors import Music3Error
 from ..serving.deploy_config import load_deploy_config
 from ..serving.engine import AudioChunk, Done, Engine, SongRequest
+from ..serving.worker import RenderWorker
 from ..tokenizer import load_tokenizer, write_tokenizer
 from .common import random_module, table
 
 LYRICS = "[verse]\nCity lights are fading slow\n[chorus]\nHold on, hold on"
 
 
-SCENARIOS = [("one 20 s song", [20.0]), ("two 30 s songs", [30.0] * 2), ("eight 30 s songs", [30.0] * 8)]
+SCENARIOS = [("one 20 s song", [20.0]), ("eight 30 s songs", [30.0] * 8)]
 
 
-def random_models(device: str) -> Music3Models:
+PLACEMENTS = {
+    "colocated": "one worker, two CUDA streams",
+    "split": "stage 1 in a second worker on the second GPU, shared-memory connector",
+    "split-one-gpu": "stage 1 in a second worker on the same GPU, shared-memory connector",
+}
+
+
+def random_acoustic(device: str) -> SimpleNamespace:
+    """Stage 1's components, full size, random weights (module level: a spawned worker calls it)."""
+    names = ("condition_encoder", "dit", "vocoder")
+    return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=2 + i) for i, n in enumerate(names)})
+
+
+def random_models(device: str, acoustic: bool = True) -> Music3Models:
     with tempfile.TemporaryDirectory() as folder:
         write_tokenizer(Path(folder))
         tokenizer = load_tokenizer(Path(folder))
+    stage1 = random_acoustic(device) if acoustic else None
     return Music3Models(
         tokenizer=tokenizer,
         language_model=random_module("language_model", device, torch.bfloat16),
         depth_decoder=random_module("depth_decoder", device, torch.bfloat16, seed=1),
-        condition_encoder=random_module("condition_encoder", device, torch.float32, seed=2),
-        dit=random_module("dit", device, torch.float32, seed=3),
-        vocoder=random_module("vocoder", device, torch.float32, seed=4),
+        condition_encoder=stage1.condition_encoder if stage1 else random_module("condition_encoder", device, torch.float32, seed=2),
+        dit=stage1.dit if stage1 else None,
+        vocoder=stage1.vocoder if stage1 else None,
     )
 
 
@@ -55,12 +72,17 @@ async def scenario(engine: Engine, durations: list[float]) -> tuple[list[dict[st
     return list(results), time.perf_counter() - started
 
 
-def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = False) -> str:
+def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = False, placement: str = "colocated") -> str:
     deploy = load_deploy_config()
     stage1 = dataclasses.replace(deploy.stages[1], dtype=acoustic_dtype)
     deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
     started = time.perf_counter()
-    engine = Engine(random_models(device), deploy)
+    worker = None
+    if placement != "colocated":
+        if placement == "split" and torch.cuda.device_count() < 2:
+            raise Music3Error("the split placement needs two GPUs; split-one-gpu runs both workers on one")
+        worker = RenderWorker(random_acoustic, "cuda:1" if placement == "split" else "cuda:0", stage1, deploy.connector)
+    engine = Engine(random_models(device, acoustic=worker is None), deploy, worker)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
     headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time"]
     rows = []
@@ -77,4 +99,4 @@ def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = Fa
     finally:
         faulthandler.cancel_dump_traceback_later()
         engine.close()
-    return f"acoustic dtype {acoustic_dtype}, colocated (one worker, two streams)\n\n" + table(headers, rows)
+    return f"acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]})\n\n" + table(headers, rows)

@@ -6,9 +6,8 @@ first ``rotary_dim`` dims of every q and k head are rotated by the half-split co
 tensors in qkv's dtype.
 
 On CUDA with Triton the work is one kernel (one program per token); it repeats the eager arithmetic rounding by
-rounding (cos and sin cast to the dtype, each product and the sum rounded to it), so in bf16 both paths give the
-same bits (in float32 the compiler may fuse a product into the sum: within an ulp). Elsewhere ``split_rope_reference`` runs the torch ops. The eager chain is seven kernels at ~25% of copy
-bandwidth in the DiT (profiled in docs/performance.md).
+rounding (cos and sin cast to the dtype, each product and the sum rounded to it); measured on the H200, a few
+elements still differ from the torch ops by one ulp. Elsewhere ``split_rope_reference`` runs the torch ops.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -32,7 +33,7 @@ from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
 from .render_loop import RenderLoop
-from .worker import RenderWorker, chunk_window
+from .worker import RenderWorker, chunk_window, load_acoustic
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class Engine:
         split = (s0.devices != s1.devices and device is None) if split is None else split
         talker_dtype = getattr(torch, s0.dtype) if device0 != "cpu" else torch.float32
         models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split)
-        worker = RenderWorker(root, device1, s1, deploy.connector) if split else None
+        worker = RenderWorker(partial(load_acoustic, str(root)), device1, s1, deploy.connector) if split else None
         try:
             return cls(models, deploy, worker)
         except BaseException:

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -46,12 +47,17 @@ def chunk_window(message: Message) -> RenderedWindow:
     return RenderedWindow(m["song"], window, torch.from_numpy(np.asarray(message.tensors["pcm"])), torch.empty(0))
 
 
-def worker_main(root: str, device: str, stage1: Stage1Config, connector) -> None:
-    """The worker process: load the acoustic stage, then render windows until told to stop."""
+def load_acoustic(root: str, device: str) -> SimpleNamespace:
+    """Stage 1's components of the checkpoint at root, in float32 (the precision policy casts them)."""
+    names = ("condition_encoder", "dit", "vocoder")
+    return SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
+
+
+def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector) -> None:
+    """The worker process: load(device) the acoustic stage, then render windows until told to stop."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # streams and graph captures belong to the worker's own GPU
-    names = ("condition_encoder", "dit", "vocoder")
-    models = SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
+    models = load(device)
     renderer = Renderer.from_models(
         models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
         fuse=stage1.graphs,
@@ -130,15 +136,17 @@ class ChunkDeadlines:
 
 
 class RenderWorker:
-    """Starts the worker process and carries windows to it and PCM back."""
+    """Starts the worker process and carries windows to it and PCM back. `load(device)` runs in the worker and
+    returns its models (a module-level function or partial, as the process is spawned): load_acoustic for a
+    checkpoint."""
 
-    def __init__(self, root: Path | str, device: str, stage1: Stage1Config, connector: ConnectorConfig):
+    def __init__(self, load: Callable[[str], Any], device: str, stage1: Stage1Config, connector: ConnectorConfig):
         extra = connector.extra.as_extra()
         self.deadlines = ChunkDeadlines(*timeouts(extra))
         self.connector = make_connector(connector.name, extra, channels=(WINDOWS, PCM))
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
-            target=worker_main, args=(str(root), device, stage1, self.connector), name="music3-stage1", daemon=True
+            target=worker_main, args=(load, device, stage1, self.connector), name="music3-stage1", daemon=True
         )
         self.process.start()
         started = time.monotonic()
