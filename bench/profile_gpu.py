@@ -75,11 +75,11 @@ def dit() -> None:
     for label, islands in (("bf16 policy", BFLOAT16.dit_float32), ("bf16, no islands", frozenset())):
         cast_component(model, torch.bfloat16, DIT_ISLANDS, islands, blocks=model.blocks)
         for windows in (1, 8):
-            x = torch.randn(2 * windows, 128, length, device="cuda")
+            x = torch.randn(2 * windows, 128, length, device="cuda", dtype=torch.bfloat16)  # as the renderer passes
             cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
             t = torch.full((2 * windows,), 0.5, device="cuda")
             call = lambda: model(x, t, cond)  # noqa: E731
-            with float32_matmuls("cuda"):
+            with float32_matmuls("cuda", tf32=BFLOAT16.dit_tf32):
                 disable_fusion()
                 plain = time_ms(graphed(call))
                 enable_fusion()
