@@ -174,3 +174,27 @@ def test_a_song_mid_prefill_moves_with_the_packing_and_stays_the_same(models, so
     finished, _, failed = run(models, {3: 0, 4: 0, 0: 26}, TalkerConfig(max_num_seqs=6, max_num_batched_tokens=8))
     assert relocations, "the scenario no longer exercises the relocation of a song mid-prefill"
     assert not failed and torch.equal(finished[0].codes, solo[0].codes)
+
+
+def test_cached_depth_calls_equal_recomputed_ones(models, solo):
+    """The 7 depth calls on cached keys (one new position each) give the codes and conditioning of recomputing
+    the whole depth sequence, for a song beside three others."""
+    plan = {0: 2, 1: 0, 2: 1, 3: 4}
+    finished, windows, failed = run(models, plan, TalkerConfig(max_num_seqs=8, depth_cache=True))
+    assert not failed
+    assert torch.equal(finished[0].codes, solo[0].codes)
+    torch.testing.assert_close(mixed_song(windows[0]), solo[1], rtol=1e-5, atol=1e-6)
+
+
+def test_depth_decoder_cache_equals_recompute_position_by_position(models):
+    from music3serve.models.depth_decoder import DepthKV
+
+    depth = models.depth_decoder
+    projected = torch.randn(4, 8, depth.cfg.hidden, generator=torch.Generator().manual_seed(0))
+    whole = depth(projected)
+    cache = DepthKV()
+    steps = [depth(projected[:, :2], cache)] + [depth(projected[:, t : t + 1], cache) for t in range(2, 8)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-6)
+    assert cache.length == 8
+    with pytest.raises(ValueError, match="one new position"):
+        depth(projected[:, :2], cache)

@@ -12,8 +12,9 @@ from music3serve.talker.engine import SongFinished, Talker, TalkerConfig, Window
 pytestmark = pytest.mark.gpu
 
 
-def run_songs(models, enforce_eager: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return _run_with(models, TalkerConfig(max_num_seqs=8, enforce_eager=enforce_eager, capture_sizes=(2, 4, 8)))
+def run_songs(models, enforce_eager: bool, depth_cache: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    config = TalkerConfig(max_num_seqs=8, enforce_eager=enforce_eager, capture_sizes=(2, 4, 8), depth_cache=depth_cache)
+    return _run_with(models, config)
 
 
 def _run_with(models, config: TalkerConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -32,10 +33,11 @@ def _run_with(models, config: TalkerConfig) -> dict[str, tuple[torch.Tensor, tor
     return {song: (codes[song], torch.cat(windows[song])) for song in codes}
 
 
+@pytest.mark.parametrize("depth_cache", [False, True], ids=["recomputed", "cached"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replay_equals_eager(tiny_dir, dtype):
+def test_graph_replay_equals_eager(tiny_dir, dtype, depth_cache):
     models = load_models(tiny_dir, device="cuda", talker_dtype=dtype)
-    eager, graphs = run_songs(models, True), run_songs(models, False)
+    eager, graphs = run_songs(models, True, depth_cache), run_songs(models, False, depth_cache)
     assert set(eager) == set(graphs) == {"0", "1", "2"}
     for song in eager:
         assert torch.equal(eager[song][0], graphs[song][0])

@@ -41,23 +41,16 @@ def split_ms(talker: Talker, rows: int) -> dict[str, float]:
     feedback = hidden.clone()
     parts = {
         "sampling": lambda: sample_semantic(lm, hidden, seeds, frames),
-        "frame": lambda: talker_frame(lm, depth, hidden, seeds, frames),
+        "frame": lambda: talker_frame(lm, depth, hidden, seeds, frames, step.depth_cache),
         "backbone": lambda: lm(feedback[:, None], positions[:, None], talker.slots.decode(rows, positions)),
     }
     ms = {name: time_ms(graphed(fn)) for name, fn in parts.items()}
     return {"backbone": ms["backbone"], "depth": ms["frame"] - ms["sampling"], "sampling": ms["sampling"]}
 
 
-@torch.inference_mode()
-def run(
-    device: str = "cuda", concurrency=(1, 2, 4, 8), prompt_tokens: int = 300, steps: int = 50, peers: bool = True
-) -> str:
-    lm = random_module("language_model", device, torch.bfloat16)
-    depth = random_module("depth_decoder", device, torch.bfloat16, seed=1)
-    encoder = random_module("condition_encoder", device, torch.float32, seed=2)
-    talker = Talker(lm, depth, encoder, TalkerConfig(max_num_seqs=16, capture_sizes=(2, 4, 8, 16)))
-    floor = weight_floor_ms(lm, depth)
-    rows_out = []
+def measure(talker: Talker, concurrency, prompt_tokens: int, steps: int, floor: float) -> list[list]:
+    """One table row per concurrency level: graph and engine step times, the split, the ratio to the floor."""
+    out = []
     for songs in concurrency:
         admit(talker, songs, prompt_tokens)
         rows = 2 * songs
@@ -67,14 +60,31 @@ def run(
             talker.step()
         engine_ms = (time.perf_counter() - started) / steps * 1e3
         parts = split_ms(talker, rows)
-        rows_out.append([songs, graph_ms, engine_ms, parts["backbone"], parts["depth"], parts["sampling"],
-                         graph_ms / floor])
+        out.append([songs, "cached" if talker.step_fn.depth_cache else "recomputed", graph_ms, engine_ms,
+                    parts["backbone"], parts["depth"], parts["sampling"], graph_ms / floor])
         for song in list(talker.songs):
             talker.cancel(song)
-    headers = ["songs", "step ms (graph)", "step ms (engine, with host)", "backbone ms", "depth loop ms",
-               "sampling ms", "x weight-read floor"]
+    return out
+
+
+@torch.inference_mode()
+def run(
+    device: str = "cuda", concurrency=(1, 2, 4, 8), prompt_tokens: int = 300, steps: int = 50, peers: bool = True,
+    depth_modes=(False, True),
+) -> str:
+    lm = random_module("language_model", device, torch.bfloat16)
+    depth = random_module("depth_decoder", device, torch.bfloat16, seed=1)
+    encoder = random_module("condition_encoder", device, torch.float32, seed=2)
+    floor = weight_floor_ms(lm, depth)
+    rows_out = []
+    for depth_cache in depth_modes:
+        config = TalkerConfig(max_num_seqs=16, capture_sizes=(2, 4, 8, 16), depth_cache=depth_cache)
+        rows_out += measure(Talker(lm, depth, encoder, config), concurrency, prompt_tokens, steps, floor)
+        torch.cuda.empty_cache()
+    headers = ["songs", "depth calls", "step ms (graph)", "step ms (engine, with host)", "backbone ms",
+               "depth loop ms", "sampling ms", "x weight-read floor"]
     out = f"weight-read floor for one frame: {floor:.2f} ms\n\n" + table(headers, rows_out)
-    del talker, lm, depth, encoder
+    del lm, depth, encoder
     torch.cuda.empty_cache()
     if peers:
         from .peers import diffusers_frame_ms

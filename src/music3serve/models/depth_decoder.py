@@ -47,22 +47,38 @@ class DepthBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden)
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return depth_block(
-            x, self.attn_norm.weight, self.qkv.weight, self.o.weight, self.mlp_norm.weight,
+            x, past_k, past_v, self.attn_norm.weight, self.qkv.weight, self.o.weight, self.mlp_norm.weight,
             self.mlp.gate_up.weight, self.mlp.down.weight, self.attn_norm.eps, self.heads,
         )
 
 
 @hot
-def depth_block(x, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int) -> torch.Tensor:
-    """One causal depth-decoder block over x [rows, t, hidden]."""
+def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int):
+    """One causal depth-decoder block over the new positions x [rows, t, hidden] after the past ones (keys and
+    values [rows, heads, past, head_dim]; past is 0, or t is 1). Returns x and the keys and values of all."""
     b, t, h = x.shape
     qkv = F.linear(rms_norm(x, attn_norm_w, eps), qkv_w)
     q, k, v = (p.view(b, t, heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=past_k.shape[2] == 0)
     x = x + F.linear(attn.transpose(1, 2).reshape(b, t, h), o_w)
-    return x + swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w)
+    return x + swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w), k, v
+
+
+class DepthKV:
+    """Keys and values of the depth positions run so far in one frame, per block."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
 
 
 class DepthDecoder(nn.Module):
@@ -78,11 +94,23 @@ class DepthDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden)
         self.heads = nn.Parameter(torch.empty(cfg.codebooks - 1, cfg.codes, cfg.hidden))
 
-    def forward(self, projected: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]."""
-        x = projected + self.positions.weight[: projected.shape[1]]
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, projected: torch.Tensor, cache: DepthKV | None = None) -> torch.Tensor:
+        """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]. With a cache,
+        `projected` holds the positions after the cached ones (all of them, or one more) and the cache grows."""
+        start = cache.length if cache is not None else 0
+        if start and projected.shape[1] != 1:
+            raise ValueError(f"a cached depth call takes one new position, got {projected.shape[1]}")
+        x = projected + self.positions.weight[start : start + projected.shape[1]]
+        rows, heads = x.shape[0], self.cfg.heads
+        empty = x.new_zeros(rows, heads, 0, self.cfg.hidden // heads)
+        keys, values = [], []
+        for i, block in enumerate(self.blocks):
+            past = (cache.keys[i], cache.values[i]) if start else (empty, empty)
+            x, k, v = block(x, *past)
+            keys.append(k)
+            values.append(v)
+        if cache is not None:
+            cache.keys, cache.values = keys, values
         return self.norm(x)
 
     def head_logits(self, hidden: torch.Tensor, codebook: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ class TalkerConfig:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.6
     fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
+    depth_cache: bool = False  # depth-decoder calls on cached keys instead of recomputing (models/depth_decoder.py)
 
 
 @dataclass
@@ -90,7 +91,9 @@ class Talker:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if config.fuse and self.device.type == "cuda":
             enable_fusion()
-        self.step_fn = FrameStep(lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs)
+        self.step_fn = FrameStep(
+            lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs, config.depth_cache
+        )
         # Step outputs come back through pinned buffers and an event on the talker's own stream: a pageable
         # copy could wait for work of other streams (the renderer's long DiT graphs) before returning.
         pinned = self.device.type == "cuda"

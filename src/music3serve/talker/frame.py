@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import contract
-from ..models.depth_decoder import DepthDecoder
+from ..models.depth_decoder import DepthDecoder, DepthKV
 from ..models.language_model import LanguageModel
 from .sampling import guide, keep_top_k, sample_top_k
 
@@ -36,17 +36,25 @@ def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor
 
 
 def talker_frame(
-    lm: LanguageModel, depth: DepthDecoder, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor
+    lm: LanguageModel,
+    depth: DepthDecoder,
+    hidden: torch.Tensor,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    depth_cache: bool = False,
 ) -> Frame:
-    """Everything one frame step does after the backbone, for songs keyed by (seed, frame index)."""
+    """Everything one frame step does after the backbone, for songs keyed by (seed, frame index). The 7 depth
+    calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys."""
     column = sample_semantic(lm, hidden, seeds, frames)
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
     semantic_embed = lm.embed_codes(both_rows(semantic))
     sequence = [depth.projection(hidden), depth.projection(semantic_embed)]
+    cache = DepthKV() if depth_cache else None
     codes, depth_hiddens, residual_embeds = [semantic], [], []
     for codebook in range(1, contract.NUM_CODEBOOKS):
-        out = depth(torch.stack(sequence, dim=1))[:, -1]
+        new = sequence[cache.length :] if cache is not None else sequence
+        out = depth(torch.stack(new, dim=1), cache)[:, -1]
         depth_hiddens.append(out[0::2])
         _, guided = guide(depth.head_logits(out, codebook), contract.AR_CFG_SCALE)
         code = sample_top_k(guided, contract.AR_TOP_K, seeds, frames, codebook)

@@ -28,8 +28,9 @@ class FrameStep:
         slots: SlotCache,
         capture_sizes: list[int],
         use_graphs: bool,
+        depth_cache: bool = False,
     ):
-        self.lm, self.depth, self.mix, self.slots = lm, depth, mix, slots
+        self.lm, self.depth, self.mix, self.slots, self.depth_cache = lm, depth, mix, slots, depth_cache
         rows, songs, device = 2 * slots.pairs, slots.pairs, lm.embed.weight.device
         hidden_size = lm.cfg.hidden
         self.hidden = torch.zeros(rows, hidden_size, dtype=lm.embed.weight.dtype, device=device)
@@ -49,7 +50,9 @@ class FrameStep:
 
     def run_eager(self, rows: int) -> None:
         songs = rows // 2
-        frame = talker_frame(self.lm, self.depth, self.hidden[:rows], self.seeds[:songs], self.frames[:songs])
+        frame = talker_frame(
+            self.lm, self.depth, self.hidden[:rows], self.seeds[:songs], self.frames[:songs], self.depth_cache
+        )
         self.codes[:songs] = frame.codes
         self.ended[:songs] = frame.ended
         self.mixed[:songs] = self.mix(frame.conditioning)
