@@ -79,7 +79,7 @@ def dit() -> None:
             cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
             t = torch.full((2 * windows,), 0.5, device="cuda")
             call = lambda: model(x, t, cond)  # noqa: E731
-            with float32_matmuls("cuda", tf32=BFLOAT16.dit_tf32):
+            with float32_matmuls("cuda"):
                 disable_fusion()
                 plain = time_ms(graphed(call))
                 enable_fusion()
@@ -101,7 +101,7 @@ def vocoder() -> None:
     model = random_module("vocoder", "cuda", torch.float32)
     with float32_matmuls("cuda"):
         ieee_ms, reference = time_ms(lambda: model(latents)), model(latents)
-    with float32_matmuls("cuda", tf32=True):
+    with float32_matmuls("cuda", conv_tf32=True):
         tf32_ms, tf32 = time_ms(lambda: model(latents)), model(latents)
     low = model.to(torch.bfloat16)
     bf16_ms, bf16 = time_ms(lambda: low(latents.bfloat16())), low(latents.bfloat16()).float()

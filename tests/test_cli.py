@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
 import torch
 
 from music3serve import cli
@@ -19,6 +17,8 @@ from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
 from music3serve.pipeline import Pipeline, Song
+
+soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
 
 FRAMES = 50  # 2 s at 25 frames/s; the tiny checkpoint runs these to the budget with seed 0
 SONG_SAMPLES = song_samples(FRAMES)

@@ -173,6 +173,8 @@ def test_float32_matmuls_restores_the_tf32_flags():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         with float32_matmuls("cuda"):
             assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        with float32_matmuls("cuda", conv_tf32=True):  # matmuls stay IEEE: the talker thread shares the flags
+            assert not torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -1,9 +1,15 @@
 """Precision of stage 1: which parts run in bf16, the float32 islands, TF32 off, and measuring the cost against float32.
 
 A policy casts a component's parameters in place: everything to the stage dtype except the named float32 islands.
-Where dtypes meet, every weighted layer casts its input to its own weight dtype (a forward pre-hook), so an island
-computes in float32 on the upcast input and the next bf16 layer reads a bf16 copy. The DiT's residual stream dtype
-is set explicitly at each block's entry (float32 with the "residual" island, else the stage dtype).
+Where dtypes meet, every weighted layer casts its input to its own weight dtype (a forward pre-hook; the DiT
+blocks' fused functions do the same casts themselves, models/dit.py), so an island computes in float32 on the
+upcast input and the next bf16 layer reads a bf16 copy. The DiT's residual stream dtype is set explicitly at each
+block's entry (float32 with the "residual" island, else the stage dtype).
+
+TF32 is off for every float32 matmul here. The flags are process-wide and the talker runs in another thread of
+the same process (its float32 conditioning mix, and inductor's guards on its compiled hot paths, would see them),
+so the only TF32 a policy may ask for is cuDNN's, for the vocoder's convolutions: the talker runs no float32
+convolutions, and cuDNN's flag is on by default in PyTorch anyway.
 """
 
 from __future__ import annotations
@@ -44,10 +50,9 @@ class PrecisionPolicy:
     name: str = "float32"
     dit: torch.dtype = torch.float32
     dit_float32: frozenset[str] = frozenset()
-    dit_tf32: bool = False  # the DiT's float32 islands may use TF32 matmuls (10-bit mantissa inputs)
     vocoder: torch.dtype = torch.float32
     vocoder_float32: frozenset[str] = frozenset()
-    vocoder_tf32: bool = False  # a float32 vocoder's convolutions may use TF32 (10-bit mantissa inputs)
+    vocoder_tf32: bool = False  # a float32 vocoder's convolutions use TF32 (cuDNN; 10-bit mantissa inputs)
     condition_encoder: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -67,13 +72,12 @@ class PrecisionPolicy:
 
 FLOAT32 = PrecisionPolicy()
 # Chosen from measure_precision on the tiny checkpoint (numbers in tests/test_renderer.py); re-measure on the real one.
-# TF32 for the DiT islands and the float32 vocoder: measured at full size (docs/precision.md), the islands' latent
-# error is unchanged and the TF32 vocoder's error stays under the DiT's, while the vocoder runs 2.7x faster.
+# A TF32 vocoder: measured at full size (docs/precision.md), its error stays under the one the bf16 DiT puts into
+# the waveform, and it runs 2.7x faster than IEEE float32.
 BFLOAT16 = PrecisionPolicy(
     name="bfloat16",
     dit=torch.bfloat16,
     dit_float32=frozenset({"time", "norm", "stem", "head", "residual"}),
-    dit_tf32=True,
     vocoder=torch.float32,
     vocoder_tf32=True,
 )
@@ -125,14 +129,14 @@ def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy:
 
 
 @contextlib.contextmanager
-def float32_matmuls(device: torch.device | str, tf32: bool = False) -> Iterator[None]:
-    """float32 matmuls and convolutions without TF32 (with it if `tf32`) on CUDA while inside; the previous flags
-    come back after. The flags are process-wide: another thread's float32 CUDA work at the same time sees them."""
+def float32_matmuls(device: torch.device | str, conv_tf32: bool = False) -> Iterator[None]:
+    """IEEE float32 matmuls on CUDA while inside, convolutions too unless `conv_tf32`; the previous flags come back
+    after. The flags are process-wide: another thread's float32 CUDA work at the same time sees them."""
     if torch.device(device).type != "cuda":
         yield
         return
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, conv_tf32
     try:
         yield
     finally:

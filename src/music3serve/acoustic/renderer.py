@@ -125,7 +125,7 @@ class Renderer:
     ):
         apply_policy(condition_encoder, dit, vocoder, policy)  # casts the modules in place
         if fuse and dit.proj_in.weight.device.type == "cuda":
-            enable_fusion()  # the DiT block's LayerNorms, RoPE, GLU and residual adds fused around the GEMMs
+            enable_fusion()  # the DiT block's LayerNorms, GLU and residual adds fused around the GEMMs (process-wide)
         self.encoder, self.dit, self.vocoder, self.policy = condition_encoder, dit, vocoder, policy
         self.device = dit.proj_in.weight.device
         self.graphs = graphs and self.device.type == "cuda"  # unused on the CPU
@@ -206,13 +206,12 @@ class Renderer:
     def _render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
         self._check(payloads)
         carries = [self._songs[p.song].carry if p.song in self._songs else None for p in payloads]
-        with float32_matmuls(self.device):
-            conditions = [self._condition(p, c) for p, c in zip(payloads, carries)]
         latents: list[torch.Tensor] = [None] * len(payloads)  # type: ignore[list-item]
         groups: dict[tuple[int, int], list[int]] = {}
         for i, p in enumerate(payloads):
             groups.setdefault((p.window.latent_length, p.steps), []).append(i)
-        with float32_matmuls(self.device, tf32=self.policy.dit_tf32):
+        with float32_matmuls(self.device):
+            conditions = [self._condition(p, c) for p, c in zip(payloads, carries)]
             for (length, steps), members in groups.items():
                 for chunk in _chunks(members, self.max_batch):
                     initial = [noise(payloads[i].seed, payloads[i].window.index, length) for i in chunk]
@@ -251,7 +250,7 @@ class Renderer:
         for i, latent in enumerate(latents):
             groups.setdefault(latent.shape[-1], []).append(i)
         dtype = self.vocoder.conv_in.weight.dtype
-        with float32_matmuls(self.device, tf32=self.policy.vocoder_tf32):
+        with float32_matmuls(self.device, conv_tf32=self.policy.vocoder_tf32):
             for members in groups.values():
                 for chunk in _chunks(members, self.max_batch):
                     batch = torch.stack([latents[i] for i in chunk]).to(self.device, dtype)
@@ -271,7 +270,7 @@ class Renderer:
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS) -> None:
         """Capture the full-window graphs for these batch sizes now rather than on first use."""
         if self.graphs:
-            with float32_matmuls(self.device, tf32=self.policy.dit_tf32):
+            with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
 

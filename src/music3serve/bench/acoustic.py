@@ -26,14 +26,14 @@ def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW
 
 @torch.inference_mode()
 def dit_rows(device: str, policy: PrecisionPolicy, batches, fuse: bool) -> list[list]:
-    """DiT calls as the renderer makes them under `policy` (islands, TF32 flags), hot paths fused or not."""
+    """DiT calls as the renderer makes them under `policy` (islands, TF32 off), hot paths fused or not."""
     dit = random_module("dit", device, torch.float32)
     cast_component(dit, policy.dit, DIT_ISLANDS, policy.dit_float32 if policy.dit != torch.float32 else frozenset(),
                    blocks=dit.blocks)
     (enable_fusion if fuse else disable_fusion)()
     length = contract.latent_length(contract.WINDOW_FRAMES)
     rows = []
-    with float32_matmuls(device, tf32=policy.dit_tf32):
+    with float32_matmuls(device):
         for windows in batches:
             x = torch.randn(2 * windows, 128, length, device=device, dtype=policy.dit)
             cond = torch.randn(2 * windows, length, 2048, device=device, dtype=policy.dit)
@@ -57,12 +57,11 @@ def vocoder_ms(device: str, dtype: torch.dtype) -> float:
 
 def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
     rows = dit_rows(device, FLOAT32, [b for b in batches if b <= 2], fuse=False)  # slow: 1 and 2 windows
-    for policy in (BFLOAT16, replace(BFLOAT16, name="bfloat16, TF32 islands", dit_tf32=True)):
-        rows += dit_rows(device, policy, batches, fuse=False) + dit_rows(device, policy, batches, fuse=True)
+    rows += dit_rows(device, BFLOAT16, batches, fuse=False) + dit_rows(device, BFLOAT16, batches, fuse=True)
     with float32_matmuls(device):
         vocoder = {str(d).removeprefix("torch."): vocoder_ms(device, d) for d in (torch.float32, torch.bfloat16)}
-    with float32_matmuls(device, tf32=True):
-        vocoder["float32 with TF32"] = vocoder_ms(device, torch.float32)
+    with float32_matmuls(device, conv_tf32=True):
+        vocoder["float32 with TF32 convolutions"] = vocoder_ms(device, torch.float32)
     headers = ["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"]
     out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window",
            "", table(headers, rows), "", "vocoder per 689-column window: " +
@@ -92,8 +91,7 @@ def precision(device: str = "cuda", frames: int = 450, steps: int = contract.DIT
 
     variants = [
         BFLOAT16,
-        replace(BFLOAT16, name="bfloat16, TF32 DiT islands", dit_tf32=True),
-        replace(BFLOAT16, name="bfloat16, TF32 vocoder", vocoder_tf32=True),
+        replace(BFLOAT16, name="bfloat16, IEEE float32 vocoder", vocoder_tf32=False),
         replace(BFLOAT16, name="bfloat16, bf16 vocoder", vocoder=torch.bfloat16),
     ]
     return "\n".join(str(r) for r in compare_policies(models(), models, variants, frames=frames, steps=steps))

@@ -76,13 +76,20 @@ def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = Fa
     deploy = load_deploy_config()
     stage1 = dataclasses.replace(deploy.stages[1], dtype=acoustic_dtype)
     deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
+    if placement not in PLACEMENTS:
+        raise Music3Error(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
     started = time.perf_counter()
     worker = None
     if placement != "colocated":
         if placement == "split" and torch.cuda.device_count() < 2:
             raise Music3Error("the split placement needs two GPUs; split-one-gpu runs both workers on one")
         worker = RenderWorker(random_acoustic, "cuda:1" if placement == "split" else "cuda:0", stage1, deploy.connector)
-    engine = Engine(random_models(device, acoustic=worker is None), deploy, worker)
+    try:
+        engine = Engine(random_models(device, acoustic=worker is None), deploy, worker)
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        raise
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
     headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time"]
     rows = []

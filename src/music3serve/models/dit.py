@@ -63,29 +63,30 @@ class DiTBlock(nn.Module):
         self.ff_out = nn.Linear(cfg.ff, cfg.width)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v = split_rope(dit_qkv(x, self.norm1.weight, self.norm1.bias, self.qkv.weight), *rope, self.heads)
+        qkv = dit_qkv(x, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps)
+        q, k, v = split_rope(qkv, *rope, self.heads)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return dit_block_output(
             x, attn, self.o.weight, self.norm2.weight, self.norm2.bias, self.ff_in.weight, self.ff_in.bias,
-            self.ff_out.weight, self.ff_out.bias,
+            self.ff_out.weight, self.ff_out.bias, self.norm2.eps,
         )
 
 
 # Each layer reads its input in its own weight dtype, so float32 islands (acoustic/precision.py) compute on
 # upcast inputs, and the residual stream keeps x's dtype.
 @hot
-def dit_qkv(x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor) -> torch.Tensor:
+def dit_qkv(x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor, eps: float) -> torch.Tensor:
     """Fused q, k, v projections of the normed block input x [batch, tokens, width]."""
-    h = F.layer_norm(x.to(norm_w.dtype), (x.shape[-1],), norm_w, norm_b)
+    h = F.layer_norm(x.to(norm_w.dtype), (x.shape[-1],), norm_w, norm_b, eps)
     return F.linear(h.to(qkv_w.dtype), qkv_w)
 
 
 @hot
-def dit_block_output(x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b) -> torch.Tensor:
+def dit_block_output(x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float) -> torch.Tensor:
     """x + o(attn), then + GLU feed-forward of its norm; attn is [batch, heads, tokens, head_dim]."""
     b, t, w = x.shape
     x = x + F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
-    h = F.layer_norm(x.to(norm_w.dtype), (w,), norm_w, norm_b)
+    h = F.layer_norm(x.to(norm_w.dtype), (w,), norm_w, norm_b, eps)
     value, gate = F.linear(h.to(ff_in_w.dtype), ff_in_w, ff_in_b).chunk(2, dim=-1)
     return x + F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
 
