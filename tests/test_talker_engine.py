@@ -198,3 +198,16 @@ def test_depth_decoder_cache_equals_recompute_position_by_position(models):
     assert cache.length == 8
     with pytest.raises(ValueError, match="one new position"):
         depth(projected[:, :2], cache)
+
+
+def test_prefill_warm_up_leaves_no_trace(models, solo):
+    """warm_prefill (run at start-up on CUDA) writes into pair 0's KV rows; the first song there is unchanged."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    talker.warm_prefill()
+    assert talker.slots.k[:, :2, :, :6].abs().sum() > 0  # the warm-up did write where song 0 goes
+    _, _, frames, seed = SONGS[0]
+    talker.submit("0", *prompt(models, 0), seed, frames)
+    codes = []
+    while talker.busy:
+        codes += [e.codes for e in talker.step() if isinstance(e, SongFinished)]
+    assert torch.equal(codes[0], solo[0].codes)

@@ -94,6 +94,8 @@ class Talker:
         self.step_fn = FrameStep(
             lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs, config.depth_cache
         )
+        if config.fuse and self.device.type == "cuda":
+            self.warm_prefill()
         # Step outputs come back through pinned buffers and an event on the talker's own stream: a pageable
         # copy could wait for work of other streams (the renderer's long DiT graphs) before returning.
         pinned = self.device.type == "cuda"
@@ -103,6 +105,19 @@ class Talker:
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]
         self.songs: dict[str, _Song] = {}
+
+    @torch.inference_mode()
+    def warm_prefill(self) -> None:
+        """Compile the fused hot paths for prefill shapes (several tokens per row) now, not in the first request.
+
+        Writes a first and a later chunk of three tokens into pair 0's KV rows, which any admission overwrites
+        from position 0 before they can be read."""
+        ids = torch.zeros(2, 3, dtype=torch.int64, device=self.device)
+        for start in (0, 3):
+            positions = torch.arange(start, start + 3, device=self.device)
+            self.lm(self.lm.embed(ids), positions, self.slots.prefill(0, start))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _mix(self, conditioning: torch.Tensor) -> torch.Tensor:
         return self.encoder.mix(conditioning.float())
