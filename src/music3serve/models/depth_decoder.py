@@ -63,8 +63,11 @@ def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_
     b, t, h = x.shape
     qkv = F.linear(rms_norm(x, attn_norm_w, eps), qkv_w)
     q, k, v = (p.view(b, t, heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
-    k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=past_k.shape[2] == 0)
+    if past_k.shape[2]:  # one new position after cached ones: it sees them all (a branch, not a SymBool flag)
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        attn = F.scaled_dot_product_attention(q, k, v)
+    else:
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     x = x + F.linear(attn.transpose(1, 2).reshape(b, t, h), o_w)
     return x + swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w), k, v
 

@@ -110,14 +110,14 @@ class Talker:
     def warm_prefill(self) -> None:
         """Compile the fused hot paths for prefill shapes (several tokens per row) now, not in the first request.
 
-        Writes a first and a later chunk of three tokens into pair 0's KV rows, which any admission overwrites
-        from position 0 before they can be read."""
-        ids = torch.zeros(2, 3, dtype=torch.int64, device=self.device)
-        for start in (0, 3):
-            positions = torch.arange(start, start + 3, device=self.device)
+        Writes a first chunk of three tokens and a later one of one token (its own compiled shape) into pair 0's
+        KV rows, which any admission overwrites from position 0 before they can be read."""
+        for start, tokens in ((0, 3), (3, 1)):
+            ids = torch.zeros(2, tokens, dtype=torch.int64, device=self.device)
+            positions = torch.arange(start, start + tokens, device=self.device)
             self.lm(self.lm.embed(ids), positions, self.slots.prefill(0, start))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _mix(self, conditioning: torch.Tensor) -> torch.Tensor:
         return self.encoder.mix(conditioning.float())
