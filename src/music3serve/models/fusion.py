@@ -30,12 +30,13 @@ def hot(fn: F) -> F:
     return dispatch  # type: ignore[return-value]
 
 
-def enable_fusion() -> None:
-    """Compile every registered function (inductor, dynamic shapes, no graph breaks)."""
+def enable_fusion(backend: str = "inductor") -> None:
+    """Compile every registered function (dynamic shapes, no graph breaks). Tests pass backend="aot_eager" to
+    trace exactly as inductor would see the functions, without generating code."""
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
     for name, fn in _plain.items():
-        _fused.setdefault(name, torch.compile(fn, dynamic=True, fullgraph=True))
+        _fused.setdefault(name, torch.compile(fn, backend=backend, dynamic=True, fullgraph=True))
 
 
 def disable_fusion() -> None:

@@ -1,0 +1,40 @@
+"""The fusable hot paths (models/fusion.py) trace as one graph each with dynamic shapes, as inductor needs them
+on CUDA, and give the plain results: traced here on the CPU with the aot_eager backend (no code generation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from music3serve.acoustic.renderer import Renderer
+from music3serve.checkpoint import load_models
+from music3serve.models.fusion import _fused, _plain, enable_fusion
+from music3serve.talker.frame import talker_frame
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return load_models(tiny_dir, talker_dtype=torch.float32)
+
+
+@torch.inference_mode()
+def frames_and_window(models, depth_cache: bool):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, models.language_model.cfg.hidden, generator=gen)
+    frame = talker_frame(models.language_model, models.depth_decoder, hidden, torch.tensor([1, 2, 3]),
+                         torch.tensor([4, 5, 6]), depth_cache)
+    renderer = Renderer.from_models(models)
+    mixed = renderer.mix(torch.randn(150, 8 * models.language_model.cfg.hidden, generator=gen))
+    (window,) = renderer.render(renderer.payloads("song", 7, mixed, steps=2)[:1])
+    return frame, window.latent
+
+
+@pytest.mark.parametrize("depth_cache", [False, True], ids=["recomputed", "cached"])
+def test_hot_paths_trace_whole_and_match_plain(models, depth_cache):
+    plain_frame, plain_latent = frames_and_window(models, depth_cache)
+    enable_fusion(backend="aot_eager")
+    assert set(_fused) == set(_plain)
+    frame, latent = frames_and_window(models, depth_cache)
+    assert torch.equal(frame.codes, plain_frame.codes)
+    torch.testing.assert_close(frame.conditioning, plain_frame.conditioning, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(latent, plain_latent, rtol=1e-5, atol=1e-6)
