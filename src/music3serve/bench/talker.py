@@ -9,6 +9,7 @@ import torch
 from .. import contract
 from ..talker.engine import Talker, TalkerConfig
 from ..talker.frame import sample_semantic, talker_frame
+from . import attention
 from .common import graphed, param_bytes, random_module, table, time_ms
 
 COPY_BW = 4.29e12  # B/s, device copy measured on the H200
@@ -86,6 +87,7 @@ def run(
     out = f"weight-read floor for one frame: {floor:.2f} ms\n\n" + table(headers, rows_out)
     del lm, depth, encoder
     torch.cuda.empty_cache()
+    out += "\n\n" + attention.run()
     if peers:
         from .peers import diffusers_frame_ms
 
