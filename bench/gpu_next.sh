@@ -2,10 +2,7 @@
 # For the next GPU session, one call (~9 min): what this session changed but could not measure.
 # GPU tests (talker graphs with cached depth calls, split_rope, renderer), the talker in both depth modes, the
 # acoustic bench with the policy as it is now (IEEE islands, TF32 vocoder convolutions), the engine end to end.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -W ignore tests > "$OUT/gpu_tests.txt" 2>&1
 grep -E "passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -12
 timeout 170 python3 -m music3serve.cli --log-level WARNING bench talker --no-peers 2>&1 | grep -v -i warn | tee "$OUT/bench_talker.txt"

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the talker and acoustic benchmarks (full size, random weights).
 # Usage on the device machine, from the repo root: bash bench/gpu_round1.sh   (results land in $OUT)
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_talker_gpu.py tests/test_decode_attention.py -m gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 python3 -m music3serve.cli bench talker 2>&1 | grep -v Warning | tee "$OUT/bench_talker.txt"

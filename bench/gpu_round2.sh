@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, fused talker step, bf16-vs-float32 precision at full size, the engine end to end.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_talker_gpu.py tests/test_decode_attention.py tests/test_renderer.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 timeout 180 python3 -m music3serve.cli --log-level WARNING bench talker --no-peers 2>&1 | grep -v Warning | tee "$OUT/bench_talker.txt"
 timeout 60 python3 -m music3serve.cli --log-level WARNING bench precision 2>&1 | tail -3 | tee "$OUT/precision.txt"

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # One device call (2026-11-30, session 2): every GPU test (failures in full), the acoustic bench (DiT per
 # policy, plain and fused; vocoder per precision), the precision variants, the colocated engine end to end.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -W ignore tests > "$OUT/gpu_tests.txt" 2>&1
 grep -E "passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -25
 timeout 150 python3 -m music3serve.cli --log-level WARNING bench acoustic --no-peers 2>&1 | grep -v -i warn | tee "$OUT/bench_acoustic.txt"
