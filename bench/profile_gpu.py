@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from music3serve.acoustic.precision import BFLOAT16, DIT_ISLANDS, cast_component, float32_matmuls, snr_db
+from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls, snr_db
 from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import graphed, random_module, time_ms
-from music3serve.bench.talker import COPY_BW, admit
+from music3serve.bench.common import COPY_BW, graphed, random_module, time_ms
+from music3serve.bench.talker import admit
 from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig
 
@@ -73,7 +74,7 @@ def gemv() -> None:
 def dit() -> None:
     length, model = 689, random_module("dit", "cuda", torch.float32)
     for label, islands in (("bf16 policy", BFLOAT16.dit_float32), ("bf16, no islands", frozenset())):
-        cast_component(model, torch.bfloat16, DIT_ISLANDS, islands, blocks=model.blocks)
+        apply_dit_policy(model, replace(BFLOAT16, dit_float32=islands))
         for windows in (1, 8):
             x = torch.randn(2 * windows, 128, length, device="cuda", dtype=torch.bfloat16)  # as the renderer passes
             cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)

@@ -101,7 +101,8 @@ def cast_component(
     """Cast `module`'s parameters in place: float32 where a kept island's rule matches, `dtype` elsewhere.
 
     Cast down from float32 weights: an island of a module loaded in bf16 only gets the bf16 values back upcast.
-    `blocks` (the DiT's) get their input cast to the residual stream dtype when the component is mixed."""
+    `blocks` (the DiT's) get their input cast to the residual stream dtype when the component is mixed; layers
+    inside them get no hooks, as the blocks' fused functions cast each layer's input themselves (models/dit.py)."""
     for handle in getattr(module, "_precision_hooks", []):
         handle.remove()
     rules = [islands[name] for name in keep]
@@ -111,7 +112,9 @@ def cast_component(
             param.data = param.data.to(target)
     hooks = []
     if len({p.dtype for p in module.parameters()}) > 1 or "residual" in keep:
-        hooks = [m.register_forward_pre_hook(_cast_input) for m in module.modules() if isinstance(m, WEIGHTED)]
+        inside = {id(m) for b in blocks for m in b.modules()} if blocks is not None else set()
+        hooks = [m.register_forward_pre_hook(_cast_input) for m in module.modules()
+                 if isinstance(m, WEIGHTED) and id(m) not in inside]
         if blocks is not None:
             stream = torch.float32 if "residual" in keep else dtype
             hooks += [b.register_forward_pre_hook(lambda _m, a: (a[0].to(stream), *a[1:])) for b in blocks]
@@ -119,11 +122,16 @@ def cast_component(
     return module
 
 
+def apply_dit_policy(dit: nn.Module, policy: PrecisionPolicy) -> None:
+    """The DiT in the policy's dtype with its float32 islands (in place)."""
+    keep = policy.dit_float32 if policy.dit != torch.float32 else frozenset()
+    cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks)
+
+
 def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy: PrecisionPolicy) -> None:
     """Put the three acoustic components in the policy's dtypes (in place)."""
     cast_component(encoder, policy.condition_encoder, {}, frozenset())
-    keep = policy.dit_float32 if policy.dit != torch.float32 else frozenset()
-    cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks)
+    apply_dit_policy(dit, policy)
     keep = policy.vocoder_float32 if policy.vocoder != torch.float32 else frozenset()
     cast_component(vocoder, policy.vocoder, VOCODER_ISLANDS, keep)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from .. import contract
-from ..acoustic.precision import BFLOAT16, DIT_ISLANDS, FLOAT32, PrecisionPolicy, cast_component, float32_matmuls
+from ..acoustic.precision import BFLOAT16, FLOAT32, PrecisionPolicy, apply_dit_policy, float32_matmuls
 from ..models.fusion import disable_fusion, enable_fusion
 from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
 
@@ -28,8 +28,7 @@ def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW
 def dit_rows(device: str, policy: PrecisionPolicy, batches, fuse: bool) -> list[list]:
     """DiT calls as the renderer makes them under `policy` (islands, TF32 off), hot paths fused or not."""
     dit = random_module("dit", device, torch.float32)
-    cast_component(dit, policy.dit, DIT_ISLANDS, policy.dit_float32 if policy.dit != torch.float32 else frozenset(),
-                   blocks=dit.blocks)
+    apply_dit_policy(dit, policy)
     (enable_fusion if fuse else disable_fusion)()
     length = contract.latent_length(contract.WINDOW_FRAMES)
     rows = []

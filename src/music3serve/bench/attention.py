@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_attention import decode_attention
-from .common import graphed, table, time_ms
+from .common import COPY_BW, graphed, table, time_ms
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 36, 32, 8, 128, 10240
-COPY_BW = 4.29e12  # B/s, device copy measured on the H200
 
 
 class AttentionCase:

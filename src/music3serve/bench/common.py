@@ -11,6 +11,8 @@ from torch import nn
 from .. import contract
 from ..checkpoint import COMPONENTS
 
+COPY_BW = 4.29e12  # B/s, device copy measured on the H200
+
 # The released checkpoint's config values (MODEL_CONTRACT.md); weights are random, costs are the same.
 FULL_CONFIGS: dict[str, dict[str, Any]] = {
     "language_model": {

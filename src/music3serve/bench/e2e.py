@@ -33,24 +33,26 @@ PLACEMENTS = {
 }
 
 
-def random_acoustic(device: str) -> SimpleNamespace:
-    """Stage 1's components, full size, random weights (module level: a spawned worker calls it)."""
-    names = ("condition_encoder", "dit", "vocoder")
-    return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=2 + i) for i, n in enumerate(names)})
+ACOUSTIC = ("condition_encoder", "dit", "vocoder")
+
+
+def random_acoustic(device: str, names: tuple[str, ...] = ACOUSTIC) -> SimpleNamespace:
+    """Stage 1's components, full size, random weights, None for those not named (module level: a spawned worker
+    calls it). Each component's weights depend only on its name."""
+    return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=2 + i) if n in names else None
+                              for i, n in enumerate(ACOUSTIC)})
 
 
 def random_models(device: str, acoustic: bool = True) -> Music3Models:
     with tempfile.TemporaryDirectory() as folder:
         write_tokenizer(Path(folder))
         tokenizer = load_tokenizer(Path(folder))
-    stage1 = random_acoustic(device) if acoustic else None
+    stage1 = random_acoustic(device, ACOUSTIC if acoustic else ACOUSTIC[:1])  # the talker mixes with the encoder
     return Music3Models(
         tokenizer=tokenizer,
         language_model=random_module("language_model", device, torch.bfloat16),
         depth_decoder=random_module("depth_decoder", device, torch.bfloat16, seed=1),
-        condition_encoder=stage1.condition_encoder if stage1 else random_module("condition_encoder", device, torch.float32, seed=2),
-        dit=stage1.dit if stage1 else None,
-        vocoder=stage1.vocoder if stage1 else None,
+        **vars(stage1),
     )
 
 

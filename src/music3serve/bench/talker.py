@@ -10,9 +10,8 @@ from .. import contract
 from ..talker.engine import Talker, TalkerConfig
 from ..talker.frame import sample_semantic, talker_frame
 from . import attention
-from .common import graphed, param_bytes, random_module, table, time_ms
+from .common import COPY_BW, graphed, param_bytes, random_module, table, time_ms
 
-COPY_BW = 4.29e12  # B/s, device copy measured on the H200
 
 
 def weight_floor_ms(lm, depth) -> float:
