@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, rms_norm, swiglu
+from .layers import GatedMLP, RMSNorm, linear, rms_norm, swiglu
 from .weights import Source, require
 
 
@@ -61,15 +61,15 @@ def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_
     """One causal depth-decoder block over the new positions x [rows, t, hidden] after the past ones (keys and
     values [rows, heads, past, head_dim]; past is 0, or t is 1). Returns x and the keys and values of all."""
     b, t, h = x.shape
-    qkv = F.linear(rms_norm(x, attn_norm_w, eps), qkv_w)
+    qkv = linear(rms_norm(x, attn_norm_w, eps), qkv_w)
     q, k, v = (p.view(b, t, heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
     if past_k.shape[2]:  # one new position after cached ones: it sees them all (a branch, not a SymBool flag)
         k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
         attn = F.scaled_dot_product_attention(q, k, v)
     else:
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, h), o_w)
-    return x + swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w), k, v
+    x = linear(attn.transpose(1, 2).reshape(b, t, h), o_w, residual=x)
+    return swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w, residual=x), k, v
 
 
 class DepthKV:
@@ -118,7 +118,11 @@ class DepthDecoder(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor, codebook: int) -> torch.Tensor:
         """float32 logits of residual codebook `codebook` (1..7) from hidden [rows, hidden]."""
-        return (hidden @ self.heads[codebook - 1].T).float()
+        return linear(hidden, self.heads[codebook - 1]).float()
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The input projection of a depth position (backbone hidden state or code embedding)."""
+        return linear(x, self.projection.weight)
 
     def embed_residual(self, codes: torch.Tensor, codebook: int) -> torch.Tensor:
         """Embedding of residual codes of codebook `codebook` (1..7)."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import contract
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, apply_rope, rms_norm, rope_angles, swiglu
+from .layers import GatedMLP, RMSNorm, apply_rope, linear, rms_norm, rope_angles, swiglu
 from .weights import Source, require
 
 
@@ -111,7 +111,7 @@ class Attention(nn.Module):
 def attention_inputs(x, qkv_w, q_norm_w, k_norm_w, cos, sin, eps: float, heads: int, kv_heads: int):
     b, t, _ = x.shape
     head_dim = q_norm_w.shape[0]
-    q, k, v = F.linear(x, qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = linear(x, qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = apply_rope(rms_norm(q.view(b, t, heads, head_dim), q_norm_w, eps), cos, sin)
     k = apply_rope(rms_norm(k.view(b, t, kv_heads, head_dim), k_norm_w, eps), cos, sin)
     return q, k, v.view(b, t, kv_heads, head_dim)
@@ -125,8 +125,8 @@ def normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @hot
 def residual_mlp(x, attn_out, o_w, norm_w, gate_up_w, down_w, eps: float) -> torch.Tensor:
     """x + o(attn_out), then + SwiGLU(norm(.)): the second half of a decoder layer."""
-    x = x + F.linear(attn_out, o_w)
-    return x + swiglu(rms_norm(x, norm_w, eps), gate_up_w, down_w)
+    x = linear(attn_out, o_w, residual=x)
+    return swiglu(rms_norm(x, norm_w, eps), gate_up_w, down_w, residual=x)
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +167,7 @@ class LanguageModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits over the legal columns: column 0 is audio_end, column 1 + k is code k."""
-        return self.head(hidden).float()
+        return linear(hidden, self.head.weight).float()
 
     def embed_codes(self, semantic: torch.Tensor) -> torch.Tensor:
         return self.embed(semantic + contract.AUDIO_CODE_OFFSET)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.skinny_linear import gated_silu_reference, skinny_gated_silu, skinny_linear
+
 
 class RMSNorm(nn.Module):
     """RMS norm with float32 statistics; the result is cast to the weight dtype before scaling."""
@@ -37,9 +39,21 @@ class GatedMLP(nn.Module):
         return swiglu(x, self.gate_up.weight, self.down.weight)
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """[residual +] F.linear(x, weight) without bias; on CUDA, bf16 decode rows take the skinny kernel, the residual
+    added in its epilogue (kernels/skinny_linear.py)."""
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return skinny_linear(x, weight, residual)
+    return F.linear(x, weight) if residual is None else residual + F.linear(x, weight)
+
+
+def swiglu(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[residual +] down(silu(gate) * up) with gate_up = [gate | up]; on CUDA bf16 two skinny kernels."""
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return linear(skinny_gated_silu(x, gate_up), down, residual)
+    return linear(gated_silu_reference(x, gate_up), down, residual)
 
 
 def rope_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 from .. import contract
 from ..models.depth_decoder import DepthDecoder, DepthKV
 from ..models.language_model import LanguageModel
-from .sampling import guide, keep_top_k, sample_top_k
+from .sampling import guided_draw
 
 
 @dataclass
@@ -30,9 +30,8 @@ def both_rows(per_song: torch.Tensor) -> torch.Tensor:
 
 def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
-    cond, guided = guide(lm.logits(hidden), contract.AR_CFG_SCALE)
-    guided = keep_top_k(guided, contract.AR_CFG_TOP_K, reference=cond)
-    return sample_top_k(guided, contract.AR_TOP_K, seeds, frames, codebook=0)
+    return guided_draw(lm.logits(hidden), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
+                       cond_top_k=contract.AR_CFG_TOP_K)
 
 
 def talker_frame(
@@ -49,19 +48,19 @@ def talker_frame(
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
     semantic_embed = lm.embed_codes(both_rows(semantic))
-    sequence = [depth.projection(hidden), depth.projection(semantic_embed)]
+    sequence = [depth.project(hidden), depth.project(semantic_embed)]
     cache = DepthKV() if depth_cache else None
     codes, depth_hiddens, residual_embeds = [semantic], [], []
     for codebook in range(1, contract.NUM_CODEBOOKS):
         new = sequence[cache.length :] if cache is not None else sequence
         out = depth(torch.stack(new, dim=1), cache)[:, -1]
         depth_hiddens.append(out[0::2])
-        _, guided = guide(depth.head_logits(out, codebook), contract.AR_CFG_SCALE)
-        code = sample_top_k(guided, contract.AR_TOP_K, seeds, frames, codebook)
+        code = guided_draw(depth.head_logits(out, codebook), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames,
+                           codebook)
         codes.append(code)
         residual_embeds.append(depth.embed_residual(both_rows(code), codebook))
         if codebook < contract.NUM_CODEBOOKS - 1:
-            sequence.append(depth.projection(residual_embeds[-1]))
+            sequence.append(depth.project(residual_embeds[-1]))
     residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
     feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
     conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)

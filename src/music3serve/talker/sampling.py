@@ -67,3 +67,17 @@ def sample_top_k(
     """Top-k sampling (temperature 1) with the counter-based draws of (seed, frame, codebook)."""
     kept = keep_top_k(torch.nan_to_num(logits.float(), nan=float("-inf")), k)
     return gumbel_sample(kept, uniform_draws(seeds, frames, codebook, logits.shape[-1]))
+
+
+@hot
+def guided_draw(
+    logits: torch.Tensor, scale: float, k: int, seeds: torch.Tensor, frames: torch.Tensor, codebook: int,
+    cond_top_k: int = 0,
+) -> torch.Tensor:
+    """One code per song from interleaved [cond, uncond] logit rows: the guidance blend, with `cond_top_k` the
+    columns outside the conditional row's top cond_top_k dropped, then the top-k draw. One hot path, so the
+    blend fuses with the draw's kernels."""
+    cond, guided = guide(logits.float(), scale)
+    if cond_top_k:
+        guided = keep_top_k(guided, cond_top_k, reference=cond)
+    return sample_top_k(guided, k, seeds, frames, codebook)

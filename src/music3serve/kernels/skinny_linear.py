@@ -1,0 +1,165 @@
+"""y = x @ w.T for a few rows of bf16 x (decode steps: 2-16 rows), reading w once at close to copy bandwidth.
+
+cuBLAS picks its kernel by the row count, so a row's result can change with the number of rows beside it, and
+on the talker's shapes it reaches only 57-75% of copy bandwidth for the o / qkv / down projections
+(docs/performance.md). Here one Triton program owns ``BLOCK_N`` output columns for all rows (padded to 16, the
+smallest tensor-core tile) and walks the whole K dimension in ``BLOCK_K`` steps, accumulating in float32, so:
+
+- the arithmetic of a row does not depend on the other rows or on how many there are (batch invariance by
+  construction: the tile configuration is chosen from (N, K) only, never from the row count);
+- w streams through once per call; the grid is ``ceil(N / BLOCK_N)`` programs, no split-K, no atomics, so
+  results are deterministic.
+
+``skinny_linear`` is a custom op (``music3serve::skinny_linear``) so compiled hot paths (models/fusion.py) call
+it as one opaque kernel. It runs the Triton kernel for contiguous bf16 CUDA inputs of at most ``MAX_ROWS`` rows
+and ``F.linear`` otherwise (prefill, float32, CPU). ``skinny_linear_reference`` is the float32-accumulated
+torch oracle the GPU tests compare against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .decode_attention import triton_available
+
+__all__ = [
+    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "skinny_linear_reference",
+    "tile_config", "uses_kernel",
+]
+
+MAX_ROWS = 16
+
+
+# Fastest tiles of `python3 bench/skinny_linear.py --sweep` on the H200 (docs/performance.md, session 3) for the
+# talker's weights [N, K]: (BLOCK_N, BLOCK_K, num_warps, num_stages).
+MEASURED_TILES = {
+    (6144, 4096): (64, 256, 4, 4),  # backbone qkv
+    (4096, 4096): (32, 512, 4, 4),  # backbone o, depth o and projection
+    (24576, 4096): (64, 128, 4, 3),  # backbone gate_up
+    (4096, 12288): (32, 512, 4, 4),  # backbone down
+    (16385, 4096): (64, 256, 4, 3),  # legal-column head
+    (12288, 4096): (32, 128, 4, 4),  # depth qkv and gate_up
+    (4096, 6144): (32, 512, 4, 4),  # depth down
+    (1024, 4096): (16, 512, 4, 3),  # depth heads
+}
+
+
+def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight; a function of the shape only."""
+    return MEASURED_TILES.get((n, k), (16 if n <= 1024 else 32, 128, 4, 4))
+
+
+def uses_kernel(x: Tensor, w: Tensor) -> bool:
+    """Whether skinny_linear runs the Triton kernel for these inputs (else F.linear)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS
+        and w.dim() == 2 and w.stride(-1) == 1 and x.shape[-1] == w.shape[1] and triton_available()
+    )
+
+
+def skinny_linear_reference(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T accumulated in float32, rounded once to x's dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def gated_silu_reference(x: Tensor, gate_up: Tensor) -> Tensor:
+    """The torch ops of SwiGLU's first half: silu(gate) * up of x @ gate_up.T = [gate | up]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("music3serve::skinny_linear", mutates_args=())
+def skinny_linear(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
+    """x [..., K] @ w [N, K].T -> [..., N], plus `residual` [..., N] if given (added to the rounded product, as
+    `residual + F.linear(x, w)` does); the Triton kernel for few bf16 CUDA rows, the torch ops otherwise."""
+    if not uses_kernel(x, w) or (residual is not None and residual.shape != (*x.shape[:-1], w.shape[0])):
+        return F.linear(x, w) if residual is None else residual + F.linear(x, w)
+    return run_kernel(x, w, tile_config(*w.shape), residual=residual)
+
+
+@torch.library.custom_op("music3serve::skinny_gated_silu", mutates_args=())
+def skinny_gated_silu(x: Tensor, gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of x @ gate_up.T = [gate | up], [..., N / 2]: one kernel reading gate_up once, rounding as
+    the torch ops do (gate and up to x's dtype, then silu, then the product); gated_silu_reference otherwise."""
+    if not uses_kernel(x, gate_up) or gate_up.shape[0] % 2:
+        return gated_silu_reference(x, gate_up)
+    block_n, block_k, warps, stages = tile_config(*gate_up.shape)
+    return run_kernel(x, gate_up, (max(16, block_n // 2), block_k, warps, stages), gated=True)
+
+
+def run_kernel(
+    x: Tensor, w: Tensor, config: tuple[int, int, int, int], gated: bool = False, residual: Tensor | None = None
+) -> Tensor:
+    """The Triton kernel with an explicit (BLOCK_N, BLOCK_K, num_warps, num_stages); bench/skinny_linear.py sweeps it.
+    gated: w is [gate | up] and the result silu(gate) * up (BLOCK_N columns of each per program)."""
+    k = x.shape[-1]
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    rows = x.numel() // k
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config
+    _kernel()[(math.ceil(n / block_n),)](
+        x.reshape(rows, k).contiguous(), w, y, y if residual is None else residual.reshape(rows, n).contiguous(),
+        rows, n, k, w.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
+        RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+@skinny_linear.register_fake
+def _(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+@skinny_gated_silu.register_fake
+def _(x: Tensor, gate_up: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], gate_up.shape[0] // 2)
+
+
+@functools.cache
+def _kernel():
+    """Build the Triton kernel on first use (imports Triton)."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, rows, n, k, stride_w,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
+        # each intermediate rounded to y's dtype as the torch ops round it.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        col_ok = cols < n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < k
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_tile = w_ptr + cols[:, None] * stride_w + kk[None, :]
+            x = tl.load(x_ptr + m[:, None] * k + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :], other=0.0)
+            w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc = tl.dot(x, tl.trans(w), acc)
+            if GATED:
+                w_up = tl.load(w_tile + n * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        dtype = y_ptr.dtype.element_ty
+        out = acc
+        if GATED:
+            gate = acc.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + libdevice.exp(-gate))).to(dtype).to(tl.float32)
+            out = act * acc_up.to(dtype).to(tl.float32)
+        y_mask = (m[:, None] < rows) & col_ok[None, :]
+        if RESIDUAL:
+            res = tl.load(residual_ptr + m[:, None] * n + cols[None, :], mask=y_mask, other=0.0).to(tl.float32)
+            out = res + out.to(dtype).to(tl.float32)
+        tl.store(y_ptr + m[:, None] * n + cols[None, :], out.to(dtype), mask=y_mask)
+
+    return skinny_linear_kernel

@@ -1,0 +1,145 @@
+"""The skinny decode kernels (GPU): x @ w.T within one bf16 rounding of the exact product, SwiGLU's gated half
+within the roundings the torch ops make, a row's bits independent of the rows beside it, and graph replay and
+compiled callers giving the eager bits; elsewhere they are the torch ops exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from music3serve.kernels.skinny_linear import (
+    MAX_ROWS,
+    gated_silu_reference,
+    skinny_gated_silu,
+    skinny_linear,
+    uses_kernel,
+)
+from music3serve.models.layers import linear, swiglu
+
+SHAPES = [  # N, K
+    (6144, 4096),  # the backbone's qkv
+    (16385, 4096),  # the legal-column head: N not a multiple of any tile
+    (1024, 4096),  # a depth-decoder head
+    (96, 200),  # the tiny checkpoint's scale, K not a multiple of the K tile
+]
+GATED_SHAPES = [(24576, 4096), (12288, 4096), (96, 200)]  # gate_up weights: backbone, depth decoder, tiny
+OPS = {"linear": skinny_linear, "gated": skinny_gated_silu}
+
+
+def operands(rows: int, n: int, k: int, device: str, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, dtype)
+    return x, w
+
+
+def test_cpu_and_float32_and_many_rows_are_the_torch_ops():
+    x, w = operands(5, 96, 200, "cpu")
+    assert not uses_kernel(x, w)
+    assert torch.equal(skinny_linear(x, w), F.linear(x, w))
+    residual = operands(5, 200, 96, "cpu")[0]
+    assert torch.equal(skinny_linear(x, w, residual), residual + F.linear(x, w))
+    assert torch.equal(skinny_gated_silu(x, w), gated_silu_reference(x, w))
+    down = operands(1, 200, 48, "cpu")[1]
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    assert torch.equal(swiglu(x, w, down), F.linear(F.silu(gate) * up, down))
+    assert torch.equal(linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_the_ops_trace_with_dynamic_rows(op):
+    """The fake implementations give the shapes compiled hot paths are traced with (models/fusion.py)."""
+    fn = OPS[op]
+    compiled = torch.compile(lambda x, w: fn(x, w) * 2, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (3, 7):
+        x, w = operands(rows, 96, 200, "cpu")
+        assert torch.equal(compiled(x.view(rows, 1, 200), w), fn(x, w).view(rows, 1, -1) * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_linear_is_the_product_within_one_bf16_rounding(shape, rows):
+    n, k = shape
+    x, w = operands(rows, n, k, "cuda")
+    assert uses_kernel(x, w)
+    got = skinny_linear(x, w).double()
+    exact = x.double() @ w.double().T
+    # float32 accumulation of k products, then one rounding to bf16 (2^-8 relative).
+    bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().T) * k * 2.0**-24
+    assert ((got - exact).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_residual_is_added_to_the_rounded_product_as_the_torch_add_does(shape):
+    n, k = shape
+    x, w = operands(3, n, k, "cuda")
+    residual = operands(3, 8, n, "cuda")[0] * 4
+    assert torch.equal(skinny_linear(x.view(3, 1, k), w, residual.view(3, 1, n)), (residual + skinny_linear(x, w)).view(3, 1, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_gated_silu_is_within_the_roundings_of_the_torch_ops(shape, rows):
+    n, k = shape
+    x, w = operands(rows, n, k, "cuda")
+    got = skinny_gated_silu(x, w).double()
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    act = F.silu(gate)
+    # float32 accumulation of gate and up (k products each), then four bf16 roundings (gate, up, silu, product),
+    # each 2^-8 relative; silu' <= 1.1 carries an error of gate into silu.
+    acc_gate, acc_up = ((x.double().abs() @ w.double().abs().T) * k * 2.0**-24).chunk(2, dim=-1)
+    ulp = 2.0**-8
+    gate_err, up_err = ulp * gate.abs() + acc_gate, ulp * up.abs() + acc_up
+    bound = ulp * 2 * (act * up).abs() + 1.1 * gate_err * up.abs() + act.abs() * up_err + gate_err * up_err
+    assert ((got - act * up).abs() <= bound).all()
+    ref = gated_silu_reference(x, w).double()
+    assert ((ref - act * up).abs() <= bound).all()  # the torch ops meet the same bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("op", "shape"), [("linear", SHAPES[1]), ("linear", SHAPES[3])] + [("gated", s) for s in GATED_SHAPES])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(op, shape):
+    fn = OPS[op]
+    x, w = operands(MAX_ROWS, *shape, "cuda")
+    full = fn(x, w)
+    for rows in (1, 2, 7):
+        assert torch.equal(fn(x[:rows].clone(), w), full[:rows])
+    assert torch.equal(fn(x.flip(0).contiguous(), w), full.flip(0))
+
+
+@pytest.mark.gpu
+def test_graph_replay_and_compiled_callers_give_the_eager_bits():
+    x, w = operands(4, 6144, 4096, "cuda")
+    gate_up, down = operands(1, 4096, 6144, "cuda")[1], operands(1, 4096, 2048, "cuda")[1]
+    block = lambda a: swiglu(linear(a, w), gate_up, down)  # noqa: E731 (a projection, then a gated MLP)
+    eager = block(x.view(4, 1, -1))
+    static = x.clone().view(4, 1, -1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(static)
+    static.zero_()
+    graph.replay()
+    assert not torch.equal(out, eager)
+    static.copy_(x.view(4, 1, -1))
+    graph.replay()
+    assert torch.equal(out, eager)
+    compiled = torch.compile(lambda a: block(a) + 1, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(x.view(4, 1, -1)), eager + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_more_rows_than_the_kernels_take_go_to_the_torch_ops(op):
+    x, w = operands(MAX_ROWS + 1, 1024, 4096, "cuda")
+    assert not uses_kernel(x, w)
+    reference = F.linear if op == "linear" else gated_silu_reference
+    assert torch.equal(OPS[op](x, w), reference(x, w))
