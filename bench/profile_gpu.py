@@ -1,8 +1,8 @@
 """Where the GPU time goes (one device call, full-size random weights): kernel tables of the talker frame step
-(graph replay, 1 and 8 songs), the GEMV-shaped backbone matmuls against copy bandwidth, the DiT call of the bf16
-policy (8 windows: plain and fused), and the vocoder per precision with its SNR against IEEE float32.
+(graph replay, 1 and 8 songs), the DiT call of the bf16 policy (8 windows: plain and fused), and the vocoder per
+precision with its SNR against IEEE float32. The talker's matmuls against copy bandwidth: bench/skinny_linear.py.
 
-    PYTHONPATH=src python3 bench/profile_gpu.py [talker|gemv|dit|vocoder ...]
+    PYTHONPATH=src python3 bench/profile_gpu.py [talker|dit|vocoder ...]
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls, snr_db
 from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import COPY_BW, graphed, random_module, time_ms
+from music3serve.bench.common import graphed, random_module, time_ms
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig
@@ -53,21 +52,6 @@ def talker() -> None:
         for song in list(engine.songs):
             engine.cancel(song)
     disable_fusion()
-
-
-@torch.inference_mode()
-def gemv() -> None:
-    """cuBLAS at the talker's row counts: each backbone weight shape x 36 layers, in a graph, as % of copy."""
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-              "depth qkv": (12288, 4096), "depth gate_up": (12288, 4096), "depth down": (4096, 6144)}
-    for rows in (2, 4, 16):
-        line = []
-        for name, (n, k) in shapes.items():
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(36)]
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            ms = time_ms(graphed(lambda: [F.linear(x, w) for w in weights]))
-            line.append(f"{name} {36 * n * k * 2 / (ms * 1e-3) / COPY_BW:.0%}")
-        print(f"rows {rows}: " + ", ".join(line))
 
 
 @torch.inference_mode()
@@ -112,7 +96,7 @@ def vocoder() -> None:
 
 
 if __name__ == "__main__":
-    parts = {"talker": talker, "gemv": gemv, "dit": dit, "vocoder": vocoder}
+    parts = {"talker": talker, "dit": dit, "vocoder": vocoder}
     for name in sys.argv[1:] or list(parts):
         parts[name]()
         torch.cuda.empty_cache()
