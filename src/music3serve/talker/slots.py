@@ -52,6 +52,8 @@ class DecodeRows:
         self.slots, self.rows = slots, rows
         self.positions = positions[:rows]
         self.row_index = torch.arange(rows, device=positions.device)
+        # Padded rows (at the scratch position) attend to one position only: their output is discarded.
+        self.lengths = torch.where(self.positions >= slots.scratch, 1, self.positions + 1)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[1] != 1:
@@ -59,7 +61,5 @@ class DecodeRows:
         k_layer, v_layer = self.slots.k[layer], self.slots.v[layer]
         k_layer[self.row_index, :, self.positions] = k[:, 0].to(k_layer.dtype)
         v_layer[self.row_index, :, self.positions] = v[:, 0].to(v_layer.dtype)
-        # Padded rows (at the scratch position) attend to one position only: their output is discarded.
-        lengths = torch.where(self.positions >= self.slots.scratch, 1, self.positions + 1)
-        out = decode_attention(q[:, 0], k_layer[: self.rows], v_layer[: self.rows], lengths)
+        out = decode_attention(q[:, 0], k_layer[: self.rows], v_layer[: self.rows], self.lengths)
         return out.reshape(self.rows, 1, -1)
