@@ -6,6 +6,13 @@ blocks' fused functions do the same casts themselves, models/dit.py), so an isla
 upcast input and the next bf16 layer reads a bf16 copy. The DiT's residual stream dtype is set explicitly at each
 block's entry (float32 with the "residual" island, else the stage dtype).
 
+The DiT islands' Linear layers (those called as modules: stem, proj_in, the time MLP, proj_out and post; the
+blocks' fused functions hold none) multiply per the policy's `dit_island_matmuls`. "ieee": float32 GEMMs (FFMA on
+the GPU, ~60 TFLOP/s on an H200). "bf16x3": both factors split into bf16 high and low parts, three bf16 products
+summed in float32 on the tensor cores, float32 out (`bf16x3_linear`): at most ~3 * 2^-16 relative error per
+product before the float32 sum, against 2^-24 for IEEE and ~2^-10 for TF32's 10-bit inputs. The weights' split
+is taken once per policy application, a bf16 buffer [out, 3 in] beside each float32 weight.
+
 TF32 is off for every float32 matmul here. The flags are process-wide and the talker runs in another thread of
 the same process (its float32 conditioning mix, and inductor's guards on its compiled hot paths, would see them),
 so the only TF32 a policy may ask for is cuDNN's, for the vocoder's convolutions: the talker runs no float32
@@ -20,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal, get_args
 
 import torch
 from torch import nn
@@ -41,6 +48,7 @@ VOCODER_ISLANDS: dict[str, Callable[[str], bool]] = {
     "out": lambda name: name.startswith(("snake_out.", "conv_out.")),
 }
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.ConvTranspose1d, nn.LayerNorm)
+IslandMatmuls = Literal["ieee", "bf16x3"]  # how float32 islands' Linear layers multiply (module docstring)
 
 
 @dataclass(frozen=True)
@@ -54,8 +62,12 @@ class PrecisionPolicy:
     vocoder_float32: frozenset[str] = frozenset()
     vocoder_tf32: bool = False  # a float32 vocoder's convolutions use TF32 (cuDNN; 10-bit mantissa inputs)
     condition_encoder: torch.dtype = torch.float32
+    dit_island_matmuls: IslandMatmuls = "ieee"  # the DiT islands' Linear layers: float32 GEMMs, or bf16x3_linear
 
     def __post_init__(self) -> None:
+        if self.dit_island_matmuls not in get_args(IslandMatmuls):
+            raise ValueError(f"island matmuls must be one of {get_args(IslandMatmuls)}, "
+                             f"got {self.dit_island_matmuls!r}")
         for islands, known in ((self.dit_float32, DIT_ISLANDS), (self.vocoder_float32, VOCODER_ISLANDS)):
             unknown = set(islands) - set(known)
             if unknown:
@@ -73,13 +85,15 @@ class PrecisionPolicy:
 FLOAT32 = PrecisionPolicy()
 # Chosen from measure_precision on the tiny checkpoint (numbers in tests/test_renderer.py); re-measure on the real one.
 # A TF32 vocoder: measured at full size (docs/precision.md), its error stays under the one the bf16 DiT puts into
-# the waveform, and it runs 2.7x faster than IEEE float32.
+# the waveform, and it runs 2.7x faster than IEEE float32. The islands' Linear layers run as bf16x3: float32-grade
+# (~2^-16) on the bf16 tensor cores instead of float32 FFMA.
 BFLOAT16 = PrecisionPolicy(
     name="bfloat16",
     dit=torch.bfloat16,
     dit_float32=frozenset({"time", "norm", "stem", "head", "residual"}),
     vocoder=torch.float32,
     vocoder_tf32=True,
+    dit_island_matmuls="bf16x3",
 )
 POLICIES = {"float32": FLOAT32, "bfloat16": BFLOAT16}
 
@@ -91,18 +105,77 @@ def _cast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return args
 
 
+def bf16_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hi, lo in bf16 with float32 x = hi + lo + e, |e| <= 2^-16 |x|: hi = bf16(x), x - hi is exact in float32
+    (Sterbenz), lo = bf16(x - hi)."""
+    hi = x.bfloat16()
+    return hi, (x.float() - hi.float()).bfloat16()
+
+
+def split_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[W_hi | W_lo | W_hi] in bf16, [out, 3 in]: the weight side of bf16x3_linear, taken once per weight."""
+    hi, lo = bf16_split(weight.detach())
+    return torch.cat((hi, lo, hi), dim=1)
+
+
+def bf16x3_linear(x: torch.Tensor, split: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + bias in float32 from bf16 products, `split` = split_weight(W): one GEMM over 3 in columns,
+    [x_lo | x_hi | x_hi] @ [W_hi | W_lo | W_hi]^T, the two small corrections summed before x_hi W_hi^T (the tensor
+    cores appear to truncate each addition to the running sum: 2.5x less error so on an H200). On CUDA a bf16 GEMM with
+    float32 output (aten mm.dtype); on the CPU, which has no mm.dtype, the same bf16 pieces upcast and multiplied
+    in float32. The products of bf16 pieces are exact in float32 either way: the two differ in summation alone.
+    Runs eagerly in the DiT; compiled by inductor, it needs emulate_precision_casts (models/fusion.py sets it),
+    or inductor drops the bf16 rounding of x_hi and x_lo comes out 0."""
+    k = x.shape[-1]
+    a = torch.empty(*x.shape[:-1], 3 * k, dtype=torch.bfloat16, device=x.device)
+    lo, hi = a[..., :k], a[..., k : 2 * k]
+    hi.copy_(x)
+    a[..., 2 * k :].copy_(hi)
+    lo.copy_(x - hi)  # x - hi in float32 (exact), rounded to bf16 on the store
+    a = a.view(-1, 3 * k)
+    if a.is_cuda:
+        y = torch.mm(a, split.T, out_dtype=torch.float32)
+    else:
+        y = a.float() @ split.float().T
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], split.shape[0])
+
+
+class Bf16x3Linear(nn.Linear):
+    """A float32 Linear that multiplies by bf16x3_linear. It shares the float32 parameters of the layer it replaces
+    and keeps their split from the time it was made: rebuild it (apply the policy again) after changing them."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("split", split_weight(linear.weight), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bf16x3_linear(x, self.split, self.bias)
+
+
+def _plain_linear(linear: nn.Linear) -> nn.Linear:
+    plain = nn.Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+    plain.weight, plain.bias = linear.weight, linear.bias
+    return plain
+
+
 def cast_component(
     module: nn.Module,
     dtype: torch.dtype,
     islands: dict[str, Callable[[str], bool]],
     keep: frozenset[str],
     blocks: nn.ModuleList | None = None,
+    island_matmuls: IslandMatmuls = "ieee",
 ) -> nn.Module:
     """Cast `module`'s parameters in place: float32 where a kept island's rule matches, `dtype` elsewhere.
 
     Cast down from float32 weights: an island of a module loaded in bf16 only gets the bf16 values back upcast.
     `blocks` (the DiT's) get their input cast to the residual stream dtype when the component is mixed; layers
-    inside them get no hooks, as the blocks' fused functions cast each layer's input themselves (models/dit.py)."""
+    inside them get no hooks, as the blocks' fused functions cast each layer's input themselves (models/dit.py).
+    With island_matmuls "bf16x3", the float32 Linear layers outside `blocks` of a non-float32 component become
+    Bf16x3Linear (the blocks' fused functions read their weights directly); any others are plain nn.Linear again."""
     for handle in getattr(module, "_precision_hooks", []):
         handle.remove()
     rules = [islands[name] for name in keep]
@@ -110,9 +183,17 @@ def cast_component(
         target = torch.float32 if any(rule(name) for rule in rules) else dtype
         if param.dtype != target:
             param.data = param.data.to(target)
+    inside = {id(m) for b in blocks for m in b.modules()} if blocks is not None else set()
+    split = island_matmuls == "bf16x3" and dtype != torch.float32
+    for name, layer in list(module.named_modules()):
+        if not isinstance(layer, nn.Linear) or id(layer) in inside:
+            continue
+        want = split and layer.weight.dtype == torch.float32
+        if want or isinstance(layer, Bf16x3Linear):
+            parent, _, attr = name.rpartition(".")
+            module.get_submodule(parent).register_module(attr, Bf16x3Linear(layer) if want else _plain_linear(layer))
     hooks = []
     if len({p.dtype for p in module.parameters()}) > 1 or "residual" in keep:
-        inside = {id(m) for b in blocks for m in b.modules()} if blocks is not None else set()
         hooks = [m.register_forward_pre_hook(_cast_input) for m in module.modules()
                  if isinstance(m, WEIGHTED) and id(m) not in inside]
         if blocks is not None:
@@ -125,7 +206,7 @@ def cast_component(
 def apply_dit_policy(dit: nn.Module, policy: PrecisionPolicy) -> None:
     """The DiT in the policy's dtype with its float32 islands (in place)."""
     keep = policy.dit_float32 if policy.dit != torch.float32 else frozenset()
-    cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks)
+    cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks, island_matmuls=policy.dit_island_matmuls)
 
 
 def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy: PrecisionPolicy) -> None:

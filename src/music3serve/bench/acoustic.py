@@ -12,6 +12,8 @@ from ..models.fusion import disable_fusion, enable_fusion
 from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
 
 PEAK_TFLOPS = 791.0
+# BFLOAT16 with its islands' Linear layers as IEEE float32 GEMMs instead of bf16x3 (acoustic/precision.py).
+IEEE_ISLANDS = replace(BFLOAT16, name="bfloat16, IEEE islands", dit_island_matmuls="ieee")
 
 
 def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW_FRAMES)) -> float:
@@ -57,6 +59,7 @@ def vocoder_ms(device: str, dtype: torch.dtype) -> float:
 def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
     rows = dit_rows(device, FLOAT32, [b for b in batches if b <= 2], fuse=False)  # slow: 1 and 2 windows
     rows += dit_rows(device, BFLOAT16, batches, fuse=False) + dit_rows(device, BFLOAT16, batches, fuse=True)
+    rows += dit_rows(device, IEEE_ISLANDS, batches, fuse=True)
     with float32_matmuls(device):
         vocoder = {str(d).removeprefix("torch."): vocoder_ms(device, d) for d in (torch.float32, torch.bfloat16)}
     with float32_matmuls(device, conv_tf32=True):
@@ -90,6 +93,7 @@ def precision(device: str = "cuda", frames: int = 450, steps: int = contract.DIT
 
     variants = [
         BFLOAT16,
+        IEEE_ISLANDS,
         replace(BFLOAT16, name="bfloat16, IEEE float32 vocoder", vocoder_tf32=False),
         replace(BFLOAT16, name="bfloat16, bf16 vocoder", vocoder=torch.bfloat16),
     ]
