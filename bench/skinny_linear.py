@@ -32,7 +32,7 @@ SHAPES = [
     ("lm qkv", 6144, 4096, 36, False), ("lm o", 4096, 4096, 36, False), ("lm gate_up + silu", 24576, 4096, 36, True),
     ("lm down", 4096, 12288, 36, False), ("lm head", 16385, 4096, 1, False),
     ("depth qkv", 12288, 4096, 28, False), ("depth gate_up + silu", 12288, 4096, 28, True),
-    ("depth o, projection", 4096, 4096, 35, False), ("depth down", 4096, 6144, 28, False),
+    ("depth o, projection", 4096, 4096, 36, False), ("depth down", 4096, 6144, 28, False),
     ("depth heads", 1024, 4096, 7, False),
 ]
 ROWS = (2, 16)

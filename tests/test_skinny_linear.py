@@ -34,27 +34,41 @@ def operands(rows: int, n: int, k: int, device: str, dtype=torch.bfloat16):
     return x, w
 
 
-def test_cpu_and_float32_and_many_rows_are_the_torch_ops():
-    x, w = operands(5, 96, 200, "cpu")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_the_cpu_they_are_the_torch_ops_the_models_used_before(dtype):
+    """models/layers.py `linear` and `swiglu`, with and without the residual, give the bits of the formulas the
+    models wrote before the kernels existed (x + F.linear(...), F.linear(F.silu(gate) * up, down))."""
+    x, w = operands(5, 96, 200, "cpu", dtype)
+    residual, down = operands(5, 200, 96, "cpu", dtype)[0], operands(1, 48, 48, "cpu", dtype)[1]
+    x_mlp = operands(5, 200, 48, "cpu", dtype)[0][:, :48].contiguous()
     assert not uses_kernel(x, w)
-    assert torch.equal(skinny_linear(x, w), F.linear(x, w))
-    residual = operands(5, 200, 96, "cpu")[0]
-    assert torch.equal(skinny_linear(x, w, residual), residual + F.linear(x, w))
-    assert torch.equal(skinny_gated_silu(x, w), gated_silu_reference(x, w))
-    down = operands(1, 200, 48, "cpu")[1]
-    gate, up = F.linear(x, w).chunk(2, dim=-1)
-    assert torch.equal(swiglu(x, w, down), F.linear(F.silu(gate) * up, down))
-    assert torch.equal(linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    assert torch.equal(linear(x, w, residual), residual + F.linear(x, w))
+    gate_up = operands(1, 96, 48, "cpu", dtype)[1]
+    gate, up = F.linear(x_mlp, gate_up).chunk(2, dim=-1)
+    assert torch.equal(swiglu(x_mlp, gate_up, down), F.linear(F.silu(gate) * up, down))
+    mlp_residual = x_mlp * 3
+    assert torch.equal(swiglu(x_mlp, gate_up, down, mlp_residual), mlp_residual + F.linear(F.silu(gate) * up, down))
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_the_ops_trace_with_dynamic_rows(op):
-    """The fake implementations give the shapes compiled hot paths are traced with (models/fusion.py)."""
-    fn = OPS[op]
-    compiled = torch.compile(lambda x, w: fn(x, w) * 2, backend="aot_eager", dynamic=True, fullgraph=True)
-    for rows in (3, 7):
-        x, w = operands(rows, 96, 200, "cpu")
-        assert torch.equal(compiled(x.view(rows, 1, 200), w), fn(x, w).view(rows, 1, -1) * 2)
+def test_a_residual_of_another_shape_or_dtype_is_an_error():
+    x, w = operands(5, 96, 200, "cpu")
+    with pytest.raises(ValueError, match="residual"):
+        skinny_linear(x, w, torch.zeros(5, 95, dtype=x.dtype))
+    with pytest.raises(ValueError, match="residual"):
+        skinny_linear(x, w, torch.zeros(5, 96))
+
+
+@pytest.mark.parametrize("case", ["linear", "linear + residual", "gated"])
+def test_the_ops_pass_torch_library_opcheck(case):
+    """Fake implementations agree with the real ones (shapes, dtypes, strides) and the ops trace under compile."""
+    x, w = operands(3, 96, 200, "cpu")
+    x = x.view(3, 1, 200)
+    if case == "gated":
+        torch.library.opcheck(skinny_gated_silu, (x, w))
+    else:
+        residual = operands(3, 8, 96, "cpu")[0].view(3, 1, 96) if case.endswith("residual") else None
+        torch.library.opcheck(skinny_linear, (x, w, residual))
 
 
 @pytest.mark.gpu

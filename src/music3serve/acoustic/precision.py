@@ -143,13 +143,23 @@ def bf16x3_linear(x: torch.Tensor, split: torch.Tensor, bias: torch.Tensor | Non
 
 
 class Bf16x3Linear(nn.Linear):
-    """A float32 Linear that multiplies by bf16x3_linear. It shares the float32 parameters of the layer it replaces
-    and keeps their split from the time it was made: rebuild it (apply the policy again) after changing them."""
+    """A float32 Linear that multiplies by bf16x3_linear. It shares the float32 parameters of the layer it replaces;
+    their split is taken again after `load_state_dict` and after `.to()` / `.cuda()` (which would otherwise cast
+    the bf16 split buffer too). Other in-place changes of the weight need `refresh()`."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("split", split_weight(linear.weight), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh())
+
+    def refresh(self) -> None:
+        self.split = split_weight(self.weight)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.refresh()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bf16x3_linear(x, self.split, self.bias)

@@ -10,10 +10,11 @@ smallest tensor-core tile) and walks the whole K dimension in ``BLOCK_K`` steps,
 - w streams through once per call; the grid is ``ceil(N / BLOCK_N)`` programs, no split-K, no atomics, so
   results are deterministic.
 
-``skinny_linear`` is a custom op (``music3serve::skinny_linear``) so compiled hot paths (models/fusion.py) call
-it as one opaque kernel. It runs the Triton kernel for contiguous bf16 CUDA inputs of at most ``MAX_ROWS`` rows
-and ``F.linear`` otherwise (prefill, float32, CPU). ``skinny_linear_reference`` is the float32-accumulated
-torch oracle the GPU tests compare against.
+``skinny_linear`` and ``skinny_gated_silu`` are custom ops (``music3serve::...``) so compiled hot paths
+(models/fusion.py) call them as one opaque kernel each. They run the Triton kernel for bf16 CUDA inputs of at most
+``MAX_ROWS`` rows (x is copied if not contiguous; w needs unit stride along K) and the torch ops otherwise
+(prefill, float32, CPU), always returning a contiguous tensor in x's dtype. The GPU tests bound the kernel
+against the exact float64 product (tests/test_skinny_linear.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from torch import Tensor
 from .decode_attention import triton_available
 
 __all__ = [
-    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "skinny_linear_reference",
-    "tile_config", "uses_kernel",
+    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
 ]
 
 MAX_ROWS = 16
@@ -49,9 +49,11 @@ MEASURED_TILES = {
 }
 
 
-def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight; a function of the shape only."""
-    return MEASURED_TILES.get((n, k), (16 if n <= 1024 else 32, 128, 4, 4))
+def tile_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight; a function of the shape only. gated: the
+    weight is [gate | up] and BLOCK_N counts the columns of each (half the plain tile: the same bytes per program)."""
+    block_n, block_k, warps, stages = MEASURED_TILES.get((n, k), (16 if n <= 1024 else 32, 128, 4, 4))
+    return (max(16, block_n // 2) if gated else block_n), block_k, warps, stages
 
 
 def uses_kernel(x: Tensor, w: Tensor) -> bool:
@@ -63,23 +65,26 @@ def uses_kernel(x: Tensor, w: Tensor) -> bool:
     )
 
 
-def skinny_linear_reference(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T accumulated in float32, rounded once to x's dtype."""
-    return (x.float() @ w.float().T).to(x.dtype)
-
-
 def gated_silu_reference(x: Tensor, gate_up: Tensor) -> Tensor:
     """The torch ops of SwiGLU's first half: silu(gate) * up of x @ gate_up.T = [gate | up]."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+def _check_residual(x: Tensor, w: Tensor, residual: Tensor | None) -> None:
+    out_shape = (*x.shape[:-1], w.shape[0])
+    if residual is not None and (residual.shape != out_shape or residual.dtype != x.dtype):
+        raise ValueError(f"skinny_linear: residual {tuple(residual.shape)} {residual.dtype} must be the output's "
+                         f"{out_shape} {x.dtype}")
+
+
 @torch.library.custom_op("music3serve::skinny_linear", mutates_args=())
 def skinny_linear(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
     """x [..., K] @ w [N, K].T -> [..., N], plus `residual` [..., N] if given (added to the rounded product, as
     `residual + F.linear(x, w)` does); the Triton kernel for few bf16 CUDA rows, the torch ops otherwise."""
-    if not uses_kernel(x, w) or (residual is not None and residual.shape != (*x.shape[:-1], w.shape[0])):
-        return F.linear(x, w) if residual is None else residual + F.linear(x, w)
+    _check_residual(x, w, residual)
+    if not uses_kernel(x, w):
+        return (F.linear(x, w) if residual is None else residual + F.linear(x, w)).contiguous()
     return run_kernel(x, w, tile_config(*w.shape), residual=residual)
 
 
@@ -88,9 +93,8 @@ def skinny_gated_silu(x: Tensor, gate_up: Tensor) -> Tensor:
     """silu(gate) * up of x @ gate_up.T = [gate | up], [..., N / 2]: one kernel reading gate_up once, rounding as
     the torch ops do (gate and up to x's dtype, then silu, then the product); gated_silu_reference otherwise."""
     if not uses_kernel(x, gate_up) or gate_up.shape[0] % 2:
-        return gated_silu_reference(x, gate_up)
-    block_n, block_k, warps, stages = tile_config(*gate_up.shape)
-    return run_kernel(x, gate_up, (max(16, block_n // 2), block_k, warps, stages), gated=True)
+        return gated_silu_reference(x, gate_up).contiguous()
+    return run_kernel(x, gate_up, tile_config(*gate_up.shape, gated=True), gated=True)
 
 
 def run_kernel(
@@ -113,6 +117,7 @@ def run_kernel(
 
 @skinny_linear.register_fake
 def _(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
+    _check_residual(x, w, residual)
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 

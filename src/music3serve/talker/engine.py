@@ -33,8 +33,9 @@ class TalkerConfig:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.6
     fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
-    # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py); measured
-    # on the H200 (docs/performance.md, session 3): 8.93 vs 9.00 ms per step for one song, 9.86 vs 9.90 for eight.
+    # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py): fewer FLOPs,
+    # and as fast or slightly faster on the H200 (docs/performance.md, session 3: 8.93 vs 9.00 ms per step for one
+    # song, 9.86 vs 9.90 for eight, within run-to-run noise).
     depth_cache: bool = True
 
 

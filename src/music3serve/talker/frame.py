@@ -40,7 +40,7 @@ def talker_frame(
     hidden: torch.Tensor,
     seeds: torch.Tensor,
     frames: torch.Tensor,
-    depth_cache: bool = False,
+    depth_cache: bool,
 ) -> Frame:
     """Everything one frame step does after the backbone, for songs keyed by (seed, frame index). The 7 depth
     calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys."""

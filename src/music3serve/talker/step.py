@@ -28,7 +28,7 @@ class FrameStep:
         slots: SlotCache,
         capture_sizes: list[int],
         use_graphs: bool,
-        depth_cache: bool = False,
+        depth_cache: bool,
     ):
         self.lm, self.depth, self.mix, self.slots, self.depth_cache = lm, depth, mix, slots, depth_cache
         rows, songs, device = 2 * slots.pairs, slots.pairs, lm.embed.weight.device
