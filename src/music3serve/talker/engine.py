@@ -204,6 +204,11 @@ class Talker:
         step = self.step_fn
         count = len(self.active)
         step(2 * count)
+        # Each song's frame conditioning goes to its next slot now, queued behind the step while it runs, so the
+        # host's wait below does not also cover these launches. A slot written for a step whose frame is not
+        # kept (step 0, or audio_end) is never read, or is written again by the next step.
+        for p, song in enumerate(self.active):
+            song.conditioning[song.frames] = step.mixed[p]
         self._host_codes[:count].copy_(step.codes[:count], non_blocking=True)
         self._host_ended[:count].copy_(step.ended[:count], non_blocking=True)
         if self._copied is not None:
@@ -218,7 +223,6 @@ class Talker:
                 finished.append(song)
                 events += self._finish(song, "audio_end")
             elif index > 0:
-                song.conditioning[song.frames] = step.mixed[p]
                 song.codes.append(codes[p])
                 events += [self._payload(song, w) for w in song.windows.ready(song.frames)]
                 if song.frames == song.budget:
