@@ -204,11 +204,10 @@ class Talker:
         step = self.step_fn
         count = len(self.active)
         step(2 * count)
-        # Each song's frame conditioning goes to its next slot now, queued behind the step while it runs, so the
-        # host's wait below does not also cover these launches. A slot written for a step whose frame is not
-        # kept (step 0, or audio_end) is never read, or is written again by the next step.
-        for p, song in enumerate(self.active):
-            song.conditioning[song.frames] = step.mixed[p]
+        # Each song's frame conditioning goes to its next slot now (one multi-tensor copy kernel), queued behind
+        # the step while it runs, so the host's wait below does not also cover it. A slot written for a step
+        # whose frame is not kept (step 0, or audio_end) is never read, or is written again by the next step.
+        torch._foreach_copy_([song.conditioning[song.frames] for song in self.active], list(step.mixed[:count]))
         self._host_codes[:count].copy_(step.codes[:count], non_blocking=True)
         self._host_ended[:count].copy_(step.ended[:count], non_blocking=True)
         if self._copied is not None:
