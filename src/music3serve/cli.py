@@ -81,6 +81,17 @@ def text_argument(value: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
 
 
+def port_number(value: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free port)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0 to 65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="music3serve", description=__doc__)
     parser.add_argument(
@@ -110,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
     serve.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000)
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
@@ -126,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_writable(path: Path) -> None:
     """Fail before any model work if the output file could not be written."""
+    if path.is_dir():
+        raise Music3Error(f"cannot write {path}: it is a folder")
     folder = path.parent
     while not folder.exists():
         folder = folder.parent
@@ -136,11 +149,18 @@ def check_writable(path: Path) -> None:
 def run_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from .pipeline import Pipeline
+    from .pipeline import Pipeline, check_seed, check_steps, frames_for_duration
+    from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, check_text
 
     if not args.output.lower().endswith((".wav", ".flac")):
         raise Music3Error(f"output file must end in .wav or .flac, got {args.output!r}")
     check_writable(Path(args.output))
+    # Bad values fail before the model loads (the pipeline checks them again).
+    frames_for_duration(args.duration)
+    check_seed(args.seed)
+    check_steps(args.steps)
+    check_text("caption", args.caption, MAX_CAPTION_CHARS)
+    check_text("lyrics", args.lyrics, MAX_LYRICS_CHARS)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")

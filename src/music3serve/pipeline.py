@@ -41,12 +41,21 @@ class Song:
         return self.codes.shape[0]
 
 
+def _shown(value: object) -> str:
+    """A refused value as error messages quote it: short, and no decimal string of a huge int (Python refuses)."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{value!r:.80}"
+
+
 def frames_for_duration(duration: object) -> int:
     """Requested frames for a duration in seconds (validated)."""
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
-        raise InputError(f"duration must be a finite number of seconds, got {duration!r}")
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or (
+        isinstance(duration, float) and not math.isfinite(duration)
+    ):
+        raise InputError(f"duration must be a finite number of seconds, got {_shown(duration)}")
     if duration <= 0 or duration > contract.MAX_DURATION_S:
-        raise InputError(f"duration must be in (0, {contract.MAX_DURATION_S:g}] seconds, got {duration:g}")
+        raise InputError(f"duration must be in (0, {contract.MAX_DURATION_S:g}] seconds, got {_shown(duration)}")
     frames = min(int(duration * contract.FRAME_RATE), contract.MAX_FRAMES)
     if frames == 0:
         raise InputError(f"duration {duration:g} s is shorter than one frame (1/{contract.FRAME_RATE} s)")
@@ -55,13 +64,13 @@ def frames_for_duration(duration: object) -> int:
 
 def check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise InputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        raise InputError(f"seed must be an integer in [0, 2**63), got {_shown(seed)}")
     return seed
 
 
 def check_steps(steps: object) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
-        raise InputError(f"steps must be an integer in [1, 1000], got {steps!r}")
+        raise InputError(f"steps must be an integer in [1, 1000], got {_shown(steps)}")
     return steps
 
 

@@ -23,6 +23,12 @@ _BLANK_RUN = re.compile(r"\n{2,}")
 # Lyrics: structural tags at the start of a line, and any bracketed span (may cross lines).
 _LINE_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
+# Text checks: surrogate code points (half a UTF-16 pair) cannot be encoded as UTF-8 or tokenized.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Length limits, far above real captions and lyrics: they bound the cleaning work before the token count can be
+# known (clean_caption's regexes take quadratic time on some text: long runs of blank lines, deeply nested bold).
+MAX_CAPTION_CHARS = 5_000
+MAX_LYRICS_CHARS = 20_000
 
 
 def _rewrite_tag(match: re.Match[str]) -> str:
@@ -60,7 +66,9 @@ def normalize_lyrics(text: str) -> str:
     """The lyrics exactly as the checkpoint was trained to read them."""
     text = "\n".join(_keep_line_tags(line) for line in text.split("\n"))
     text = text.replace("] ", "]\n").replace(" [", "\n[").replace(" ^ ", "\n")
-    text = _BRACKETED.sub(lambda match: f"[{match.group(1).lower()}]", text)
+    # No span reaches past the last "]": leaving the rest out spares _BRACKETED a scan to the end from each "[".
+    end = text.rfind("]") + 1
+    text = _BRACKETED.sub(lambda match: f"[{match.group(1).lower()}]", text[:end]) + text[end:]
     return "[start]\n" + text
 
 
@@ -72,20 +80,28 @@ def prompt_text(caption: str, lyrics: str) -> str:
     )
 
 
-def _check_text(field: str, value: object) -> None:
-    """Raise InputError unless `value` is a string with something other than whitespace in it."""
+def check_text(field: str, value: object, max_chars: int) -> None:
+    """Raise InputError unless `value` is valid Unicode text of at most `max_chars` characters with something other
+    than whitespace in it."""
     if not isinstance(value, str):
         raise InputError(f"{field} must be a non-empty string, got {type(value).__name__}: {value!r:.80}")
     if not value:
         raise InputError(f"{field} must be a non-empty string, got an empty string")
+    if len(value) > max_chars:
+        raise InputError(f"{field} is {len(value)} characters long; the limit is {max_chars} characters")
     if not value.strip():
         raise InputError(f"{field} must be a non-empty string, got only whitespace ({value!r:.80})")
+    surrogate = _SURROGATE.search(value)
+    if surrogate:
+        raise InputError(
+            f"{field} is not valid Unicode: a lone surrogate {surrogate.group()!r} at character {surrogate.start()}"
+        )
 
 
 def encode_prompt(tokenizer: Tokenizer, caption: str, lyrics: str) -> tuple[list[int], list[int]]:
     """(cond_ids, uncond_ids) of the prompt; uncond keeps the first and the last two ids, the rest is audio_cfg."""
-    _check_text("caption", caption)
-    _check_text("lyrics", lyrics)
+    check_text("caption", caption, MAX_CAPTION_CHARS)
+    check_text("lyrics", lyrics, MAX_LYRICS_CHARS)
     cond = tokenizer.encode(prompt_text(caption, lyrics), add_special_tokens=True).ids
     if len(cond) > MAX_PROMPT_TOKENS:
         raise InputError(

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from .. import contract
-from ..errors import InputError
+from ..errors import InputError, Music3Error
 from .audio_io import CHANNELS, OUTPUT_RATES, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 
@@ -83,6 +83,10 @@ def _describe(exc: RequestValidationError) -> str:
     for err in exc.errors():
         if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
             parts.append("the body must be a JSON object, sent with Content-Type: application/json")
+            continue
+        if err.get("type") == "json_invalid":  # loc: ("body", offset of the error)
+            why = err.get("ctx", {}).get("error", "malformed")
+            parts.append(f"the body is not valid JSON: {why} at character {err['loc'][-1]}")
             continue
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
@@ -151,7 +155,8 @@ class SongService:
     def finish(self, song: SongState, state: str, error: str | None = None) -> None:
         if song.state == "running":
             song.state, song.error = state, error
-        self.running.pop(song.id, None)
+        if self.running.get(song.id) is song:  # not a newer song that reused the id after this one ended
+            del self.running[song.id]
         self.finished[song.id] = song
         while len(self.finished) > KEEP_FINISHED:
             self.finished.popitem(last=False)
@@ -173,6 +178,8 @@ class SongService:
             first = await anext(events)
         except InputError as exc:
             return _error(400, str(exc))
+        except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
+            return _error(503, f"the engine cannot take songs: {exc}")
         except BaseException:
             await events.aclose()
             raise
@@ -263,6 +270,8 @@ def create_app(engine: Engine) -> FastAPI:
     async def http_error(_: Request, exc: HTTPException) -> Response:
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
+            return _error(400, f"the body is not valid JSON: {exc.__cause__}", exc.headers)
         return _error(exc.status_code, str(exc.detail), exc.headers)
 
     @app.post("/v1/songs", response_model=None)

@@ -58,7 +58,8 @@ def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     pcm = to_pcm16(waveform)
     if suffix == ".wav":
-        with wave.open(str(path), "wb") as out:
+        # open() first: wave.open(path) that cannot open the file also prints a stray AttributeError from __del__.
+        with open(path, "wb") as file, wave.open(file, "wb") as out:
             out.setnchannels(pcm.shape[1])
             out.setsampwidth(2)
             out.setframerate(sample_rate)

@@ -64,7 +64,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping
 
 
 def bad(source: str, path: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{source}: {path}: got {value!r}; allowed: {allowed}")
+    return ConfigError(f"{source}: {path}: got {value!r:.200}; allowed: {allowed}")
 
 
 def is_int(v: Any) -> bool:

@@ -109,10 +109,14 @@ class Engine:
 
     # Public API.
     async def submit(self, request: SongRequest) -> AsyncIterator[Event]:
-        """Validate, queue and stream one song's events; bad input raises InputError before anything is queued."""
+        """Validate, queue and stream one song's events; bad input raises InputError before anything is queued, and
+        a closed or broken engine raises Music3Error. Songs beyond the talker's rows wait in its queue."""
         song, budget_request, seed, steps, cond, uncond = self._validate(request)
         client = _Client(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         self._clients[song] = client
+        if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
+            del self._clients[song]
+            raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
         self.metrics.requests.inc()
         self._control.put(("submit", song, cond, uncond, seed, budget_request, steps))
         try:
@@ -133,10 +137,10 @@ class Engine:
         self._control.put(("cancel", song))
 
     def close(self) -> None:
-        """Stop both stages; every open stream ends with Failed("engine closed")."""
+        """Stop both stages; every open stream ends with Failed("engine closed"), later submits raise Music3Error."""
+        self._stop.set()  # first, so a submit racing with close either sees it or is failed below
         for song in list(self._clients):
             self._emit(song, Failed(song, "engine closed"))
-        self._stop.set()
         self._control.put(("stop",))
         self._windows.put(("stop",))
         for thread in self._threads:
@@ -145,8 +149,8 @@ class Engine:
             self.worker.close()
 
     def _validate(self, request: SongRequest):
-        if self._broken:
-            raise Music3Error(self._broken)
+        if not isinstance(request, SongRequest):
+            raise InputError(f"submit takes a SongRequest, got {type(request).__name__}: {request!r:.80}")
         requested = frames_for_duration(request.duration_s)
         seed = request.seed
         if seed is None:
@@ -155,7 +159,7 @@ class Engine:
         steps = check_steps(request.steps)
         song = uuid.uuid4().hex if request.id is None else request.id
         if not isinstance(song, str) or not song or song in self._clients:
-            raise InputError(f"request id must be a new non-empty string, got {song!r}")
+            raise InputError(f"request id must be a new non-empty string, got {song!r:.80}")
         cond, uncond = encode_prompt(self.tokenizer, request.caption, request.lyrics)
         return song, requested, seed, steps, cond, uncond
 

@@ -1,0 +1,360 @@
+"""Bad input at every entrance gets a clear error, never a hang, a crash, a 500 or lost work for other songs.
+
+Complements tests/test_api.py, tests/test_engine.py, tests/test_inputs.py and tests/test_cli.py with the cases they
+leave out: JSON edge values (NaN, huge integers, invalid UTF-8, lone surrogates), text too long to clean cheaply,
+disconnects beside other songs, ids cancelled before they exist, a closed engine, songs beyond the talker's rows,
+and command-line values refused before the model loads. Songs are short (0.5-2 s, 1 Euler step) on the tiny
+checkpoint; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")  # server extras
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient
+
+from music3serve import cli
+from music3serve.acoustic.windows import song_samples
+from music3serve.checkpoint import load_models
+from music3serve.errors import InputError, Music3Error
+from music3serve.pipeline import check_seed, frames_for_duration
+from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_caption, normalize_lyrics
+from music3serve.serving.api import create_app
+from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+
+SONG = {"caption": "synth pop", "lyrics": "[verse]\nla la", "seed": 0, "steps": 1, "duration": 0.5}
+TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+JSON = {"content-type": "application/json"}
+
+
+def run(coro, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def wait_until(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def requests_total(engine: Engine) -> float:
+    return engine.metrics.registry.get_sample_value("music3_requests_total")
+
+
+def idle(engine: Engine, song: str) -> bool:
+    return song not in engine._clients and song not in engine.talker.songs and not engine.talker.busy
+
+
+async def events_of(engine: Engine, request: SongRequest) -> list:
+    return [event async for event in engine.submit(request)]
+
+
+# Fixtures.
+@pytest.fixture(scope="module")
+def models(tiny_dir: Path):
+    return load_models(tiny_dir, "cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    engine = Engine(models, load_deploy_config())
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: Engine):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_config=None, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), 20)
+    assert server.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+@pytest.fixture
+def client(base_url: str):
+    with httpx.Client(base_url=base_url, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def closed_engine(models):
+    engine = Engine(models, load_deploy_config())
+    engine.close()
+    return engine
+
+
+# --- HTTP: request bodies ---------------------------------------------------------------------------------
+def raw(**fields: object) -> str:
+    """SONG with changes, as JSON text; a str value starting with `=` goes in verbatim (NaN, escapes, huge ints)."""
+    parts = [f'"{k}": {v[1:] if isinstance(v, str) and v.startswith("=") else json.dumps(v)}'
+             for k, v in {**SONG, "stream": False, **fields}.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+BAD_BODIES = {
+    "duration NaN": (raw(duration="=NaN"), "duration: Input should be a finite number"),
+    "duration Infinity": (raw(duration="=Infinity"), "duration: Input should be a finite number"),
+    "duration -Infinity": (raw(duration="=-Infinity"), "duration: Input should be a finite number"),
+    "duration 1e308": (raw(duration=1e308), "duration: Input should be less than or equal to 360"),
+    "duration true": (raw(duration=True), "duration: Input should be a valid number"),
+    "duration 1e-9": (raw(duration=1e-9), "duration 1e-09 s is shorter than one frame"),
+    "seed 2**63": (raw(seed=2**63), "seed: Input should be less than 9223372036854775808"),
+    "seed 1.5": (raw(seed=1.5), "seed: Input should be a valid integer"),
+    "seed of 5000 digits": (raw(seed="=" + "9" * 5000), "the body is not valid JSON: Exceeds the limit (4300 digits)"),
+    "caption missing": ('{"lyrics": "la"}', "caption: Field required"),
+    "caption 7": (raw(caption=7), "caption: Input should be a valid string"),
+    "lyrics list": (raw(lyrics=["la"]), "lyrics: Input should be a valid string"),
+    "lyrics empty": (raw(lyrics=""), "lyrics must be a non-empty string, got an empty string"),
+    "sample_rate string": (raw(sample_rate="44100"), "sample_rate: Input should be 44100 or 32000"),
+    "format null": (raw(format=None), "format: Input should be 'wav' or 'pcm'"),
+    "caption lone surrogate": (raw(caption='="pop \\ud800 rock"'),
+                               "caption is not valid Unicode: a lone surrogate '\\ud800' at character 4"),
+    "lyrics lone surrogate": (raw(lyrics='="\\udfff"'),
+                              "lyrics is not valid Unicode: a lone surrogate '\\udfff' at character 0"),
+    "caption too long": (raw(caption="x" * (MAX_CAPTION_CHARS + 1)),
+                         f"caption is 5001 characters long; the limit is {MAX_CAPTION_CHARS} characters"),
+    "lyrics 2 MB": (raw(lyrics="la " * 700_000),
+                    f"lyrics is 2100000 characters long; the limit is {MAX_LYRICS_CHARS} characters"),
+    "truncated JSON": ('{"caption": "pop", "lyrics": "la",', "the body is not valid JSON: Expecting property name"),
+    "empty body": ("", "body: Field required"),
+    "null body": ("null", "the body must be a JSON object"),
+    "list body": ("[1, 2]", "the body must be a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_bad_bodies_are_400_naming_the_problem(client, engine, case):
+    body, needle = BAD_BODIES[case]
+    before = requests_total(engine)
+    response = client.post("/v1/songs", content=body.encode(), headers=JSON)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]
+    assert requests_total(engine) == before
+
+
+def test_undecodable_body_and_wrong_content_type(client):
+    response = client.post("/v1/songs", content=b'{"caption": "\xff\xfe", "lyrics": "la"}', headers=JSON)
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("the body is not valid JSON: 'utf-8' codec can't decode byte 0xff")
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}):
+        response = client.post("/v1/songs", content=raw().encode(), headers=headers)
+        assert response.status_code == 400
+        assert "Content-Type: application/json" in response.json()["error"]
+
+
+def test_emoji_rtl_and_nul_are_ordinary_text(client):
+    body = {**SONG, "stream": False, "caption": "dream pop 🎧 \u05e9\u05dc\u05d5\u05dd \u202eRTL\u202c \x00",
+            "lyrics": "[verse]\n\u0645\u0631\u062d\u0628\u0627 \u200d👩‍🎤\x00 la"}
+    response = client.post("/v1/songs", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.content) == 44 + 4 * song_samples(int(SONG["duration"] * 25))
+
+
+# --- HTTP: cancelling and disconnecting -------------------------------------------------------------------
+def test_cancelling_an_unknown_id_is_harmless_and_does_not_linger(client, engine):
+    for _ in range(2):
+        assert client.delete("/v1/songs/ghost-1").status_code == 204
+    assert client.get("/v1/songs/ghost-1").status_code == 404
+    # A song that takes the id afterwards is not hit by the earlier cancels.
+    response = client.post("/v1/songs", json={**SONG, "stream": False, "id": "ghost-1"})
+    assert response.status_code == 200, response.text
+    assert client.get("/v1/songs/ghost-1").json()["state"] == "done"
+
+
+def test_a_disconnecting_client_leaves_the_other_songs_whole(base_url, client, engine):
+    outcome = {}
+
+    def bystander():
+        with httpx.Client(base_url=base_url, timeout=TIMEOUT) as other:
+            outcome["response"] = other.post("/v1/songs", json={**SONG, "duration": 2, "stream": False, "id": "stays"})
+
+    thread = threading.Thread(target=bystander)
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60, "id": "leaves"}) as response:
+        assert response.status_code == 200
+        assert next(response.iter_raw())[:4] == b"RIFF"
+        thread.start()
+        wait_until(lambda: "stays" in engine.talker.songs)  # both songs are in the talker now
+    # Leaving the block closed the connection with the body unread.
+    wait_until(lambda: client.get("/v1/songs/leaves").json()["state"] == "cancelled")
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    wait_until(lambda: idle(engine, "leaves"))
+    response = outcome["response"]
+    assert response.status_code == 200, response.text
+    assert len(response.content) == 44 + 4 * song_samples(50)
+    status = client.get("/v1/songs/stays").json()
+    assert (status["state"], status["frames"]) == ("done", 50)
+
+
+def test_a_disconnecting_non_streaming_client_cancels_its_song(base_url, client, engine):
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps({**SONG, "duration": 60, "stream": False, "id": "whole-gone"}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/songs HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: client.get("/v1/songs/whole-gone").status_code == 200)
+    wait_until(lambda: client.get("/v1/songs/whole-gone").json()["state"] == "cancelled")
+    wait_until(lambda: idle(engine, "whole-gone"))
+
+
+def test_a_closed_engine_answers_503(closed_engine):
+    with TestClient(create_app(closed_engine)) as client:
+        response = client.post("/v1/songs", json=SONG)
+    assert response.status_code == 503
+    assert response.json()["error"] == "the engine cannot take songs: the engine is closed; it takes no more songs"
+
+
+# --- Engine API -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "request_, needle",
+    [
+        ({"caption": "pop", "lyrics": "la"}, "submit takes a SongRequest, got dict"),
+        (None, "submit takes a SongRequest, got NoneType"),
+        (SongRequest("pop", "la", seed=10**5000), "seed must be an integer in [0, 2**63), got an integer of 16610 bits"),
+        (SongRequest("pop", "la", duration_s=10**400), "duration must be in (0, 360] seconds, got an integer of"),
+        (SongRequest("pop", "la", steps=10**5000), "steps must be an integer in [1, 1000], got an integer of"),
+        (SongRequest("pop \ud83c\udfa7", "la"), "caption is not valid Unicode: a lone surrogate '\\ud83c'"),
+    ],
+    ids=["dict", "None", "huge seed", "huge duration", "huge steps", "surrogate pair as two code units"],
+)
+def test_engine_refuses_bad_request_objects_with_input_error(engine, request_, needle):
+    before = requests_total(engine)
+    with pytest.raises(InputError) as error:
+        run(events_of(engine, request_))
+    assert needle in str(error.value)
+    assert requests_total(engine) == before and not engine.talker.songs
+
+
+def test_submit_after_close_raises_at_once(closed_engine):
+    with pytest.raises(Music3Error, match="the engine is closed; it takes no more songs"):
+        run(events_of(closed_engine, SongRequest("pop", "la", 0.5, 0, 1, id="late")), timeout=10)
+    assert not closed_engine._clients and requests_total(closed_engine) == 0
+
+
+def test_songs_beyond_the_talker_rows_wait_and_all_finish(models):
+    # One cond/uncond pair of rows: the second and third song are accepted at once and wait in the queue.
+    deploy = parse_deploy_config({"stages": [{"stage_id": 0, "max_num_seqs": 2}, {"stage_id": 1, "max_num_seqs": 1}]},
+                                 "one-pair test deploy")
+    engine = Engine(models, deploy)
+    try:
+        async def three():
+            log: list = []
+
+            async def one(i: int) -> list:
+                events = []
+                async for event in engine.submit(SongRequest("pop", f"[verse]\nline {i}", 0.5, i, 1, id=f"q{i}")):
+                    events.append(event)
+                    log.append(event)
+                return events
+
+            return await asyncio.gather(*(one(i) for i in range(3))), log
+
+        results, log = run(three())
+    finally:
+        engine.close()
+    first_done = next(k for k, e in enumerate(log) if isinstance(e, Done))
+    assert sum(isinstance(e, Accepted) for e in log[:first_done]) == 3  # queued, not refused
+    for events in results:
+        assert isinstance(events[0], Accepted) and isinstance(events[-1], Done), events
+        assert events[-1].frames == 12 and any(isinstance(e, AudioChunk) for e in events)
+
+
+# --- Prompt cleaning stays linear at the length limits ----------------------------------------------------
+def test_pathological_text_at_the_limits_is_cleaned_fast():
+    caption = "pop\n" + "\n" * (MAX_CAPTION_CHARS - 10) + "---"
+    nested = "*" * (MAX_CAPTION_CHARS // 2 - 1) + "a" + "*" * (MAX_CAPTION_CHARS // 2 - 1)
+    lyrics = "[verse] la\n" + "[" * (MAX_LYRICS_CHARS - 11)
+    started = time.perf_counter()
+    assert clean_caption(caption) == "pop\n"
+    assert clean_caption(nested) == "a"
+    # Each unclosed "[" used to be scanned to the end of the text: 1.5 s here.
+    assert normalize_lyrics(lyrics) == "[start]\n[verse]\n" + "[" * (MAX_LYRICS_CHARS - 11)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_huge_numbers_are_input_errors_not_overflow():
+    with pytest.raises(InputError, match="an integer of 1329 bits"):
+        frames_for_duration(10**400)
+    with pytest.raises(InputError, match="an integer of 16610 bits"):
+        check_seed(10**5000)
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def root_logger():
+    """cli.main sets up logging; put the root logger back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_cli_bad_port_is_a_usage_error(port, capsys, root_logger):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--tiny", "--port", port])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --port" in err and port in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--duration", "nan"], "error: duration must be a finite number of seconds, got nan"),
+        (["--duration", "400"], "error: duration must be in (0, 360] seconds, got 400.0"),
+        (["--duration", "0.001"], "error: duration 0.001 s is shorter than one frame"),
+        (["--seed", str(2**64)], "error: seed must be an integer in [0, 2**63)"),
+        (["--steps", "0"], "error: steps must be an integer in [1, 1000], got 0"),
+        (["--caption", " "], "error: caption must be a non-empty string, got only whitespace"),
+        (["--lyrics", "la " * 7000], "error: lyrics is 21000 characters long; the limit is 20000 characters"),
+    ],
+    ids=["nan", "400 s", "0.001 s", "seed 2**64", "steps 0", "blank caption", "long lyrics"],
+)
+def test_cli_bad_values_fail_before_the_model_loads(tmp_path, capsys, root_logger, flags, needle):
+    # The model folder does not exist: the value must be refused before anyone looks for it.
+    argv = ["generate", "--caption", "pop", "--lyrics", "la", "-o", str(tmp_path / "out.wav"),
+            "--model", str(tmp_path / "absent"), *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(needle), err
+    assert not (tmp_path / "out.wav").exists()
+
+
+def test_cli_output_that_is_a_folder_fails_before_the_model_loads(tmp_path, capsys, root_logger):
+    (tmp_path / "song.wav").mkdir()
+    argv = ["generate", "--caption", "pop", "--lyrics", "la", "-o", str(tmp_path / "song.wav"),
+            "--model", str(tmp_path / "absent")]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'song.wav'}: it is a folder\n"
+
+
+def test_cli_deploy_config_errors_quote_long_values_briefly(tmp_path, capsys, root_logger):
+    config = tmp_path / "deploy.yaml"
+    config.write_text("not a mapping " * 2000)
+    assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config}: <top level>: got 'not a mapping") and len(err) < 600
+    assert "allowed: a mapping" in err
