@@ -28,12 +28,12 @@ from fastapi.testclient import TestClient
 from music3serve import cli
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
-from music3serve.errors import InputError, Music3Error
+from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import check_seed, frames_for_duration
 from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_caption, normalize_lyrics
-from music3serve.serving.api import create_app
+from music3serve.serving.api import MAX_BODY_BYTES, create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest
 
 SONG = {"caption": "synth pop", "lyrics": "[verse]\nla la", "seed": 0, "steps": 1, "duration": 0.5}
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
@@ -134,8 +134,8 @@ BAD_BODIES = {
                               "lyrics is not valid Unicode: a lone surrogate '\\udfff' at character 0"),
     "caption too long": (raw(caption="x" * (MAX_CAPTION_CHARS + 1)),
                          f"caption is 5001 characters long; the limit is {MAX_CAPTION_CHARS} characters"),
-    "lyrics 2 MB": (raw(lyrics="la " * 700_000),
-                    f"lyrics is 2100000 characters long; the limit is {MAX_LYRICS_CHARS} characters"),
+    "lyrics 0.6 MB": (raw(lyrics="la " * 200_000),
+                      f"lyrics is 600000 characters long; the limit is {MAX_LYRICS_CHARS} characters"),
     "truncated JSON": ('{"caption": "pop", "lyrics": "la",', "the body is not valid JSON: Expecting property name"),
     "empty body": ("", "body: Field required"),
     "null body": ("null", "the body must be a JSON object"),
@@ -161,6 +161,28 @@ def test_undecodable_body_and_wrong_content_type(client):
         response = client.post("/v1/songs", content=raw().encode(), headers=headers)
         assert response.status_code == 400
         assert "Content-Type: application/json" in response.json()["error"]
+
+
+def test_bodies_without_a_length_or_over_the_limit_are_refused_unread(client, engine):
+    before = requests_total(engine)
+    response = client.post("/v1/songs", content=b" " * (MAX_BODY_BYTES + 1) + raw().encode(), headers=JSON)
+    assert response.status_code == 413 and "the limit is 1048576 bytes" in response.json()["error"]
+    response = client.post("/v1/songs", content=iter([raw().encode()]), headers=JSON)  # chunked, no length
+    assert response.status_code == 411 and "Content-Length" in response.json()["error"]
+    assert requests_total(engine) == before
+
+
+def test_a_full_engine_answers_429_with_retry_after(client, engine):
+    engine.max_songs = len(engine._clients)
+    try:
+        response = client.post("/v1/songs", json=SONG)
+        with pytest.raises(EngineBusy, match="its limit; try again when one ends"):
+            run(events_of(engine, SongRequest("pop", "la", 0.5, 0, 1)))
+    finally:
+        engine.max_songs = MAX_SONGS
+    assert response.status_code == 429 and response.headers["retry-after"] == "10"
+    assert "its limit" in response.json()["error"]
+    assert client.post("/v1/songs", json={**SONG, "stream": False}).status_code == 200
 
 
 def test_emoji_rtl_and_nul_are_ordinary_text(client):

@@ -9,5 +9,9 @@ class InputError(Music3Error, ValueError):
     """A request (caption, lyrics, duration, seed, ...) that cannot be served as given."""
 
 
+class EngineBusy(Music3Error):
+    """The engine holds as many songs (running and waiting) as it takes; try again later."""
+
+
 class CheckpointError(Music3Error):
     """A model folder that is missing, incomplete, corrupted or not the MiniMax-Music3 layout."""

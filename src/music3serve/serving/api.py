@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
 import numpy as np
 import uvicorn
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from .. import contract
-from ..errors import InputError, Music3Error
+from ..errors import EngineBusy, InputError, Music3Error
 from .audio_io import CHANNELS, OUTPUT_RATES, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 
@@ -74,8 +74,32 @@ class SongState:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"}
 
 
+# Far above a request at the caption and lyrics limits (25,000 characters, at most 4 UTF-8 bytes each).
+MAX_BODY_BYTES = 1 << 20
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class BoundedBody:
+    """ASGI middleware: a POST body is read whole before it is parsed, so it must say its length (else 411) and
+    stay within MAX_BODY_BYTES (else 413). Plain ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+            if not length:
+                return await _error(411, "send the body with a Content-Length header")(scope, receive, send)
+            if not length.isdigit():
+                return await _error(400, f"Content-Length {length!r:.40} is not a byte count")(scope, receive, send)
+            if int(length) > MAX_BODY_BYTES:
+                message = f"the body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes"
+                return await _error(413, message)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _describe(exc: RequestValidationError) -> str:
@@ -178,6 +202,8 @@ class SongService:
             first = await anext(events)
         except InputError as exc:
             return _error(400, str(exc))
+        except EngineBusy as exc:
+            return _error(429, str(exc), {"Retry-After": "10"})
         except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
             return _error(503, f"the engine cannot take songs: {exc}")
         except BaseException:
@@ -261,6 +287,8 @@ def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written")
     service = SongService(engine)
     app.state.songs = service
+
+    app.add_middleware(BoundedBody)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

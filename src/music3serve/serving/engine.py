@@ -25,7 +25,7 @@ import torch
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..checkpoint import Music3Models, load_models
-from ..errors import InputError, Music3Error
+from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
@@ -36,6 +36,9 @@ from .render_loop import RenderLoop
 from .worker import RenderWorker, chunk_window, load_acoustic
 
 log = logging.getLogger(__name__)
+# Songs one engine holds, running and waiting: beyond the talker's rows they queue, and past this many a submit
+# raises EngineBusy (HTTP 429) instead of growing the queue without bound.
+MAX_SONGS = 1024
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Engine:
             )
             self.renderer.warmup(range(1, stage1.render_batch + 1))
         self.metrics = EngineMetrics()
+        self.max_songs = MAX_SONGS
         self._clients: dict[str, _Client] = {}
         self._control: queue.Queue = queue.Queue()
         self._windows: queue.Queue = queue.Queue()
@@ -110,9 +114,12 @@ class Engine:
     # Public API.
     async def submit(self, request: SongRequest) -> AsyncIterator[Event]:
         """Validate, queue and stream one song's events; bad input raises InputError before anything is queued, and
-        a closed or broken engine raises Music3Error. Songs beyond the talker's rows wait in its queue."""
+        a closed or broken engine raises Music3Error. Songs beyond the talker's rows wait in its queue, up to
+        `max_songs` held in all; past that, EngineBusy."""
         song, budget_request, seed, steps, cond, uncond = self._validate(request)
         client = _Client(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        if len(self._clients) >= self.max_songs:
+            raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
         self._clients[song] = client
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
             del self._clients[song]
