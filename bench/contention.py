@@ -20,7 +20,7 @@ import time
 import torch
 
 from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
-from music3serve.bench.common import random_module, table, time_ms
+from music3serve.bench.common import graphed, random_module, table, time_ms
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig
@@ -39,25 +39,10 @@ def dit_call():
 
 
 def captured_on(call, stream: torch.cuda.Stream):
-    """call captured as a CUDA graph on `stream` (after a warm-up there): kernels are chosen now, under the
-    settings in force (a cuBLAS carveout), and replays run on `stream`'s SMs."""
-    with torch.cuda.stream(stream), float32_matmuls("cuda"):
-        call()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            call()
-    return graph.replay
-
-
-def talker_alone(step) -> float:
-    """Talker ms per step with nothing else on the GPU (host clock: the steps run on the talker's own stream)."""
-    step()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / STEPS * 1e3
+    """call captured as a CUDA graph on `stream`: kernels are chosen now, under the settings in force (a cuBLAS
+    carveout), and replays run on `stream`'s SMs."""
+    with float32_matmuls("cuda"):
+        return graphed(call, stream)
 
 
 def side_by_side(step, replay, stream: torch.cuda.Stream) -> tuple[float, float]:
@@ -120,7 +105,9 @@ def main() -> None:
     replay = captured_on(call, side)
     with torch.cuda.stream(side):
         dit_alone = time_ms(replay)
-    rows = [["talker alone", talker_alone(step), "-"], ["DiT alone", "-", dit_alone]]
+    with torch.cuda.stream(talker.stream):
+        talker_alone = time_ms(lambda: talker.step_fn(2), repeat=STEPS)
+    rows = [["talker alone", talker_alone, "-"], ["DiT alone", "-", dit_alone]]
     rows.append(["side by side", *side_by_side(step, replay, side)])
     for carveout in (8, 16, 32):
         torch._C._set_sm_carveout_experimental(carveout)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +60,43 @@ def plain_hot_paths_afterwards():
 
     yield
     disable_fusion()
+
+
+@pytest.fixture(scope="session")
+def serve_http():
+    """A context manager running an ASGI app under uvicorn in a thread on a free local port; gives the base URL."""
+
+    @contextlib.contextmanager
+    def serve(app):
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        try:
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            sock.close()
+
+    return serve
+
+
+@pytest.fixture
+def root_logger():
+    """cli.main sets up logging; put the root logger back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

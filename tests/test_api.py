@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import io
-import logging
 import math
 import re
-import socket
 import struct
 import sys
 import threading
@@ -68,20 +66,9 @@ def songs(engine: Engine) -> dict[int, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def base_url(engine: Engine):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_config=None, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+def base_url(engine: Engine, serve_http):
+    with serve_http(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture
@@ -301,16 +288,6 @@ def test_fastapi_is_imported_only_by_the_api_module():
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     assert users == {"serving/api.py"}
-
-
-@pytest.fixture
-def root_logger():
-    """cli.main sets up logging; put the root logger back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, root_logger):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 httpx = pytest.importorskip("httpx")  # server extras
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient
@@ -77,18 +76,9 @@ def engine(models):
 
 
 @pytest.fixture(scope="module")
-def base_url(engine: Engine):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_config=None, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), 20)
-    assert server.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+def base_url(engine: Engine, serve_http):
+    with serve_http(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture
@@ -323,16 +313,6 @@ def test_huge_numbers_are_input_errors_not_overflow():
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def root_logger():
-    """cli.main sets up logging; put the root logger back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
 def test_cli_bad_port_is_a_usage_error(port, capsys, root_logger):
     with pytest.raises(SystemExit) as info:

@@ -74,15 +74,16 @@ def time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 20) -> float:
     return statistics.median(times)
 
 
-def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
-    """fn captured as a CUDA graph (after a warm-up on a side stream); returns its replay."""
-    side = torch.cuda.Stream()
+def graphed(fn: Callable[[], Any], stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
+    """fn captured as a CUDA graph (after a warm-up on a side stream, or on `stream` and captured there);
+    returns its replay."""
+    side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     return graph.replay
 
