@@ -89,6 +89,24 @@ def serve_http():
     return serve
 
 
+@pytest.fixture(scope="module")
+def base_url(engine, serve_http):
+    """The HTTP API over the requesting module's `engine` fixture, served by uvicorn."""
+    from music3serve.serving.api import create_app
+
+    with serve_http(create_app(engine)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base_url: str):
+    """An HTTP client of `base_url` (60 s per request)."""
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=httpx.Timeout(60.0, connect=5.0)) as client:
+        yield client
+
+
 @pytest.fixture
 def root_logger():
     """cli.main sets up logging; put the root logger back afterwards."""

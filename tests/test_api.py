@@ -26,7 +26,6 @@ pytest.importorskip("fastapi")
 
 from music3serve import cli, contract
 from music3serve.pipeline import Pipeline
-from music3serve.serving.api import create_app
 from music3serve.serving.audio_io import resample, to_pcm16
 from music3serve.serving.engine import AudioChunk, Engine, SongRequest
 
@@ -63,18 +62,6 @@ def songs(engine: Engine) -> dict[int, np.ndarray]:
         assert out[duration].shape == offline.shape
         assert np.abs(np.clip(out[duration], -1, 1) - offline).max() < 1e-3
     return out
-
-
-@pytest.fixture(scope="module")
-def base_url(engine: Engine, serve_http):
-    with serve_http(create_app(engine)) as url:
-        yield url
-
-
-@pytest.fixture
-def client(base_url: str):
-    with httpx.Client(base_url=base_url, timeout=TIMEOUT) as client:
-        yield client
 
 
 def metric(client: httpx.Client, name: str) -> float:

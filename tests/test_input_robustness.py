@@ -76,18 +76,6 @@ def engine(models):
 
 
 @pytest.fixture(scope="module")
-def base_url(engine: Engine, serve_http):
-    with serve_http(create_app(engine)) as url:
-        yield url
-
-
-@pytest.fixture
-def client(base_url: str):
-    with httpx.Client(base_url=base_url, timeout=TIMEOUT) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def closed_engine(models):
     engine = Engine(models, load_deploy_config())
     engine.close()
