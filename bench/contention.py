@@ -70,6 +70,9 @@ def side_by_side(step, replay, stream: torch.cuda.Stream) -> tuple[float, float]
     return elapsed / STEPS * 1e3, elapsed / max(done, 1) * 1e3
 
 
+_contexts: list = []  # green contexts live as long as their streams: a collected context is destroyed
+
+
 def green_stream(sms: int) -> torch.cuda.Stream | None:
     """A stream whose kernels run on `sms` SMs, or None where this torch has no green contexts."""
     try:
@@ -79,6 +82,7 @@ def green_stream(sms: int) -> torch.cuda.Stream | None:
     except Exception as exc:  # absent, or an older signature: report and go on
         print(f"green context of {sms} SMs: not available ({type(exc).__name__}: {exc})")
         return None
+    _contexts.append(context)
     if hasattr(context, "Stream"):
         return context.Stream()
     context.set_context()  # torch 2.10's API: streams made while the context is current belong to it
@@ -114,7 +118,7 @@ def main() -> None:
         rows.append([f"cuBLAS carveout {carveout} SMs", *side_by_side(step, captured_on(call, side), side)])
     torch._C._set_sm_carveout_experimental(None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for dit_sms in (sms - 16, sms - 32):
+    for dit_sms in (sms - 16, sms - 32, sms - 48, sms // 2):
         stream = green_stream(dit_sms)
         if stream is None:
             continue

@@ -171,7 +171,7 @@ def test_a_song_mid_prefill_moves_with_the_packing_and_stays_the_same(models, so
 
     monkeypatch.setattr(Talker, "_prefill", spy_prefill)
     monkeypatch.setattr(SlotCache, "move_pair", spy_move)
-    finished, _, failed = run(models, {3: 0, 4: 0, 0: 26}, TalkerConfig(max_num_seqs=6, max_num_batched_tokens=8))
+    finished, _, failed = run(models, {3: 0, 4: 0, 0: 27}, TalkerConfig(max_num_seqs=6, max_num_batched_tokens=8))
     assert relocations, "the scenario no longer exercises the relocation of a song mid-prefill"
     assert not failed and torch.equal(finished[0].codes, solo[0].codes)
 
@@ -212,3 +212,25 @@ def test_prefill_warm_up_leaves_no_trace(models, solo):
     while talker.busy:
         codes += [e.codes for e in talker.step() if isinstance(e, SongFinished)]
     assert torch.equal(codes[0], solo[0].codes)
+
+
+def test_a_step_in_flight_for_a_cancelled_song_is_dropped_even_if_its_id_is_reused(models, solo):
+    """Events trail the device by one step. Song 0 is cancelled while the step that completes its first window is
+    queued, and a new song takes the same id at once: that step's window must not surface (under either song),
+    and the new song equals the solo run."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    _, _, frames, seed = SONGS[0]
+    talker.submit("0", *prompt(models, 0), seed, frames)
+    first_window = song_windows(solo[0].codes.shape[0])[0]
+    while talker.songs["0"].frames < first_window.frames:
+        assert talker.step() == []
+    assert talker._in_flight is not None and talker._in_flight.songs[0] is talker.songs["0"]
+    assert talker.cancel("0")
+    talker.submit("0", *prompt(models, 0), seed, frames)
+    assert talker.step() == []
+    finished, windows = [], []
+    while talker.busy:
+        for event in talker.step():
+            (windows if isinstance(event, WindowReady) else finished).append(event)
+    assert len(finished) == 1 and torch.equal(finished[0].codes, solo[0].codes)
+    assert torch.equal(mixed_song(windows), solo[1])

@@ -30,13 +30,14 @@ def hot(fn: F) -> F:
     return dispatch  # type: ignore[return-value]
 
 
-def enable_fusion(backend: str = "inductor") -> None:
+def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     """Compile every registered function (dynamic shapes, no graph breaks). Tests pass backend="aot_eager" to
-    trace exactly as inductor would see the functions, without generating code."""
+    trace exactly as inductor would see the functions, without generating code; `mode` is torch.compile's
+    (bench/dit_autotune.py tries "max-autotune-no-cudagraphs")."""
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
     for name, fn in _plain.items():
-        _fused.setdefault(name, torch.compile(fn, backend=backend, dynamic=True, fullgraph=True))
+        _fused.setdefault(name, torch.compile(fn, backend=backend, mode=mode, dynamic=True, fullgraph=True))
 
 
 def disable_fusion() -> None:

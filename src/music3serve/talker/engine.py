@@ -65,6 +65,14 @@ Event = WindowReady | SongFinished | SongFailed
 
 
 @dataclass
+class _InFlight:
+    """A frame step queued on the device whose results the host has not read yet."""
+
+    songs: list["_Song"]  # the song in each pair when the step was queued
+    buffer: int  # which of the two pinned host buffers its codes and audio_end flags are copied to
+
+
+@dataclass
 class _Song:
     id: str
     seed: int
@@ -72,9 +80,11 @@ class _Song:
     budget: int
     pair: int | None = None
     prefilled: int = 0
-    steps: int = 0  # frame steps taken; step 0's frame is not emitted
+    steps: int = 0  # frame steps whose results were read back; step 0's frame is not emitted
+    launched: int = 0  # frame steps queued on the device (one more than `steps` while a step is in flight)
     codes: list[torch.Tensor] = field(default_factory=list)
-    conditioning: torch.Tensor | None = None  # [budget, hidden] on the device
+    # [budget + 1, hidden] on the device: the spare row takes the step already queued when the song ends
+    conditioning: torch.Tensor | None = None
     windows: WindowTracker = field(default_factory=WindowTracker)
 
     @property
@@ -100,11 +110,13 @@ class Talker:
         if config.fuse and self.device.type == "cuda":
             self.warm_prefill()
         # Step outputs come back through pinned buffers and an event on the talker's own stream: a pageable
-        # copy could wait for work of other streams (the renderer's long DiT graphs) before returning.
+        # copy could wait for work of other streams (the renderer's long DiT graphs) before returning. Two of
+        # each: the host reads one step's results while the next step, already queued, copies into the other.
         pinned = self.device.type == "cuda"
-        self._host_codes = torch.empty((pairs, contract.NUM_CODEBOOKS), dtype=torch.int64, pin_memory=pinned)
-        self._host_ended = torch.empty(pairs, dtype=torch.bool, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None
+        self._host_codes = torch.empty((2, pairs, contract.NUM_CODEBOOKS), dtype=torch.int64, pin_memory=pinned)
+        self._host_ended = torch.empty((2, pairs), dtype=torch.bool, pin_memory=pinned)
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._in_flight: _InFlight | None = None
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]
         self.songs: dict[str, _Song] = {}
@@ -144,7 +156,7 @@ class Talker:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self._in_flight)
 
     def cancel(self, song: str) -> bool:
         """Drop a song wherever it is; its rows are free for the next step. False if unknown."""
@@ -164,14 +176,17 @@ class Talker:
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
-        """One scheduler iteration: prefill within the token budget, then one frame for all decoding songs."""
+        """One scheduler iteration: prefill within the token budget, queue one frame for all decoding songs, then
+        read back the previous iteration's frame while the device computes this one. Events therefore trail the
+        device by one step; a song that ends has had one more step queued, whose results are dropped."""
         events: list[Event] = []
         if self.stream is not None:  # prompts and cancels the caller issued on its own stream come first
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
             self._prefill(events)
-            if self.active:
-                events += self._decode()
+            previous, self._in_flight = self._in_flight, self._launch() if self.active else None
+            if previous is not None:
+                events += self._collect(previous)
         return events
 
     def _prefill(self, events: list[Event]) -> None:
@@ -197,26 +212,38 @@ class Talker:
         step.hidden[2 * p : 2 * p + 2] = hidden
         step.positions[2 * p : 2 * p + 2] = song.ids.shape[1]
         step.seeds[p], step.frames[p] = song.seed, 0
-        song.conditioning = torch.empty(song.budget, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
+        song.conditioning = torch.empty(song.budget + 1, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
         self.active.append(song)
 
-    def _decode(self) -> list[Event]:
-        step = self.step_fn
-        count = len(self.active)
+    def _launch(self) -> _InFlight:
+        """Queue one frame step for every active song and the copies of its results."""
+        step, count = self.step_fn, len(self.active)
+        buffer = 0 if self._in_flight is None else 1 - self._in_flight.buffer
         step(2 * count)
-        # Each song's frame conditioning goes to its next slot now (one multi-tensor copy kernel), queued behind
-        # the step while it runs, so the host's wait below does not also cover it. A slot written for a step
-        # whose frame is not kept (step 0, or audio_end) is never read, or is written again by the next step.
-        torch._foreach_copy_([song.conditioning[song.frames] for song in self.active], list(step.mixed[:count]))
-        self._host_codes[:count].copy_(step.codes[:count], non_blocking=True)
-        self._host_ended[:count].copy_(step.ended[:count], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-            self._copied.synchronize()
-        codes, ended = self._host_codes[:count].clone(), self._host_ended[:count].clone()
+        # Each song's frame conditioning goes to its next slot (one multi-tensor copy kernel, queued behind the
+        # step). Step s writes slot max(s - 1, 0): step 0's frame is not kept, so step 1 writes slot 0 again.
+        slots = [song.conditioning[max(song.launched - 1, 0)] for song in self.active]
+        torch._foreach_copy_(slots, list(step.mixed[:count]))
+        self._host_codes[buffer, :count].copy_(step.codes[:count], non_blocking=True)
+        self._host_ended[buffer, :count].copy_(step.ended[:count], non_blocking=True)
+        if self._copied[buffer] is not None:
+            self._copied[buffer].record()
+        for song in self.active:
+            song.launched += 1
+        return _InFlight(list(self.active), buffer)
+
+    def _collect(self, done: _InFlight) -> list[Event]:
+        """Read back a queued step's codes and audio_end flags; emit the windows it completed and the songs it
+        ended. Songs cancelled or finished since it was queued are skipped."""
+        if self._copied[done.buffer] is not None:
+            self._copied[done.buffer].synchronize()
+        count = len(done.songs)
+        codes, ended = self._host_codes[done.buffer, :count].clone(), self._host_ended[done.buffer, :count].clone()
         events: list[Event] = []
         finished: list[_Song] = []
-        for p, song in enumerate(self.active):
+        for p, song in enumerate(done.songs):
+            if self.songs.get(song.id) is not song:
+                continue
             index, song.steps = song.steps, song.steps + 1
             if bool(ended[p]):
                 finished.append(song)
@@ -250,7 +277,7 @@ class Talker:
         step, gap, last = self.step_fn, song.pair, len(self.active) - 1
         if gap != last:
             moved = self.active[last]
-            filled = moved.ids.shape[1] + moved.steps
+            filled = moved.ids.shape[1] + moved.launched  # KV rows written, the queued step included
             self.slots.move_pair(last, gap, min(filled, self.slots.scratch))
             for buffer in (step.hidden, step.positions):
                 buffer[2 * gap : 2 * gap + 2] = buffer[2 * last : 2 * last + 2]
