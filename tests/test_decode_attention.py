@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from music3serve.kernels import decode_attention, decode_attention_reference, triton_available
-from music3serve.kernels.decode_attention import _decode_attention_triton
+from music3serve.kernels.decode_attention import _decode_attention_triton, store_new_kv
 
 # Qwen3-8B talker attention: 32 query heads over 8 KV heads (GQA group 4), head_dim 128.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -89,6 +89,26 @@ def test_reference_zero_length_row_gives_zeros():
     out = decode_attention_reference(q, k, v, torch.tensor([0, 4]))
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     torch.testing.assert_close(out[1:], _naive(q[1:], k[1:], v[1:], torch.tensor([4])), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_append_stores_the_new_rows_then_attends():
+    """append=(k_new, v_new, positions) equals writing the rows first: at each row's last position, and at a
+    padded row's scratch position (beyond its length); nothing else in the cache changes."""
+    g = torch.Generator().manual_seed(3)
+    rows, capacity = 3, 40
+    k_all, v_all = _layered_cache(2, rows, 4, capacity, 16, dtype=torch.float32, device="cpu", generator=g)
+    q = torch.randn(rows, 8, 16, generator=g)
+    k_new, v_new = torch.randn(rows, 4, 16, generator=g), torch.randn(rows, 4, 16, generator=g)
+    lengths, positions = torch.tensor([5, 17, 1]), torch.tensor([4, 16, capacity - 1])
+    expected_k, expected_v = k_all[1].clone(), v_all[1].clone()
+    for r, p in enumerate(positions.tolist()):
+        expected_k[r, :, p], expected_v[r, :, p] = k_new[r], v_new[r]
+    expected = decode_attention_reference(q, expected_k, expected_v, lengths)
+    out = decode_attention_reference(q, k_all[1], v_all[1], lengths, append=(k_new, v_new, positions))
+    assert torch.equal(out, expected)
+    assert torch.equal(k_all[1], expected_k) and torch.equal(v_all[1], expected_v)
+    with pytest.raises(ValueError, match="append"):
+        decode_attention_reference(q, k_all[1], v_all[1], lengths, append=(k_new[:2], v_new, positions))
 
 
 def test_module_imports_and_shape_errors():
@@ -191,3 +211,28 @@ def test_triton_cuda_graph_replay_with_new_lengths():
         eager = decode_attention(static_q, k, v, static_lengths)
         assert torch.equal(static_out, eager)
         assert _rel_err(static_out, _oracle(static_q, k, v, static_lengths)) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_triton_append_equals_storing_first(splits):
+    """The kernel's own store of the new keys and values: the output is bit-identical to storing them first and
+    then attending, and the caches end up identical (rows at their last position, in any split, and padded rows
+    at the scratch position with length 1)."""
+    rows = 16
+    q, k, v = _gpu_setup(rows, seed=11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    k_new = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
+    v_new = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
+    lengths = torch.tensor([1, 2, 63, 64, 65, 128, 129, 1000, 4097, 9999, 10240, 1, 1, 300, 5000, 777],
+                           dtype=torch.int32, device="cuda")  # fmt: skip
+    positions = (lengths - 1).long()
+    positions[11:13] = _CAPACITY - 1  # padded rows: scratch position, length 1
+    k_first, v_first = k.clone(), v.clone()
+    store_new_kv(k_first, v_first, (k_new, v_new, positions))
+    expected = _decode_attention_triton(q, k_first, v_first, lengths, num_splits=splits)
+    out = _decode_attention_triton(q, k, v, lengths, num_splits=splits, append=(k_new, v_new, positions))
+    assert torch.equal(out, expected)
+    assert torch.equal(k, k_first) and torch.equal(v, v_first)

@@ -19,6 +19,11 @@ On CUDA with Triton importable the work runs as flash-decoding, in two kernels:
 
 ``num_splits`` is fixed per (rows, kv_heads, capacity) shape, so the launch grid is static and graph capturable.
 
+``append=(k_new, v_new, positions)`` also stores each row's new key and value at ``positions[r]`` of its slot
+(what a decode step must do before attending). The Triton path does it inside ``split``, with no launch of its
+own: the program whose share holds ``positions[r]`` (split 0 when the position lies in ``[lengths[r], capacity)``,
+as for padded rows) stores them, and uses them in place of what its tile loaded from that position.
+
 Elsewhere (CPU, or no Triton) ``decode_attention`` runs ``decode_attention_reference``: plain torch, masked over
 the capacity, fp32 softmax. It is the test oracle too. Rows with length 0 give zeros on both paths.
 
@@ -57,14 +62,41 @@ def _check_shapes(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) 
     return rows, q_heads, kv_heads, capacity, head_dim
 
 
+Append = tuple[Tensor, Tensor, Tensor]  # k_new, v_new [rows, kv_heads, head_dim]; positions [rows]
+
+
+def _check_append(append: Append, k_cache: Tensor) -> None:
+    k_new, v_new, positions = append
+    rows, kv_heads, _, head_dim = k_cache.shape
+    if k_new.shape != (rows, kv_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(
+            f"append: k_new and v_new must both be [rows, kv_heads, head_dim] = {[rows, kv_heads, head_dim]}, got "
+            f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"
+        )
+    if positions.shape != (rows,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"append: positions must be int32/int64 [rows] = [{rows}], got {tuple(positions.shape)}")
+
+
+def store_new_kv(k_cache: Tensor, v_cache: Tensor, append: Append) -> None:
+    """The torch form of the append: row r's new key and value written at positions[r] of its slot."""
+    k_new, v_new, positions = append
+    rows = torch.arange(k_cache.shape[0], device=k_cache.device)
+    k_cache[rows, :, positions] = k_new.to(k_cache.dtype)
+    v_cache[rows, :, positions] = v_new.to(v_cache.dtype)
+
+
 def decode_attention_reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None = None
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None = None,
+    append: Append | None = None,
 ) -> Tensor:
     """Pure-torch decode attention: masked over the whole capacity, fp32 scores and softmax.
 
     Shapes as in ``decode_attention``. Positions at or beyond ``lengths[r]`` are masked out of the scores and
     zeroed in V, so garbage there (NaN, inf) cannot reach the output. No host sync."""
     rows, q_heads, kv_heads, capacity, head_dim = _check_shapes(q, k_cache, v_cache, lengths)
+    if append is not None:
+        _check_append(append, k_cache)
+        store_new_kv(k_cache, v_cache, append)
     if scale is None:
         scale = head_dim**-0.5
     group = q_heads // kv_heads
@@ -96,20 +128,22 @@ def triton_available() -> bool:
 
 
 def decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None = None
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None = None,
+    append: Append | None = None,
 ) -> Tensor:
     """Attention of one new token per row over the filled positions of its KV slot.
 
     q: [rows, q_heads, head_dim]; k_cache, v_cache: [rows, kv_heads, capacity, head_dim] (last dim contiguous);
     lengths: int32/int64 [rows] on q's device, valid positions per row (the new token's K/V already written at
     ``lengths[r] - 1``). Returns [rows, q_heads, head_dim] in q's dtype: softmax(q k^T * scale) v over positions
-    ``[0, lengths[r])``; ``scale`` defaults to ``head_dim ** -0.5``.
+    ``[0, lengths[r])``; ``scale`` defaults to ``head_dim ** -0.5``. ``append=(k_new, v_new, positions)`` first
+    stores row r's new key and value [rows, kv_heads, head_dim] at ``positions[r]`` (int [rows]) of its slot.
 
     CUDA tensors with Triton importable run the Triton flash-decoding kernels (graph capturable: lengths are read
     on the device); anything else runs ``decode_attention_reference``."""
     if q.is_cuda and triton_available():
-        return _decode_attention_triton(q, k_cache, v_cache, lengths, scale)
-    return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
+        return _decode_attention_triton(q, k_cache, v_cache, lengths, scale, append=append)
+    return decode_attention_reference(q, k_cache, v_cache, lengths, scale, append)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -125,12 +159,14 @@ def _kernels():
     @triton.jit
     def split_kernel(
         q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr,
+        k_new_ptr, v_new_ptr, pos_ptr,
         stride_qr, stride_qh,
         stride_kr, stride_kh, stride_kn,
         stride_vr, stride_vh, stride_vn,
+        stride_knr, stride_knh, stride_vnr, stride_vnh,
         capacity, qk_scale_log2,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr,
     ):  # fmt: skip
         split = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -157,6 +193,15 @@ def _kernels():
         k_base = k_ptr + row64 * stride_kr + kvh.to(tl.int64) * stride_kh
         v_base = v_ptr + row64 * stride_vr + kvh.to(tl.int64) * stride_vh
 
+        if APPEND:  # this row's new key and value: stored by the program owning their position, used from registers
+            pos = tl.load(pos_ptr + row).to(tl.int32)
+            k_new = tl.load(k_new_ptr + row64 * stride_knr + kvh * stride_knh + offs_d).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(v_new_ptr + row64 * stride_vnr + kvh * stride_vnh + offs_d).to(v_ptr.dtype.element_ty)
+            owner = ((lo <= pos) & (pos < hi)) | ((split == 0) & (pos >= length) & (pos < capacity))
+            if owner:
+                tl.store(k_base + pos.to(tl.int64) * stride_kn + offs_d, k_new)
+                tl.store(v_base + pos.to(tl.int64) * stride_vn + offs_d, v_new)
+
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -166,6 +211,10 @@ def _kernels():
             n_mask = offs < hi
             k = tl.load(k_base + offs[:, None] * stride_kn + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             v = tl.load(v_base + offs[:, None] * stride_vn + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            if APPEND:
+                is_new = (offs == pos)[:, None]
+                k = tl.where(is_new, k_new[None, :], k)
+                v = tl.where(is_new, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k)) * qk_scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -265,8 +314,11 @@ def _decode_attention_triton(
     num_warps: int = _NUM_WARPS,
     num_stages: int = _NUM_STAGES,
     num_splits: int | None = None,
+    append: Append | None = None,
 ) -> Tensor:
     rows, q_heads, kv_heads, capacity, head_dim = _check_shapes(q, k_cache, v_cache, lengths)
+    if append is not None:
+        _check_append(append, k_cache)
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"the Triton decode attention needs a power-of-two head_dim >= 16, got {head_dim}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -293,17 +345,22 @@ def _decode_attention_triton(
     out = torch.empty((rows, q_heads, head_dim), device=q.device, dtype=out_dtype)
     if rows == 0:
         return out
+    k_new, v_new, positions = append if append is not None else (q, q, lengths)  # placeholders when not appending
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
     o_part = torch.empty((rows, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((rows, q_heads, num_splits), device=q.device, dtype=torch.float32)
 
     split_kernel[(num_splits, kv_heads, rows)](
         q, k_cache, v_cache, lengths, o_part, lse_part,
+        k_new, v_new, positions,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         capacity, scale * _LOG2E,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        APPEND=append is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     combine_kernel[(q_heads, rows)](
         o_part, lse_part, lengths, out,

@@ -51,15 +51,13 @@ class DecodeRows:
     def __init__(self, slots: SlotCache, rows: int, positions: torch.Tensor):
         self.slots, self.rows = slots, rows
         self.positions = positions[:rows]
-        self.row_index = torch.arange(rows, device=positions.device)
         # Padded rows (at the scratch position) attend to one position only: their output is discarded.
         self.lengths = torch.where(self.positions >= slots.scratch, 1, self.positions + 1)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[1] != 1:
             raise Music3Error("decode attention takes exactly one new token per row")
-        k_layer, v_layer = self.slots.k[layer], self.slots.v[layer]
-        k_layer[self.row_index, :, self.positions] = k[:, 0].to(k_layer.dtype)
-        v_layer[self.row_index, :, self.positions] = v[:, 0].to(v_layer.dtype)
-        out = decode_attention(q[:, 0], k_layer[: self.rows], v_layer[: self.rows], self.lengths)
+        k_cache, v_cache = self.slots.k[layer, : self.rows], self.slots.v[layer, : self.rows]
+        new = (k[:, 0], v[:, 0], self.positions)  # stored at each row's position by the attention kernel itself
+        out = decode_attention(q[:, 0], k_cache, v_cache, self.lengths, append=new)
         return out.reshape(self.rows, 1, -1)
