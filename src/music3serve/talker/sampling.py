@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.top_k import kth_largest
 from ..models.fusion import hot
 
 MASK32 = 0xFFFFFFFF
@@ -51,8 +52,7 @@ def guide(logits: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tenso
 def keep_top_k(logits: torch.Tensor, k: int, reference: torch.Tensor | None = None) -> torch.Tensor:
     """-inf wherever `reference` (default: logits) is below its k-th largest value; ties are kept."""
     reference = logits if reference is None else reference
-    # The k-th largest value is the smallest of the top k: unsorted top-k spares the GPU a sort kernel per call.
-    threshold = torch.topk(reference, min(k, reference.shape[-1]), dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    threshold = kth_largest(reference, min(k, reference.shape[-1]))
     return logits.masked_fill(reference < threshold, float("-inf"))
 
 

@@ -1,0 +1,56 @@
+"""The sampler's threshold kernel: the k-th largest value of each row, the same value `torch.topk` gives
+(duplicates counted, -inf columns, one to sixteen rows of the talker's widths), in eager, compiled and graph calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from music3serve.kernels.top_k import kth_largest, kth_largest_reference
+from music3serve.talker.sampling import keep_top_k
+
+
+def rows_to_rank(rows: int, columns: int, device: str) -> torch.Tensor:
+    """Random rows, plus rows full of ties, half -inf, and fewer finite values than k."""
+    gen = torch.Generator().manual_seed(rows * 7 + columns)
+    x = torch.randn(rows, columns, generator=gen) * 4
+    x[1 % rows] = torch.randint(-3, 3, (columns,), generator=gen).float()
+    x[2 % rows, : columns // 2] = float("-inf")
+    if rows > 3:
+        x[3] = float("-inf")
+        x[3, :7] = torch.arange(7.0)
+    return x.to(device)
+
+
+def test_cpu_is_torch_topk_and_bad_k_is_refused():
+    x = rows_to_rank(4, 1024, "cpu")
+    assert torch.equal(kth_largest(x, 50), torch.topk(x, 50, dim=-1).values[:, -1:])
+    with pytest.raises(ValueError, match="1 <= k <= columns"):
+        kth_largest(x, 1025)
+    with pytest.raises(ValueError, match="rows, columns"):
+        kth_largest(x[0], 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("columns", [1024, 16385, 3])
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_kernel_gives_the_topk_value(rows, columns):
+    x = rows_to_rank(rows, columns, "cuda")
+    for k in sorted({1, 2, min(7, columns), min(50, columns), columns}):
+        assert torch.equal(kth_largest(x, k), kth_largest_reference(x, k)), k
+
+
+@pytest.mark.gpu
+def test_compiled_and_graphed_callers_get_the_eager_bits():
+    x = rows_to_rank(8, 16385, "cuda")
+    eager = keep_top_k(x, 50)
+    compiled = torch.compile(keep_top_k, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x, 50), eager)
+    graph, static = torch.cuda.CUDAGraph(), x.clone()
+    keep_top_k(static, 50)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = keep_top_k(static, 50)
+    static.copy_(rows_to_rank(8, 16385, "cuda").flip(-1))
+    graph.replay()
+    assert torch.equal(out, keep_top_k(static, 50))
