@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 4, call 1 (nvidia-h200, carry .whl and .normfold = a copy of branch wip/norm-fold's src/ and tests/):
+# Session 4, call 1 (nvidia-h200, carry .whl and .normfold = a copy of branch wip/norm-fold's src/ and tests/; the
+# branch was deleted after this call measured it slower, docs/performance.md session 4):
 # main's talker step as the baseline on this machine; the branch's GPU tests, talker step and kernel table; the
 # skinny tile sweep including the gated kernel.
 source bench/gpu_env.sh
