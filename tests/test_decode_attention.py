@@ -219,8 +219,9 @@ def test_triton_cuda_graph_replay_with_new_lengths():
 @pytest.mark.parametrize("splits", [None, 1, 7])
 def test_triton_append_equals_storing_first(splits):
     """The kernel's own store of the new keys and values: the output is bit-identical to storing them first and
-    then attending, and the caches end up identical (rows at their last position, in any split, and padded rows
-    at the scratch position with length 1)."""
+    then attending, and the caches end up identical (rows at their last position, in any split, a padded row at
+    the scratch position with length 1, and an inf value stored past a row's length, which must not reach its
+    output)."""
     rows = 16
     q, k, v = _gpu_setup(rows, seed=11)
     g = torch.Generator(device="cuda").manual_seed(12)
@@ -229,7 +230,8 @@ def test_triton_append_equals_storing_first(splits):
     lengths = torch.tensor([1, 2, 63, 64, 65, 128, 129, 1000, 4097, 9999, 10240, 1, 1, 300, 5000, 777],
                            dtype=torch.int32, device="cuda")  # fmt: skip
     positions = (lengths - 1).long()
-    positions[11:13] = _CAPACITY - 1  # padded rows: scratch position, length 1
+    positions[11] = _CAPACITY - 1  # a padded row: scratch position, length 1
+    positions[12], v_new[12] = 5, float("inf")  # a position past the length inside the first tile: stays out
     k_first, v_first = k.clone(), v.clone()
     store_new_kv(k_first, v_first, (k_new, v_new, positions))
     expected = _decode_attention_triton(q, k_first, v_first, lengths, num_splits=splits)

@@ -32,7 +32,7 @@ def test_cpu_is_torch_topk_and_bad_k_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("columns", [1024, 4096, 16385, 3])
+@pytest.mark.parametrize("columns", [1024, 4096, 3])
 @pytest.mark.parametrize("rows", [1, 2, 16])
 def test_kernel_gives_the_topk_value(rows, columns):
     x = rows_to_rank(rows, columns, "cuda")
@@ -42,7 +42,7 @@ def test_kernel_gives_the_topk_value(rows, columns):
 
 @pytest.mark.gpu
 def test_compiled_and_graphed_callers_get_the_eager_bits():
-    x = rows_to_rank(8, 16385, "cuda")
+    x = rows_to_rank(8, 1024, "cuda")  # the depth decoder's width: the kernel, not the torch.topk fallback
     eager = keep_top_k(x, 50)
     compiled = torch.compile(keep_top_k, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(x, 50), eager)
@@ -51,6 +51,6 @@ def test_compiled_and_graphed_callers_get_the_eager_bits():
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         out = keep_top_k(static, 50)
-    static.copy_(rows_to_rank(8, 16385, "cuda").flip(-1))
+    static.copy_(rows_to_rank(8, 1024, "cuda").flip(-1))
     graph.replay()
     assert torch.equal(out, keep_top_k(static, 50))

@@ -134,10 +134,11 @@ def decode_attention(
     """Attention of one new token per row over the filled positions of its KV slot.
 
     q: [rows, q_heads, head_dim]; k_cache, v_cache: [rows, kv_heads, capacity, head_dim] (last dim contiguous);
-    lengths: int32/int64 [rows] on q's device, valid positions per row (the new token's K/V already written at
-    ``lengths[r] - 1``). Returns [rows, q_heads, head_dim] in q's dtype: softmax(q k^T * scale) v over positions
+    lengths: int32/int64 [rows] on q's device, valid positions per row (the new token's K/V at ``lengths[r] - 1``:
+    already written, or written by ``append``). Returns [rows, q_heads, head_dim] in q's dtype: softmax(q k^T * scale) v over positions
     ``[0, lengths[r])``; ``scale`` defaults to ``head_dim ** -0.5``. ``append=(k_new, v_new, positions)`` first
-    stores row r's new key and value [rows, kv_heads, head_dim] at ``positions[r]`` (int [rows]) of its slot.
+    stores row r's new key and value [rows, kv_heads, head_dim] at ``positions[r]`` (int [rows], each in
+    ``[0, capacity)``; the Triton path stores nothing for a position outside that range) of its slot.
 
     CUDA tensors with Triton importable run the Triton flash-decoding kernels (graph capturable: lengths are read
     on the device); anything else runs ``decode_attention_reference``."""
@@ -212,7 +213,7 @@ def _kernels():
             k = tl.load(k_base + offs[:, None] * stride_kn + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             v = tl.load(v_base + offs[:, None] * stride_vn + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             if APPEND:
-                is_new = (offs == pos)[:, None]
+                is_new = ((offs == pos) & n_mask)[:, None]  # never into a masked column (garbage stays out)
                 k = tl.where(is_new, k_new[None, :], k)
                 v = tl.where(is_new, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k)) * qk_scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain

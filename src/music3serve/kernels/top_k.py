@@ -34,13 +34,23 @@ def _check(x: Tensor, k: int) -> None:
         raise ValueError(f"kth_largest needs x [rows, columns] and 1 <= k <= columns, got {tuple(x.shape)} and k={k}")
 
 
+@functools.cache
+def triton_has_topk() -> bool:
+    """Whether Triton is importable and has `tl.topk` (added in the 3.4 line)."""
+    if not triton_available():
+        return False
+    import triton.language as tl
+
+    return hasattr(tl, "topk")
+
+
 @torch.library.custom_op("music3serve::kth_largest", mutates_args=())
 def kth_largest(x: Tensor, k: int, num_warps: int = 4) -> Tensor:
     """[rows, 1]: the k-th largest value of each row of x [rows, columns]; the Triton kernel for float32 CUDA rows
     of at most MAX_COLUMNS columns, kth_largest_reference otherwise. num_warps: bench/top_k.py sweeps it."""
     _check(x, k)
     columns = x.shape[-1]
-    if not (x.is_cuda and x.dtype == torch.float32 and columns <= MAX_COLUMNS and triton_available()):
+    if not (x.is_cuda and x.dtype == torch.float32 and columns <= MAX_COLUMNS and triton_has_topk()):
         return kth_largest_reference(x, k).contiguous()
     x = x.contiguous()
     out = torch.empty(x.shape[0], 1, dtype=x.dtype, device=x.device)

@@ -209,9 +209,6 @@ class Engine:
                         self._fail(song, f"stage 0 failed: {exc}")
                     continue
                 self.metrics.talker_steps.inc()
-                ready = torch.cuda.Event() if stream else None
-                if ready:
-                    ready.record(stream)
                 for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
                     if isinstance(event, SongFinished):
                         self.metrics.frames.inc(event.frames)
@@ -221,7 +218,7 @@ class Engine:
                     elif isinstance(event, WindowReady):
                         payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
                         if self.worker is None:
-                            self._windows.put(("window", payload, ready))
+                            self._windows.put(("window", payload, event.ready))
                         else:
                             self.worker.send_window(payload)
                     elif isinstance(event, SongFailed):

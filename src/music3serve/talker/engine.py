@@ -45,6 +45,7 @@ class WindowReady:
     seed: int
     window: Window
     mixed: torch.Tensor  # [frames, hidden] float32: frame conditioning mixed by the condition encoder's weights
+    ready: torch.cuda.Event | None = None  # on CUDA: recorded once `mixed` is written (another stream waits on it)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _InFlight:
 
     songs: list["_Song"]  # the song in each pair when the step was queued
     buffer: int  # which of the two pinned host buffers its codes and audio_end flags are copied to
+    copied: torch.cuda.Event | None  # recorded after its results and conditioning copies (None on the CPU)
 
 
 @dataclass
@@ -115,7 +117,6 @@ class Talker:
         pinned = self.device.type == "cuda"
         self._host_codes = torch.empty((2, pairs, contract.NUM_CODEBOOKS), dtype=torch.int64, pin_memory=pinned)
         self._host_ended = torch.empty((2, pairs), dtype=torch.bool, pin_memory=pinned)
-        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._in_flight: _InFlight | None = None
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]
@@ -166,8 +167,16 @@ class Talker:
         if state in self.waiting:
             self.waiting.remove(state)
         else:
-            self._release(state)
+            with self._on_stream():  # behind the step in flight, which still advances the rows being moved
+                self._release(state)
         return True
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        """Run on the talker's stream, after whatever the caller queued on its own."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -178,11 +187,10 @@ class Talker:
     def step(self) -> list[Event]:
         """One scheduler iteration: prefill within the token budget, queue one frame for all decoding songs, then
         read back the previous iteration's frame while the device computes this one. Events therefore trail the
-        device by one step; a song that ends has had one more step queued, whose results are dropped."""
+        device by one step; a song that ends has had one more step queued, whose results are dropped. Each
+        WindowReady's `ready` event marks when its conditioning is written."""
         events: list[Event] = []
-        if self.stream is not None:  # prompts and cancels the caller issued on its own stream come first
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+        with self._on_stream():  # prompts the caller queued on its own stream come first
             self._prefill(events)
             previous, self._in_flight = self._in_flight, self._launch() if self.active else None
             if previous is not None:
@@ -226,17 +234,18 @@ class Talker:
         torch._foreach_copy_(slots, list(step.mixed[:count]))
         self._host_codes[buffer, :count].copy_(step.codes[:count], non_blocking=True)
         self._host_ended[buffer, :count].copy_(step.ended[:count], non_blocking=True)
-        if self._copied[buffer] is not None:
-            self._copied[buffer].record()
+        copied = torch.cuda.Event() if self.stream is not None else None
+        if copied is not None:
+            copied.record()
         for song in self.active:
             song.launched += 1
-        return _InFlight(list(self.active), buffer)
+        return _InFlight(list(self.active), buffer, copied)
 
     def _collect(self, done: _InFlight) -> list[Event]:
         """Read back a queued step's codes and audio_end flags; emit the windows it completed and the songs it
         ended. Songs cancelled or finished since it was queued are skipped."""
-        if self._copied[done.buffer] is not None:
-            self._copied[done.buffer].synchronize()
+        if done.copied is not None:
+            done.copied.synchronize()
         count = len(done.songs)
         codes, ended = self._host_codes[done.buffer, :count].clone(), self._host_ended[done.buffer, :count].clone()
         events: list[Event] = []
@@ -247,27 +256,27 @@ class Talker:
             index, song.steps = song.steps, song.steps + 1
             if bool(ended[p]):
                 finished.append(song)
-                events += self._finish(song, "audio_end")
+                events += self._finish(song, "audio_end", done.copied)
             elif index > 0:
                 song.codes.append(codes[p])
-                events += [self._payload(song, w) for w in song.windows.ready(song.frames)]
+                events += [self._payload(song, w, done.copied) for w in song.windows.ready(song.frames)]
                 if song.frames == song.budget:
                     finished.append(song)
-                    events += self._finish(song, "budget")
+                    events += self._finish(song, "budget", done.copied)
         for song in finished:
             self.songs.pop(song.id, None)
             self._release(song)
         return events
 
-    def _payload(self, song: _Song, window: Window) -> WindowReady:
+    def _payload(self, song: _Song, window: Window, ready: torch.cuda.Event | None) -> WindowReady:
         mixed = song.conditioning[window.start : window.start + window.frames]
-        return WindowReady(song.id, song.seed, window, mixed)
+        return WindowReady(song.id, song.seed, window, mixed, ready)
 
-    def _finish(self, song: _Song, ended_by: str) -> list[Event]:
+    def _finish(self, song: _Song, ended_by: str, ready: torch.cuda.Event | None) -> list[Event]:
         if not song.frames:
             return [SongFailed(song.id, "the model ended the song before its first frame (audio_end drawn at once)")]
         log.info("talker song done", extra={"song": song.id, "frames": song.frames, "ended_by": ended_by})
-        windows = [self._payload(song, w) for w in song.windows.finish(song.frames)]
+        windows = [self._payload(song, w, ready) for w in song.windows.finish(song.frames)]
         return [*windows, SongFinished(song.id, song.frames, ended_by, torch.stack(song.codes))]
 
     def _release(self, song: _Song) -> None:
