@@ -135,10 +135,11 @@ def decode_attention(
 
     q: [rows, q_heads, head_dim]; k_cache, v_cache: [rows, kv_heads, capacity, head_dim] (last dim contiguous);
     lengths: int32/int64 [rows] on q's device, valid positions per row (the new token's K/V at ``lengths[r] - 1``:
-    already written, or written by ``append``). Returns [rows, q_heads, head_dim] in q's dtype: softmax(q k^T * scale) v over positions
-    ``[0, lengths[r])``; ``scale`` defaults to ``head_dim ** -0.5``. ``append=(k_new, v_new, positions)`` first
-    stores row r's new key and value [rows, kv_heads, head_dim] at ``positions[r]`` (int [rows], each in
-    ``[0, capacity)``; the Triton path stores nothing for a position outside that range) of its slot.
+    already written, or written by ``append``). Returns [rows, q_heads, head_dim] in q's dtype: softmax(q k^T *
+    scale) v over positions ``[0, lengths[r])``; ``scale`` defaults to ``head_dim ** -0.5``.
+    ``append=(k_new, v_new, positions)`` first stores row r's new key and value [rows, kv_heads, head_dim] at
+    ``positions[r]`` of its slot (int [rows], each in ``[0, capacity)``: the Triton path stores nothing for a
+    position outside that range).
 
     CUDA tensors with Triton importable run the Triton flash-decoding kernels (graph capturable: lengths are read
     on the device); anything else runs ``decode_attention_reference``."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import contract
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, apply_rope, linear, rms_norm, rope_angles, swiglu
+from .layers import GatedMLP, RMSNorm, apply_rope, linear, normed, rms_norm, rope_angles, swiglu
 from .weights import Source, require
 
 
@@ -115,11 +115,6 @@ def attention_inputs(x, qkv_w, q_norm_w, k_norm_w, cos, sin, eps: float, heads: 
     q = apply_rope(rms_norm(q.view(b, t, heads, head_dim), q_norm_w, eps), cos, sin)
     k = apply_rope(rms_norm(k.view(b, t, kv_heads, head_dim), k_norm_w, eps), cos, sin)
     return q, k, v.view(b, t, kv_heads, head_dim)
-
-
-@hot
-def normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm(x, weight, eps)
 
 
 @hot

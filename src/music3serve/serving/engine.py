@@ -61,6 +61,10 @@ class Engine:
         stage1 = deploy.stages[1]
         self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
         self.worker = worker
+        # Split layout: windows leave for the worker through a copy on a side stream, which waits only for the
+        # step that wrote them, not for the step the talker has queued since.
+        split_on_cuda = worker is not None and self.device.type == "cuda"
+        self._window_copies = torch.cuda.Stream(self.device) if split_on_cuda else None
         if worker is None:
             self.renderer = Renderer.from_models(
                 models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
@@ -220,12 +224,20 @@ class Engine:
                         if self.worker is None:
                             self._windows.put(("window", payload, event.ready))
                         else:
-                            self.worker.send_window(payload)
+                            self._send_window(payload, event.ready)
                     elif isinstance(event, SongFailed):
                         self._fail(event.song, event.message)
                 for event in events:
                     if isinstance(event, (SongFinished, SongFailed)):
                         steps.pop(event.song, None)
+
+    def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
+        if self._window_copies is None:
+            self.worker.send_window(payload)
+            return
+        self._window_copies.wait_event(ready)
+        with torch.cuda.stream(self._window_copies):
+            self.worker.send_window(payload)  # its device-to-host copy runs here
 
     def _drain_control(self, steps: dict[str, int], block: bool) -> None:
         try:
