@@ -286,3 +286,11 @@ def test_empty_xdg_cache_home_means_the_default(tmp_path: Path, monkeypatch):
     assert cli.cache_root() == tmp_path / "home" / ".cache" / "music3serve"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cli.cache_root() == tmp_path / "xdg" / "music3serve"
+
+
+def test_bench_e2e_refuses_a_render_batch_below_one_before_loading_anything(monkeypatch):
+    from music3serve.bench import e2e
+
+    monkeypatch.setattr(e2e, "random_models", lambda *a, **k: pytest.fail("models loaded before the check"))
+    with pytest.raises(Music3Error, match="render_batch must be >= 1, got 0"):
+        e2e.run(device="cpu", render_batch=0)

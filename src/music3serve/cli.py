@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-peers", action="store_true", help="skip the diffusers reference run")
     bench.add_argument("--placement", default="colocated", choices=["colocated", "split", "split-one-gpu"],
                        help="e2e only: where stage 1 runs (split needs two GPUs)")
+    bench.add_argument("--render-batch", type=int, default=None,
+                       help="e2e only: windows per render call (stage 1 max_num_batched_tokens; default: the config's)")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
@@ -218,7 +220,8 @@ def run_bench(args: argparse.Namespace) -> None:
 
         print(precision())
         return
-    print(run(peers=not args.no_peers, **({"placement": args.placement} if args.stage == "e2e" else {})))
+    e2e = {"placement": args.placement, "render_batch": args.render_batch} if args.stage == "e2e" else {}
+    print(run(peers=not args.no_peers, **e2e))
 
 
 def main(argv: list[str] | None = None) -> int:

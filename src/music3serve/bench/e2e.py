@@ -74,9 +74,17 @@ async def scenario(engine: Engine, durations: list[float]) -> tuple[list[dict[st
     return list(results), time.perf_counter() - started
 
 
-def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = False, placement: str = "colocated") -> str:
+def run(
+    device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = False, placement: str = "colocated",
+    render_batch: int | None = None,
+) -> str:
+    """render_batch: windows per render call (stage 1's max_num_batched_tokens); None keeps the default config's."""
     deploy = load_deploy_config()
     stage1 = dataclasses.replace(deploy.stages[1], dtype=acoustic_dtype)
+    if render_batch is not None:
+        if render_batch < 1:
+            raise Music3Error(f"render_batch must be >= 1, got {render_batch}")
+        stage1 = dataclasses.replace(stage1, max_num_batched_tokens=render_batch)
     deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
     if placement not in PLACEMENTS:
         raise Music3Error(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
@@ -108,4 +116,5 @@ def run(device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = Fa
     finally:
         faulthandler.cancel_dump_traceback_later()
         engine.close()
-    return f"acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]})\n\n" + table(headers, rows)
+    setting = f"acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]}), render batch {stage1.render_batch}"
+    return setting + "\n\n" + table(headers, rows)
