@@ -235,7 +235,8 @@ class Engine:
         if self._window_copies is None:
             self.worker.send_window(payload)
             return
-        self._window_copies.wait_event(ready)
+        if ready is not None:
+            self._window_copies.wait_event(ready)
         with torch.cuda.stream(self._window_copies):
             self.worker.send_window(payload)  # its device-to-host copy runs here
 
