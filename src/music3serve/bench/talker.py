@@ -30,6 +30,7 @@ def admit(talker: Talker, songs: int, prompt_tokens: int) -> None:
         talker.submit(f"bench{i}", ids, uncond, seed=i, requested_frames=contract.MAX_FRAMES)
     while talker.waiting:
         talker.step()
+    torch.cuda.synchronize()  # the step left queued on the talker's stream must not overlap what is timed next
 
 
 def split_ms(talker: Talker, rows: int) -> dict[str, float]:
