@@ -56,9 +56,11 @@ def measure(talker: Talker, concurrency, prompt_tokens: int, steps: int, floor: 
         admit(talker, songs, prompt_tokens)
         rows = 2 * songs
         graph_ms = time_ms(lambda: talker.step_fn(rows), repeat=steps)
+        torch.cuda.synchronize()
         started = time.perf_counter()
         for _ in range(steps):
             talker.step()
+        torch.cuda.synchronize()  # the last step is still queued when step() returns
         engine_ms = (time.perf_counter() - started) / steps * 1e3
         parts = split_ms(talker, rows)
         out.append([songs, "cached" if talker.step_fn.depth_cache else "recomputed", graph_ms, engine_ms,
