@@ -62,8 +62,13 @@ class DiTBlock(nn.Module):
         self.ff_in = nn.Linear(cfg.width, 2 * cfg.ff)
         self.ff_out = nn.Linear(cfg.ff, cfg.width)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv = dit_qkv(x, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps)
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the residual stream x + delta (delta: the previous block's feed-forward output, or None).
+        Returns (stream + attention, this block's feed-forward output): the sum is left to the next block, whose
+        norm it joins in one kernel, or to the caller after the last block."""
+        x, qkv = dit_qkv(x, delta, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps)
         q, k, v = split_rope(qkv, *rope, self.heads)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return dit_block_output(
@@ -75,20 +80,27 @@ class DiTBlock(nn.Module):
 # Each layer reads its input in its own weight dtype, so float32 islands (acoustic/precision.py) compute on
 # upcast inputs, and the residual stream keeps x's dtype.
 @hot
-def dit_qkv(x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Fused q, k, v projections of the normed block input x [batch, tokens, width]."""
+def dit_qkv(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block input x + delta [batch, tokens, width], and the fused q, k, v projections of its norm."""
+    if delta is not None:
+        x = x + delta
     h = F.layer_norm(x.to(norm_w.dtype), (x.shape[-1],), norm_w, norm_b, eps)
-    return F.linear(h.to(qkv_w.dtype), qkv_w)
+    return x, F.linear(h.to(qkv_w.dtype), qkv_w)
 
 
 @hot
-def dit_block_output(x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float) -> torch.Tensor:
-    """x + o(attn), then + GLU feed-forward of its norm; attn is [batch, heads, tokens, head_dim]."""
+def dit_block_output(
+    x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, heads, tokens, head_dim]."""
     b, t, w = x.shape
     x = x + F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
     h = F.layer_norm(x.to(norm_w.dtype), (w,), norm_w, norm_b, eps)
     value, gate = F.linear(h.to(ff_in_w.dtype), ff_in_w, ff_in_b).chunk(2, dim=-1)
-    return x + F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
+    return x, F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
 
 
 class DiT(nn.Module):
@@ -117,8 +129,10 @@ class DiT(nn.Module):
         x = torch.cat((self.time_embedding(t)[:, None], x), dim=1)
         positions = torch.arange(x.shape[1], device=x.device)
         rope = rope_angles(positions, self.cfg.rotary_dim, ROPE_THETA)
+        delta = None
         for block in self.blocks:
-            x = block(x, rope)
+            x, delta = block(x, delta, rope)
+        x = x if delta is None else x + delta
         out = self.proj_out(x[:, 1:])
         return (self.post(out) + out).transpose(1, 2)
 
