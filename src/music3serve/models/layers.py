@@ -50,7 +50,7 @@ class GatedMLP(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """[residual +] F.linear(x, weight) without bias; on CUDA, bf16 decode rows take the skinny kernel, the residual
     added in its epilogue (kernels/skinny_linear.py)."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
+    if _skinny(x):
         return skinny_linear(x, weight, residual)
     return F.linear(x, weight) if residual is None else residual + F.linear(x, weight)
 
@@ -59,9 +59,14 @@ def swiglu(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[residual +] down(silu(gate) * up) with gate_up = [gate | up]; on CUDA bf16 two skinny kernels."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        return linear(skinny_gated_silu(x, gate_up), down, residual)
-    return linear(gated_silu_reference(x, gate_up), down, residual)
+    gated = skinny_gated_silu if _skinny(x) else gated_silu_reference
+    return linear(gated(x, gate_up), down, residual)
+
+
+def _skinny(x: torch.Tensor) -> bool:
+    """CUDA bf16 inputs go to the skinny custom ops (which fall back to torch for many rows); anything else stays
+    plain torch ops that inductor can fuse."""
+    return x.is_cuda and x.dtype == torch.bfloat16
 
 
 def rope_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
