@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.add_layer_norm import add_layer_norm
 from ..kernels.split_rope import split_rope
 from .fusion import hot
 from .layers import rope_angles
@@ -85,10 +86,8 @@ def dit_qkv(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block input x + delta [batch, tokens, width], and the fused q, k, v projections of its norm."""
-    if delta is not None:
-        x = x + delta
-    h = F.layer_norm(x.to(norm_w.dtype), (x.shape[-1],), norm_w, norm_b, eps)
-    return x, F.linear(h.to(qkv_w.dtype), qkv_w)
+    x, h = add_layer_norm(x, delta, norm_w, norm_b, eps, qkv_w.dtype)
+    return x, F.linear(h, qkv_w)
 
 
 @hot
@@ -97,9 +96,9 @@ def dit_block_output(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, heads, tokens, head_dim]."""
     b, t, w = x.shape
-    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
-    h = F.layer_norm(x.to(norm_w.dtype), (w,), norm_w, norm_b, eps)
-    value, gate = F.linear(h.to(ff_in_w.dtype), ff_in_w, ff_in_b).chunk(2, dim=-1)
+    x, h = add_layer_norm(x, F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w), norm_w, norm_b, eps,
+                          ff_in_w.dtype)
+    value, gate = F.linear(h, ff_in_w, ff_in_b).chunk(2, dim=-1)
     return x, F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
 
 
