@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .decode_attention import triton_available
 
-__all__ = ["MAX_WIDTH", "add_layer_norm", "add_layer_norm_reference"]
+__all__ = ["MAX_WIDTH", "add_layer_norm", "add_layer_norm_reference", "uses_kernel"]
 
 MAX_WIDTH = 8192
 
@@ -34,12 +34,13 @@ def add_layer_norm_reference(
     return s, h.to(out_dtype)
 
 
-def _uses_kernel(x: Tensor, delta: Tensor | None, weight: Tensor, out_dtype: torch.dtype) -> bool:
-    """The kernel serves the bf16 policy (float32 norms feeding low-precision GEMMs); the float32 reference policy
-    keeps torch's layer norm."""
+def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether add_layer_norm runs the Triton kernel for these operands: the bf16 policy's float32 norms feeding
+    low-precision GEMMs on CUDA. Callers in compiled code decide with it outside the trace and inline
+    add_layer_norm_reference otherwise, so inductor fuses that path (the float32 reference policy) as before."""
     return (
-        x.is_cuda and triton_available() and x.shape[-1] <= MAX_WIDTH and weight.dtype == torch.float32
-        and out_dtype != torch.float32 and (delta is None or delta.shape == x.shape)
+        x.is_cuda and triton_available() and x.shape[-1] <= MAX_WIDTH and out_dtype != torch.float32
+        and weight.dtype == bias.dtype == torch.float32 and weight.shape == bias.shape == (x.shape[-1],)
     )
 
 
@@ -50,7 +51,7 @@ def add_layer_norm(
     """(s, h): s = x + delta (x if delta is None), h = layer_norm(s.to(weight.dtype)).to(out_dtype) over the last
     dim; the Triton kernel for CUDA rows with float32 norm weights and a low-precision out_dtype (the DiT under the
     bf16 policy), add_layer_norm_reference otherwise."""
-    if not _uses_kernel(x, delta, weight, out_dtype):
+    if not uses_kernel(x, weight, bias, out_dtype) or (delta is not None and delta.shape != x.shape):
         s, h = add_layer_norm_reference(x, delta, weight, bias, eps, out_dtype)
         return s.contiguous() if delta is not None else s.clone(), h.contiguous()
     width = x.shape[-1]
