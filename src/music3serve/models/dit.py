@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
+from ..kernels.add_layer_norm import uses_kernel as uses_add_norm_kernel
 from ..kernels.split_rope import split_rope
 from .fusion import hot
 from .layers import rope_angles
@@ -68,12 +70,15 @@ class DiTBlock(nn.Module):
         """The block on the residual stream x + delta (delta: the previous block's feed-forward output, or None).
         Returns (stream + attention, this block's feed-forward output): the sum is left to the next block, whose
         norm it joins in one kernel, or to the caller after the last block."""
-        x, qkv = dit_qkv(x, delta, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps)
+        # Decided here, outside the compiled hot paths, so they specialize on it (and fuse the torch ops if False).
+        kernel1 = uses_add_norm_kernel(x, self.norm1.weight, self.norm1.bias, self.qkv.weight.dtype)
+        kernel2 = uses_add_norm_kernel(x, self.norm2.weight, self.norm2.bias, self.ff_in.weight.dtype)
+        x, qkv = dit_qkv(x, delta, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps, kernel1)
         q, k, v = split_rope(qkv, *rope, self.heads)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return dit_block_output(
             x, attn, self.o.weight, self.norm2.weight, self.norm2.bias, self.ff_in.weight, self.ff_in.bias,
-            self.ff_out.weight, self.ff_out.bias, self.norm2.eps,
+            self.ff_out.weight, self.ff_out.bias, self.norm2.eps, kernel2,
         )
 
 
@@ -82,25 +87,30 @@ class DiTBlock(nn.Module):
 @hot
 def dit_qkv(
     x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor,
-    eps: float,
+    eps: float, kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block input x + delta [batch, tokens, width], and the fused q, k, v projections of its norm."""
-    if delta is not None:
-        x = x + delta
-    h = F.layer_norm(x.to(norm_w.dtype), (x.shape[-1],), norm_w, norm_b, eps)
-    return x, F.linear(h.to(qkv_w.dtype), qkv_w)
+    x, h = add_norm(x, delta, norm_w, norm_b, eps, qkv_w.dtype, kernel)
+    return x, F.linear(h, qkv_w)
 
 
 @hot
 def dit_block_output(
-    x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float
+    x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float, kernel: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, heads, tokens, head_dim]."""
     b, t, w = x.shape
-    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
-    h = F.layer_norm(x.to(norm_w.dtype), (w,), norm_w, norm_b, eps)
-    value, gate = F.linear(h.to(ff_in_w.dtype), ff_in_w, ff_in_b).chunk(2, dim=-1)
+    attn_out = F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
+    x, h = add_norm(x, attn_out, norm_w, norm_b, eps, ff_in_w.dtype, kernel)
+    value, gate = F.linear(h, ff_in_w, ff_in_b).chunk(2, dim=-1)
     return x, F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
+
+
+def add_norm(x, delta, norm_w, norm_b, eps: float, out_dtype: torch.dtype, kernel: bool):
+    """(x + delta, its layer norm in out_dtype): the one-pass kernel, or the torch ops for inductor to fuse."""
+    if kernel:
+        return add_layer_norm(x, delta, norm_w, norm_b, eps, out_dtype)
+    return add_layer_norm_reference(x, delta, norm_w, norm_b, eps, out_dtype)
 
 
 class DiT(nn.Module):

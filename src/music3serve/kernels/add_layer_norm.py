@@ -1,0 +1,108 @@
+"""The DiT's residual update and the layer norm after it, in one pass over each row.
+
+``s = x + delta`` (the residual stream and the output of the layer before, in the dtype torch's promotion gives)
+and ``h = layer_norm(s.to(weight.dtype)) -> out_dtype`` (the next GEMM's input). Inductor turns this pair into a
+looped reduction that reads each 2048-wide row twice (at ~48% of copy bandwidth on the H200: 16.6 us per call
+for one window, docs/performance.md session 4); here one Triton program holds a whole row in registers, reads
+x and delta once and writes s and h once. float32 statistics; the mean and variance are summed in another order
+than torch's, so h may differ from `F.layer_norm` in the last bits (GPU tests bound it). A custom op
+(``music3serve::add_layer_norm``), so the DiT's compiled hot paths call it whole; the torch ops run on the CPU,
+without Triton, and for rows wider than ``MAX_WIDTH``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .decode_attention import triton_available
+
+__all__ = ["MAX_WIDTH", "add_layer_norm", "add_layer_norm_reference", "uses_kernel"]
+
+MAX_WIDTH = 8192
+
+
+def add_layer_norm_reference(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The torch ops: (x + delta, layer_norm((x + delta) in weight's dtype), cast to out_dtype)."""
+    s = x if delta is None else x + delta
+    h = F.layer_norm(s.to(weight.dtype), (s.shape[-1],), weight, bias, eps)
+    return s, h.to(out_dtype)
+
+
+def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether add_layer_norm runs the Triton kernel for these operands: the bf16 policy's float32 norms feeding
+    low-precision GEMMs on CUDA. Callers in compiled code decide with it outside the trace and inline
+    add_layer_norm_reference otherwise, so inductor fuses that path (the float32 reference policy) as before."""
+    return (
+        x.is_cuda and triton_available() and x.shape[-1] <= MAX_WIDTH and out_dtype != torch.float32
+        and weight.dtype == bias.dtype == torch.float32 and weight.shape == bias.shape == (x.shape[-1],)
+    )
+
+
+@torch.library.custom_op("music3serve::add_layer_norm", mutates_args=())
+def add_layer_norm(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(s, h): s = x + delta (x if delta is None), h = layer_norm(s.to(weight.dtype)).to(out_dtype) over the last
+    dim; the Triton kernel for CUDA rows with float32 norm weights and a low-precision out_dtype (the DiT under the
+    bf16 policy), add_layer_norm_reference otherwise."""
+    if not uses_kernel(x, weight, bias, out_dtype) or (delta is not None and delta.shape != x.shape):
+        s, h = add_layer_norm_reference(x, delta, weight, bias, eps, out_dtype)
+        return s.contiguous() if delta is not None else s.clone(), h.contiguous()
+    width = x.shape[-1]
+    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+    rows = x.numel() // width
+    x2 = x.reshape(rows, width).contiguous()
+    d2 = x2 if delta is None else delta.reshape(rows, width).contiguous()
+    s = torch.empty(rows, width, dtype=s_dtype, device=x.device)
+    h = torch.empty(rows, width, dtype=out_dtype, device=x.device)
+    block = 1 << (width - 1).bit_length()
+    _kernel()[(rows,)](
+        x2, d2, weight.contiguous(), bias.contiguous(), s, h, width, eps, BLOCK=block, DELTA=delta is not None,
+        num_warps=min(16, max(4, block // 256)),
+    )
+    return s.view(x.shape), h.view(x.shape)
+
+
+@add_layer_norm.register_fake
+def _(x, delta, weight, bias, eps, out_dtype):
+    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+    return x.new_empty(x.shape, dtype=s_dtype), x.new_empty(x.shape, dtype=out_dtype)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_layer_norm_kernel(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, h_ptr, width, eps,
+                              BLOCK: tl.constexpr, DELTA: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < width
+        x = tl.load(x_ptr + row * width + cols, mask=ok, other=0.0)
+        if DELTA:
+            d = tl.load(d_ptr + row * width + cols, mask=ok, other=0.0)
+            # torch's x + delta: both operands in the promoted dtype, one rounding to it
+            s = (x.to(tl.float32) + d.to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * width + cols, s, mask=ok)
+        else:
+            s = x
+            tl.store(s_ptr + row * width + cols, s, mask=ok)
+        v = s.to(tl.float32)  # the norm's input in its weight dtype (float32)
+        mean = tl.sum(v, axis=0) / width
+        centered = tl.where(ok, v - mean, 0.0)
+        var = tl.sum(centered * centered, axis=0) / width
+        rstd = 1.0 / tl.sqrt(var + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        b = tl.load(b_ptr + cols, mask=ok, other=0.0)
+        h = centered * rstd * w + b
+        tl.store(h_ptr + row * width + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+    return add_layer_norm_kernel
