@@ -15,6 +15,7 @@ from music3serve.kernels.skinny_linear import (
     skinny_linear,
     uses_kernel,
 )
+from music3serve.kernels.pdl import uses_pdl
 from music3serve.models.layers import linear, swiglu
 
 SHAPES = [  # N, K
@@ -157,3 +158,31 @@ def test_more_rows_than_the_kernels_take_go_to_the_torch_ops(op):
     assert not uses_kernel(x, w)
     reference = F.linear if op == "linear" else gated_silu_reference
     assert torch.equal(OPS[op](x, w), reference(x, w))
+
+
+@pytest.mark.gpu
+def test_a_chain_launched_with_pdl_gives_the_bits_of_plain_launches(monkeypatch):
+    """Under programmatic dependent launch (kernels/pdl.py) each kernel may start before the one it reads from has
+    finished; it must still wait for it. A chain of dependent kernels in a captured graph, replayed after its input
+    changed, gives the bits of the same chain launched plainly."""
+    x, w = operands(2, 4096, 4096, "cuda")
+    gate_up, down = operands(1, 12288, 4096, "cuda")[1], operands(1, 4096, 6144, "cuda")[1]
+
+    def chain(a):
+        for _ in range(8):
+            a = swiglu(linear(a, w, a), gate_up, down, a)
+        return a
+
+    monkeypatch.setenv("MUSIC3SERVE_PDL", "off")
+    plain = chain(x)
+    monkeypatch.setenv("MUSIC3SERVE_PDL", "all")
+    assert uses_pdl(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    static = torch.zeros_like(x)
+    chain(static)  # compile the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static)
+    static.copy_(x)
+    graph.replay()
+    assert torch.equal(out, plain)
+    assert torch.equal(chain(x), plain)  # eager PDL launches too

@@ -36,6 +36,8 @@ import math
 import torch
 from torch import Tensor
 
+from .pdl import uses_pdl
+
 __all__ = ["decode_attention", "decode_attention_reference", "triton_available"]
 
 _LOG2E = 1.4426950408889634
@@ -168,8 +170,11 @@ def _kernels():
         stride_knr, stride_knh, stride_vnr, stride_vnh,
         capacity, qk_scale_log2,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # kernels/pdl.py: launched early, wait for the previous kernel before touching anything
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
@@ -242,8 +247,11 @@ def _kernels():
         stride_or, stride_oh,
         capacity,
         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(0)
         row = tl.program_id(1)
         q_heads = tl.num_programs(0)
@@ -351,6 +359,7 @@ def _decode_attention_triton(
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
     o_part = torch.empty((rows, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
+    pdl = uses_pdl(q.device)
     lse_part = torch.empty((rows, q_heads, num_splits), device=q.device, dtype=torch.float32)
 
     split_kernel[(num_splits, kv_heads, rows)](
@@ -362,13 +371,13 @@ def _decode_attention_triton(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         capacity, scale * _LOG2E,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        APPEND=append is not None, num_warps=num_warps, num_stages=num_stages,
+        APPEND=append is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     combine_kernel[(q_heads, rows)](
         o_part, lse_part, lengths, out,
         out.stride(0), out.stride(1),
         capacity,
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad), BLOCK_N=block_n,
-        num_warps=4,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .decode_attention import triton_available
+from .pdl import uses_pdl
 
 __all__ = [
     "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
@@ -117,12 +118,26 @@ def run_kernel(
     rows = x.numel() // k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config
+    pdl = uses_pdl(x.device)
     _kernel()[(math.ceil(n / block_n),)](
         x.reshape(rows, k).contiguous(), w, y, y if residual is None else residual.reshape(rows, n).contiguous(),
         rows, n, k, w.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
+        RESIDUAL=residual is not None, PDL=pdl, PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )
     return y.view(*x.shape[:-1], n)
+
+
+# Under PDL each program pulls the start of its weight rows into L2 before waiting for x: this many bytes per
+# program (both halves when gated), in 128-byte lines along K. About what one SM streams in 2 us at copy bandwidth.
+PREFETCH_BYTES = 64 * 1024
+_LINE_ELEMENTS = 64  # bf16 elements in a 128-byte line
+
+
+def _prefetch_lines(block_n: int) -> int:
+    """Lines per weight row to prefetch (a power of two, at least 1)."""
+    lines = PREFETCH_BYTES // (block_n * 2 * _LINE_ELEMENTS)
+    return 1 << max(0, lines.bit_length() - 1)
 
 
 @skinny_linear.register_fake
@@ -144,14 +159,29 @@ def _kernel():
     from triton.language.extra import libdevice
 
     @triton.jit
+    def _prefetch_l2(ptrs):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, rows, n, k, stride_w,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+                             GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                             PREFETCH_LINES: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         col_ok = cols < n
+        if PDL:  # the weights are constant: start them towards L2 while the previous kernel finishes (kernels/pdl.py)
+            lines = tl.arange(0, PREFETCH_LINES) * 64
+            line_ok = col_ok[:, None] & (lines[None, :] < k)
+            heads = tl.where(line_ok, w_ptr + cols[:, None] * stride_w + lines[None, :], w_ptr)
+            _prefetch_l2(heads)
+            if GATED:
+                _prefetch_l2(heads + n * stride_w)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):

@@ -13,6 +13,8 @@ from typing import Callable, TypeVar
 import torch
 import torch._inductor.config
 
+from ..kernels.pdl import inductor_pdl
+
 F = TypeVar("F", bound=Callable)
 _plain: dict[str, Callable] = {}
 _fused: dict[str, Callable] = {}
@@ -36,6 +38,8 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     (bench/dit_autotune.py tries "max-autotune-no-cudagraphs")."""
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
+    if hasattr(torch._inductor.config.triton, "enable_pdl"):  # generated kernels launch early too (kernels/pdl.py)
+        torch._inductor.config.triton.enable_pdl = inductor_pdl()
     for name, fn in _plain.items():
         _fused.setdefault(name, torch.compile(fn, backend=backend, mode=mode, dynamic=True, fullgraph=True))
 
