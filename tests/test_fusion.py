@@ -38,3 +38,19 @@ def test_hot_paths_trace_whole_and_match_plain(models, depth_cache):
     assert torch.equal(frame.codes, plain_frame.codes)
     torch.testing.assert_close(frame.conditioning, plain_frame.conditioning, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(latent, plain_latent, rtol=1e-5, atol=1e-6)
+
+
+def test_generated_kernels_launch_early_only_outside_the_dit(monkeypatch):
+    """Inductor's PDL follows MUSIC3SERVE_PDL for the talker's hot paths; the DiT's (between cuBLAS / cuDNN calls,
+    which never launch early) are generated without it."""
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pytest.skip("this torch's inductor has no PDL option")
+    from music3serve.models import fusion
+
+    talker_path, dit_path = "music3serve.models.language_model.residual_mlp", "music3serve.models.dit.dit_qkv"
+    assert {talker_path, dit_path} <= set(fusion._plain)
+    monkeypatch.setenv("MUSIC3SERVE_PDL", "all")
+    assert fusion._inductor_options(talker_path) == {"triton.enable_pdl": True}
+    assert fusion._inductor_options(dit_path) == {"triton.enable_pdl": False}
+    monkeypatch.setenv("MUSIC3SERVE_PDL", "ours")
+    assert fusion._inductor_options(talker_path) == {"triton.enable_pdl": False}

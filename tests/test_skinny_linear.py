@@ -168,9 +168,10 @@ def test_a_chain_launched_with_pdl_gives_the_bits_of_plain_launches(monkeypatch)
     x, w = operands(2, 4096, 4096, "cuda")
     gate_up, down = operands(1, 12288, 4096, "cuda")[1], operands(1, 4096, 6144, "cuda")[1]
 
-    def chain(a):
+    def chain(a):  # each link reads the one before it; the norm keeps the values finite for the bit comparison
         for _ in range(8):
             a = swiglu(linear(a, w, a), gate_up, down, a)
+            a = a / a.float().norm(dim=-1, keepdim=True).to(a.dtype) * 64
         return a
 
     monkeypatch.setenv("MUSIC3SERVE_PDL", "off")
@@ -184,5 +185,6 @@ def test_a_chain_launched_with_pdl_gives_the_bits_of_plain_launches(monkeypatch)
         out = chain(static)
     static.copy_(x)
     graph.replay()
+    assert plain.isfinite().all()
     assert torch.equal(out, plain)
     assert torch.equal(chain(x), plain)  # eager PDL launches too

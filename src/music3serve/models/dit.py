@@ -13,7 +13,7 @@ from torch import nn
 from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
 from ..kernels.add_layer_norm import uses_kernel as uses_add_norm_kernel
 from ..kernels.split_rope import split_rope
-from .fusion import hot
+from .fusion import between_library_calls, hot
 from .layers import rope_angles
 from .weights import Source, require
 
@@ -84,6 +84,7 @@ class DiTBlock(nn.Module):
 
 # Each layer reads its input in its own weight dtype, so float32 islands (acoustic/precision.py) compute on
 # upcast inputs, and the residual stream keeps x's dtype.
+@between_library_calls
 @hot
 def dit_qkv(
     x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor,
@@ -94,6 +95,7 @@ def dit_qkv(
     return x, F.linear(h, qkv_w)
 
 
+@between_library_calls
 @hot
 def dit_block_output(
     x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float, kernel: bool

@@ -18,6 +18,7 @@ from ..kernels.pdl import inductor_pdl
 F = TypeVar("F", bound=Callable)
 _plain: dict[str, Callable] = {}
 _fused: dict[str, Callable] = {}
+_between_library_calls: set[str] = set()
 
 
 def hot(fn: F) -> F:
@@ -32,16 +33,30 @@ def hot(fn: F) -> F:
     return dispatch  # type: ignore[return-value]
 
 
+def between_library_calls(fn: F) -> F:
+    """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's): those never launch early, so
+    programmatic dependent launch (kernels/pdl.py) buys nothing there; its kernels are generated without it."""
+    _between_library_calls.add(f"{fn.__module__}.{fn.__qualname__}")
+    return fn
+
+
 def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     """Compile every registered function (dynamic shapes, no graph breaks). Tests pass backend="aot_eager" to
     trace exactly as inductor would see the functions, without generating code; `mode` is torch.compile's
     (bench/dit_autotune.py tries "max-autotune-no-cudagraphs")."""
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
-    if hasattr(torch._inductor.config.triton, "enable_pdl"):  # generated kernels launch early too (kernels/pdl.py)
-        torch._inductor.config.triton.enable_pdl = inductor_pdl()
     for name, fn in _plain.items():
-        _fused.setdefault(name, torch.compile(fn, backend=backend, mode=mode, dynamic=True, fullgraph=True))
+        options = _inductor_options(name) if backend == "inductor" and mode is None else None
+        _fused.setdefault(name, torch.compile(fn, backend=backend, mode=mode, options=options, dynamic=True,
+                                              fullgraph=True))
+
+
+def _inductor_options(name: str) -> dict[str, bool] | None:
+    """Generated kernels launch early (kernels/pdl.py) beside our own, except between library calls."""
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        return None
+    return {"triton.enable_pdl": inductor_pdl() and name not in _between_library_calls}
 
 
 def disable_fusion() -> None:
