@@ -107,6 +107,39 @@ def client(base_url: str):
         yield client
 
 
+@pytest.fixture(scope="session")
+def late_copy():
+    """A PDL producer for testing consumers: `late_copy(src, delay_ns)` launches a kernel that lets the next kernel
+    start at once (gdc_launch_dependents) and copies src into a new tensor only after spinning delay_ns. A
+    consumer launched with PDL that read before its gdc_wait would see zeros."""
+    import triton
+    import triton.language as tl
+
+    from music3serve.kernels.pdl import uses_pdl
+
+    if not uses_pdl(torch.device("cuda")):
+        pytest.skip("needs programmatic dependent launch (CUDA capability 9.0+, Triton 3.4+)")
+
+    @triton.jit
+    def late_copy_kernel(src_ptr, dst_ptr, n, delay_ns, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        end = tl.extra.cuda.globaltimer() + delay_ns
+        while tl.extra.cuda.globaltimer() < end:
+            pass
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+    def launch(src: torch.Tensor, delay_ns: int = 100_000) -> torch.Tensor:
+        src = src.contiguous()
+        dst = torch.zeros_like(src)
+        late_copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), delay_ns, BLOCK=1024,
+                                                             launch_pdl=True)
+        return dst
+
+    return launch
+
+
 @pytest.fixture
 def root_logger():
     """cli.main sets up logging; put the root logger back afterwards."""

@@ -238,3 +238,25 @@ def test_triton_append_equals_storing_first(splits):
     out = _decode_attention_triton(q, k, v, lengths, num_splits=splits, append=(k_new, v_new, positions))
     assert torch.equal(out, expected)
     assert torch.equal(k, k_first) and torch.equal(v, v_first)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_a_pdl_launch_waits_for_a_producer_that_lets_it_start_early(late_copy):
+    """The producer of q lets the attention start at once and writes q only 100 us later: read before gdc_wait, q
+    would still be zeros."""
+    rows = 2
+    q, k, v = _gpu_setup(rows, seed=21)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    k_new, v_new = (torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
+                    for _ in range(2))  # fmt: skip
+    lengths = torch.tensor([700, 5000], dtype=torch.int32, device="cuda")
+    positions = (lengths - 1).long()
+    k_expected, v_expected = k.clone(), v.clone()
+    expected = _decode_attention_triton(q, k_expected, v_expected, lengths, append=(k_new, v_new, positions))
+    k_new, v_new = late_copy(k_new), late_copy(v_new)
+    q_late = late_copy(q)  # the kernel just before the attention
+    out = _decode_attention_triton(q_late, k, v, lengths, append=(k_new, v_new, positions))
+    assert torch.equal(out, expected)
+    assert torch.equal(k, k_expected) and torch.equal(v, v_expected)

@@ -54,3 +54,23 @@ def test_generated_kernels_launch_early_only_outside_the_dit(monkeypatch):
     assert fusion._inductor_options(dit_path) == {"triton.enable_pdl": False}
     monkeypatch.setenv("MUSIC3SERVE_PDL", "ours")
     assert fusion._inductor_options(talker_path) == {"triton.enable_pdl": False}
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_enable_fusion_gives_each_hot_path_its_pdl_option(monkeypatch, mode):
+    """What enable_fusion hands torch.compile: inductor's PDL on for the talker's hot paths and off for the DiT's,
+    also when a compile mode is asked for (its options merged in, as torch.compile takes a mode or options)."""
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pytest.skip("this torch's inductor has no PDL option")
+    from music3serve.models import fusion
+
+    calls = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.setdefault(fn.__qualname__, kwargs) and fn)
+    monkeypatch.setenv("MUSIC3SERVE_PDL", "all")
+    fusion.disable_fusion()
+    fusion.enable_fusion(mode=mode)
+    assert calls["residual_mlp"]["options"]["triton.enable_pdl"] is True
+    assert calls["dit_qkv"]["options"]["triton.enable_pdl"] is False
+    assert all("mode" not in kwargs for kwargs in calls.values())
+    if mode:
+        assert calls["dit_qkv"]["options"]["max_autotune"] is True

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from .pdl import uses_pdl
+from .pdl import launch_options, uses_pdl
 
 __all__ = ["decode_attention", "decode_attention_reference", "triton_available"]
 
@@ -358,8 +358,8 @@ def _decode_attention_triton(
     k_new, v_new, positions = append if append is not None else (q, q, lengths)  # placeholders when not appending
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    o_part = torch.empty((rows, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
     pdl = uses_pdl(q.device)
+    o_part = torch.empty((rows, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((rows, q_heads, num_splits), device=q.device, dtype=torch.float32)
 
     split_kernel[(num_splits, kv_heads, rows)](
@@ -371,13 +371,14 @@ def _decode_attention_triton(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         capacity, scale * _LOG2E,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        APPEND=append is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        APPEND=append is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(pdl),
     )  # fmt: skip
     combine_kernel[(q_heads, rows)](
         o_part, lse_part, lengths, out,
         out.stride(0), out.stride(1),
         capacity,
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad), BLOCK_N=block_n,
-        PDL=pdl, num_warps=4, launch_pdl=pdl,
+        PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -3,14 +3,15 @@ the kernel before it on the stream finishes, so launch latency and the first wei
 tail instead of following it. The talker's frame step is ~740 small kernels (272 of them GEMMs reading each
 weight once), where that gap is a measurable share of the step (docs/performance.md, session 5).
 
-The rule every PDL kernel here keeps, so a chain of them stays ordered: it reads nothing another kernel writes
-and writes nothing before ``gdc_wait`` (which returns once the previous kernel has finished and its memory is
-visible), and it lets its own successor start (``gdc_launch_dependents``) only after that wait. So a kernel that
-has started knows the kernel two places before it has finished, and the kernel just before it once it waits.
-Constant data (weights) may be touched before the wait.
+What keeps a chain of such kernels ordered: every PDL kernel lets its successor start (``gdc_launch_dependents``)
+only after its own ``gdc_wait``, which returns once the kernel before it has finished and its memory is visible.
+So a kernel that has started knows the kernel two places before it has finished. Ours read nothing but constant
+data (weights) and write nothing before the wait; inductor's generated kernels read, before it, only buffers the
+previous kernel of their graph did not write (and wait first after any non-generated kernel).
 
 ``MUSIC3SERVE_PDL`` chooses: ``all`` (default) for our Triton kernels and inductor's generated ones, ``ours`` for
-ours only, ``off`` for none (to rule it out when a driver misbehaves, or to measure it).
+ours only, ``off`` for none (to rule it out when a driver misbehaves, or to measure it). Set it before the
+process starts: the engine checks it once at startup, inductor's choice is fixed when the hot paths compile.
 """
 
 from __future__ import annotations
@@ -20,19 +21,26 @@ import os
 
 import torch
 
+from ..errors import Music3Error
+
 _MODES = ("all", "ours", "off")
 
 
 def pdl_mode() -> str:
     mode = os.environ.get("MUSIC3SERVE_PDL", "all").strip().lower()
     if mode not in _MODES:
-        raise ValueError(f"MUSIC3SERVE_PDL must be one of {', '.join(_MODES)}, got {mode!r}")
+        raise Music3Error(f"MUSIC3SERVE_PDL must be one of {', '.join(_MODES)}, got {mode!r}")
     return mode
 
 
 def uses_pdl(device: torch.device) -> bool:
-    """Whether our Triton kernels on this device launch with PDL."""
-    return device.type == "cuda" and pdl_mode() != "off" and _capability_at_least_9(device.index or 0)
+    """Whether our Triton kernels on this device launch with PDL (NVIDIA, capability 9.0+, a Triton that has it)."""
+    return device.type == "cuda" and pdl_mode() != "off" and _supported(device.index or 0)
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch keyword for a Triton kernel call: none without PDL (older Triton rejects the keyword)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def inductor_pdl() -> bool:
@@ -41,5 +49,11 @@ def inductor_pdl() -> bool:
 
 
 @functools.cache
-def _capability_at_least_9(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _supported(device_index: int) -> bool:
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 (Triton 3.4+)
+    except ImportError:
+        return False
+    return True

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .decode_attention import triton_available
-from .pdl import uses_pdl
+from .pdl import launch_options, uses_pdl
 
 __all__ = [
     "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
@@ -123,13 +123,13 @@ def run_kernel(
         x.reshape(rows, k).contiguous(), w, y, y if residual is None else residual.reshape(rows, n).contiguous(),
         rows, n, k, w.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
         RESIDUAL=residual is not None, PDL=pdl, PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1,
-        num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], n)
 
 
 # Under PDL each program pulls the start of its weight rows into L2 before waiting for x: this many bytes per
-# program (both halves when gated), in 128-byte lines along K. About what one SM streams in 2 us at copy bandwidth.
+# program (per half when gated), in 128-byte lines along K. About what one SM streams in 2 us at copy bandwidth.
 PREFETCH_BYTES = 64 * 1024
 _LINE_ELEMENTS = 64  # bf16 elements in a 128-byte line
 

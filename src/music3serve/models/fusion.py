@@ -34,8 +34,8 @@ def hot(fn: F) -> F:
 
 
 def between_library_calls(fn: F) -> F:
-    """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's): those never launch early, so
-    programmatic dependent launch (kernels/pdl.py) buys nothing there; its kernels are generated without it."""
+    """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's): programmatic dependent launch
+    (kernels/pdl.py) measured no gain there (docs/performance.md, session 5); its kernels are generated without it."""
     _between_library_calls.add(f"{fn.__module__}.{fn.__qualname__}")
     return fn
 
@@ -47,15 +47,18 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
     for name, fn in _plain.items():
-        options = _inductor_options(name) if backend == "inductor" and mode is None else None
-        _fused.setdefault(name, torch.compile(fn, backend=backend, mode=mode, options=options, dynamic=True,
-                                              fullgraph=True))
+        if backend == "inductor":  # a mode is a set of options: merged with ours, as torch.compile takes one or the other
+            options = {**(torch._inductor.list_mode_options(mode, True) if mode else {}), **_inductor_options(name)}
+            compiled = torch.compile(fn, options=options, dynamic=True, fullgraph=True)
+        else:
+            compiled = torch.compile(fn, backend=backend, mode=mode, dynamic=True, fullgraph=True)
+        _fused.setdefault(name, compiled)
 
 
-def _inductor_options(name: str) -> dict[str, bool] | None:
+def _inductor_options(name: str) -> dict[str, bool]:
     """Generated kernels launch early (kernels/pdl.py) beside our own, except between library calls."""
     if not hasattr(torch._inductor.config.triton, "enable_pdl"):
-        return None
+        return {}
     return {"triton.enable_pdl": inductor_pdl() and name not in _between_library_calls}
 
 

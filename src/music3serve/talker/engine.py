@@ -13,6 +13,7 @@ import torch
 from .. import contract
 from ..acoustic.windows import Window
 from ..errors import InputError, Music3Error
+from ..kernels.pdl import pdl_mode
 from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import enable_fusion
@@ -98,6 +99,7 @@ class Talker:
     def __init__(self, lm: LanguageModel, depth: DepthDecoder, encoder: ConditionEncoder, config: TalkerConfig):
         if config.max_num_seqs < 2 or config.max_num_seqs % 2:
             raise Music3Error(f"max_num_seqs counts cond/uncond rows and must be even and >= 2, got {config.max_num_seqs}")
+        pdl_mode()  # a bad MUSIC3SERVE_PDL fails here, at startup, not at the first kernel launch
         self.lm, self.depth, self.encoder, self.config = lm, depth, encoder, config
         self.device = lm.embed.weight.device
         pairs = config.max_num_seqs // 2
