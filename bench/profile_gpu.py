@@ -3,10 +3,14 @@
 precision with its SNR against IEEE float32. The talker's matmuls against copy bandwidth: bench/skinny_linear.py.
 
     PYTHONPATH=src python3 bench/profile_gpu.py [talker|dit|vocoder ...]
+
+Kernels run without programmatic dependent launch here (MUSIC3SERVE_PDL=off unless set): under it a kernel that
+starts early counts its wait for the previous one as running time, and the tables stop adding up.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import replace
@@ -20,6 +24,8 @@ from music3serve.bench.common import graphed, random_module, time_ms
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig
+
+os.environ.setdefault("MUSIC3SERVE_PDL", "off")
 
 
 def kernel_table(fn, label: str, calls: int = 10, rows: int = 25) -> None:
