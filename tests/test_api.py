@@ -103,7 +103,7 @@ def wait_until(condition, seconds: float = 20.0) -> None:
 
 
 def engine_idle(engine: Engine, song: str) -> bool:
-    return song not in engine._clients and not engine.talker.busy
+    return song not in engine._keys and not engine.talker.busy
 
 
 # --- audio ------------------------------------------------------------------------------------------------
@@ -177,6 +177,7 @@ def test_non_streaming_response_is_a_complete_wav(client, songs):
         ({"stream": "yes"}, "stream"),
         ({"temperature": 0.7}, "temperature"),
         ({"id": "has spaces"}, "id"),
+        ({"id": ".."}, "cannot be reached"),
     ],
 )
 def test_bad_requests_are_400_and_never_reach_the_engine(client, change, needle):
@@ -263,6 +264,24 @@ def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
 
 
 # --- service endpoints and wiring -------------------------------------------------------------------------
+def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch):
+    """DELETE of an id whose POST is still waiting for the engine to accept it: the POST answers 409 (not 400)."""
+    real_submit = engine.talker.submit
+
+    def slow_submit(*args, **kwargs):  # a talker busy with a long prefill step
+        time.sleep(1.0)
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine.talker, "submit", slow_submit)
+    post = threading.Thread(target=lambda: result.append(client.post("/v1/songs", json={**SONG, "id": "early"})))
+    result: list = []
+    post.start()
+    wait_until(lambda: "early" in engine._keys)
+    assert client.delete("/v1/songs/early").status_code == 204
+    post.join(60)
+    assert result[0].status_code == 409 and "cancelled before it was accepted" in result[0].json()["error"]
+
+
 def test_health_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     response = client.get("/metrics")

@@ -10,6 +10,7 @@ queueing happen on the first `__anext__`, which is where InputError surfaces.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,7 +25,13 @@ from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
+
+
+def callers(keys) -> set[str]:
+    """The callers' ids of the song keys a stage holds."""
+    return {caller_id(key) for key in keys}
+
 
 SEED_YAML = Path(__file__).parents[2] / "shared" / "seeds" / "minimax_music3.yaml"
 EVENT_TIMEOUT = 120.0  # seconds for any single event; the tiny model needs well under 5 on a busy CI core
@@ -273,20 +280,20 @@ def test_cancel_frees_rows_and_leaves_other_songs_alone(engine, solo, how):
             first = await next_event(stream)
             assert isinstance(first, AudioChunk) and first.window == 0 and not first.last
             # The victim is mid-song (window 0 needs 201 of its 750 frames) and the renderer holds its carry.
-            assert victim.id in engine.talker.songs
+            assert victim.id in callers(engine.talker.songs)
             # The bystanders join and start decoding in the pairs after the victim's, so freeing the victim's pair
             # moves the last active pair into the gap while both bystanders are mid-song.
             tasks = [asyncio.ensure_future(collect(engine, request(i, id=f"{how}-{i}"))) for i in bystanders]
-            await wait_until(lambda: {f"{how}-{i}" for i in bystanders} <= {s.id for s in list(engine.talker.active)},
+            await wait_until(lambda: {f"{how}-{i}" for i in bystanders} <= callers(s.id for s in list(engine.talker.active)),
                              "the bystanders decode")
-            assert victim.id in engine.talker.songs
+            assert victim.id in callers(engine.talker.songs)
             if how == "aclose":
                 await close_stream(stream)
             else:
                 engine.cancel(victim.id)
-            await wait_until(lambda: victim.id not in engine.talker.songs, "the talker drops the victim")
-            await wait_until(lambda: victim.id not in engine.renderer.songs, "the renderer drops the victim")
-            assert all(s.id != victim.id for s in list(engine.talker.active))
+            await wait_until(lambda: victim.id not in callers(engine.talker.songs), "the talker drops the victim")
+            await wait_until(lambda: victim.id not in callers(engine.renderer.songs), "the renderer drops the victim")
+            assert victim.id not in callers(s.id for s in list(engine.talker.active))
             results = await asyncio.gather(*tasks)
         finally:
             await close_stream(stream)
@@ -322,7 +329,7 @@ def test_cancel_by_id_ends_the_stream(engine):
         finally:
             await close_stream(stream)
         assert not any(isinstance(e, Done) for e in rest)
-        await wait_until(lambda: req.id not in engine.talker.songs, "the talker drops the song")
+        await wait_until(lambda: req.id not in callers(engine.talker.songs), "the talker drops the song")
 
     run(scenario())
 
@@ -466,3 +473,97 @@ def test_metrics_count_requests_windows_and_frames(fresh_engine):
     assert metrics['music3_song_seconds_bucket{le="+Inf"}'] == 2
     totals = sorted(e[-1].timings["total_s"] for e in (short, long))
     assert metrics["music3_song_seconds_sum"] == pytest.approx(sum(totals))
+
+
+class HeldRenders:
+    """Patches the engine's renderer: a render call holding a window of the song with `seed` waits inside the
+    renderer until `release` is set (or raises `error`), so a test can act while stage 1 is busy with it."""
+
+    def __init__(self, engine: Engine, seed: int, error: Exception | None = None):
+        self.engine, self.seed, self.error = engine, seed, error
+        self.rendering, self.release = threading.Event(), threading.Event()
+        self.real = engine.renderer.render
+
+    def __call__(self, batch):
+        if any(p.seed == self.seed for p in batch):
+            self.rendering.set()
+            self.release.wait(EVENT_TIMEOUT)
+            if self.error is not None:
+                raise self.error
+        return self.real(batch)
+
+    def __enter__(self) -> "HeldRenders":
+        self.engine.renderer.render = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        self.engine.renderer.render = self.real
+
+
+def queued_window(engine: Engine, song: str, index: int) -> bool:
+    """Whether window `index` of song `song` (the caller's id) waits in the queue to stage 1."""
+    return any(item[0] == "window" and caller_id(item[1].song) == song and item[1].window.index == index
+               for item in list(engine._windows.queue))
+
+
+def test_a_song_submitted_again_under_a_cancelled_ones_id_gets_only_its_own_audio(engine, solo):
+    """Song "reused" is cancelled while stage 1 renders its window, and a new song is submitted at once under the
+    same id: the old render's audio must not reach it (each submission has a key of its own in the stages)."""
+    expected, again = solo(0), request(0, id="reused")
+
+    async def scenario(held: HeldRenders):
+        first = engine.submit(request(3, id="reused", seed=1234))
+        assert isinstance(await next_event(first), Accepted)
+        await wait_until(held.rendering.is_set, "stage 1 renders the first song's window")
+        engine.cancel("reused")
+        assert (await next_event(first)).message == "cancelled"
+        await close_stream(first)
+        second = asyncio.ensure_future(collect(engine, again))
+        await wait_until(lambda: "reused" in engine._keys, "the second song is held")
+        held.release.set()  # the first song's render finishes now, after the second song took its id
+        return await second
+
+    with HeldRenders(engine, seed=1234) as held:
+        events = run(scenario(held))
+    check_stream(events, again, prompt_tokens(engine, again))
+    assert np.array_equal(pcm(events), pcm(expected))
+
+
+def test_a_failed_render_fails_only_its_song_also_with_its_next_window_queued(engine, solo):
+    """The render of a two-window song fails while its second window and another song's window wait for stage 1:
+    the failed song's window is dropped, not batched with the other song's (where it would fail both)."""
+    expected, bystander = solo(0), request(0, id="bystander")
+
+    def failures() -> float:
+        return engine.metrics.registry.get_sample_value("music3_failures_total")
+
+    async def scenario(held: HeldRenders):
+        doomed = asyncio.ensure_future(collect(engine, request(7, id="doomed", seed=4321)))
+        await wait_until(held.rendering.is_set, "stage 1 renders the doomed song's first window")
+        other = asyncio.ensure_future(collect(engine, bystander))
+        await wait_until(lambda: queued_window(engine, "doomed", 1) and queued_window(engine, "bystander", 0),
+                         "both windows wait for stage 1")
+        before = failures()
+        held.release.set()
+        return await doomed, await other, before
+
+    real_cancel = engine.talker.cancel
+
+    def slow_cancel(song: str) -> None:  # the talker busy with a step: stage 1 sees the next windows first
+        if caller_id(song) == "doomed":
+            time.sleep(1.0)
+        real_cancel(song)
+
+    engine.talker.cancel = slow_cancel
+    try:
+        with HeldRenders(engine, seed=4321, error=RuntimeError("injected render failure")) as held:
+            doomed, events, before = run(scenario(held))
+    finally:
+        del engine.talker.cancel
+    assert isinstance(doomed[-1], Failed) and "injected render failure" in doomed[-1].message
+    assert "doomed#" not in doomed[-1].message
+    check_stream(events, bystander, prompt_tokens(engine, bystander))
+    # It ran in the talker beside the doomed song: not bit-exact on the CPU (see the eight-song test).
+    assert max(differences(pcm(events), pcm(expected))) < 1e-3
+    assert failures() == before + 1  # one failed song, counted once

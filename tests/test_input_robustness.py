@@ -32,7 +32,12 @@ from music3serve.pipeline import check_seed, frames_for_duration
 from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_caption, normalize_lyrics
 from music3serve.serving.api import MAX_BODY_BYTES, create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+
+
+def callers(keys) -> set[str]:
+    """The callers' ids of the song keys a stage holds."""
+    return {caller_id(key) for key in keys}
 
 SONG = {"caption": "synth pop", "lyrics": "[verse]\nla la", "seed": 0, "steps": 1, "duration": 0.5}
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
@@ -55,7 +60,7 @@ def requests_total(engine: Engine) -> float:
 
 
 def idle(engine: Engine, song: str) -> bool:
-    return song not in engine._clients and song not in engine.talker.songs and not engine.talker.busy
+    return song not in engine._keys and song not in callers(engine.talker.songs) and not engine.talker.busy
 
 
 async def events_of(engine: Engine, request: SongRequest) -> list:
@@ -194,7 +199,7 @@ def test_a_disconnecting_client_leaves_the_other_songs_whole(base_url, client, e
         assert response.status_code == 200
         assert next(response.iter_raw())[:4] == b"RIFF"
         thread.start()
-        wait_until(lambda: "stays" in engine.talker.songs)  # both songs are in the talker now
+        wait_until(lambda: "stays" in callers(engine.talker.songs))  # both songs are in the talker now
     # Leaving the block closed the connection with the body unread.
     wait_until(lambda: client.get("/v1/songs/leaves").json()["state"] == "cancelled")
     thread.join(timeout=60)
@@ -221,8 +226,24 @@ def test_a_disconnecting_non_streaming_client_cancels_its_song(base_url, client,
 def test_a_closed_engine_answers_503(closed_engine):
     with TestClient(create_app(closed_engine)) as client:
         response = client.post("/v1/songs", json=SONG)
+        health = client.get("/health")
     assert response.status_code == 503
     assert response.json()["error"] == "the engine cannot take songs: the engine is closed; it takes no more songs"
+    assert health.status_code == 503 and health.json() == {"status": "unavailable", "reason": "the engine is closed"}
+    closed_engine.close()  # a second close does nothing
+
+
+def test_the_app_closes_an_engine_it_owns_when_the_server_stops(models):
+    """`music3serve serve` hands the engine to the app: uvicorn re-raises SIGTERM after its shutdown, so the app's
+    own shutdown is the last chance to stop the stages (and a split layout's worker)."""
+    engine = Engine(models, load_deploy_config())
+    with TestClient(create_app(engine)):
+        pass
+    assert engine.unavailable() is None  # not its engine: left running
+    with TestClient(create_app(engine, close_engine=True)) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+    assert engine.unavailable() == "the engine is closed"
+    assert not any(thread.is_alive() for thread in engine._threads)
 
 
 # --- Engine API -------------------------------------------------------------------------------------------

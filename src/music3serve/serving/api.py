@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from .. import contract
@@ -48,6 +48,13 @@ class SongBody(BaseModel):
     sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
     stream: bool = True
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")  # default: a fresh uuid4 hex
+
+    @field_validator("id")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        if value in (".", ".."):
+            raise ValueError("an id of '.' or '..' cannot be reached at /v1/songs/{id} (clients resolve it away)")
+        return value
 
 
 class SongFailedMidStream(RuntimeError):
@@ -214,6 +221,8 @@ class SongService:
                 del self.pending[body.id]
         if not isinstance(first, Accepted):
             await events.aclose()
+            if stop.is_set():  # a DELETE of its id came first
+                return _error(409, f"song {body.id} was cancelled before it was accepted")
             message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
             return _error(400 if isinstance(first, Failed) else 500, message)
         song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
@@ -282,9 +291,20 @@ class SongService:
                 self.finish(song, "failed", event.message)
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The HTTP API over a running engine; the caller owns the engine (and closes it after the server stops)."""
-    app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written")
+def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
+    """The HTTP API over a running engine; the caller owns the engine. close_engine: the app closes it when the
+    server shuts down (uvicorn re-raises SIGTERM after its shutdown, so a `finally` after uvicorn.run never runs)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if close_engine:
+                await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
+                  lifespan=lifespan)
     service = SongService(engine)
     app.state.songs = service
 
@@ -318,9 +338,12 @@ def create_app(engine: Engine) -> FastAPI:
         service.cancel(song_id)
         return Response(status_code=204)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        why = engine.unavailable()
+        if why is not None:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
@@ -334,5 +357,5 @@ SHUTDOWN_GRACE_S = 10  # on SIGINT/SIGTERM, songs still streaming get this long,
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
-    uvicorn.run(create_app(engine), host=host, port=port, log_config=None, log_level=log_level.lower(),
+    uvicorn.run(create_app(engine, close_engine=True), host=host, port=port, log_config=None, log_level=log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

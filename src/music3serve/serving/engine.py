@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import itertools
 import secrets
 import threading
 import time
@@ -26,6 +27,7 @@ from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
+from .connector_base import ConnectorError
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
@@ -41,13 +43,20 @@ log = logging.getLogger(__name__)
 MAX_SONGS = 1024
 
 
+def caller_id(key: str) -> str:
+    """The caller's id of a song key the stages know (Engine._key)."""
+    return key.rpartition("#")[0]
+
+
 @dataclass
 class _Client:
+    song: str  # the caller's id; inside the engine the song is known by its key (see Engine._key)
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     submitted: float
     first_audio: float | None = None
     finished: SongFinished | None = None
+    failed: bool = False
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -73,10 +82,13 @@ class Engine:
             self.renderer.warmup(range(1, stage1.render_batch + 1))
         self.metrics = EngineMetrics()
         self.max_songs = MAX_SONGS
-        self._clients: dict[str, _Client] = {}
+        self._clients: dict[str, _Client] = {}  # by key
+        self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
+        self._submissions = itertools.count()
         self._control: queue.Queue = queue.Queue()
         self._windows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._closed = False
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
@@ -121,15 +133,15 @@ class Engine:
         a closed or broken engine raises Music3Error. Songs beyond the talker's rows wait in its queue, up to
         `max_songs` held in all; past that, EngineBusy."""
         song, budget_request, seed, steps, cond, uncond = self._validate(request)
-        client = _Client(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        client = _Client(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         if len(self._clients) >= self.max_songs:
             raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
-        self._clients[song] = client
+        key = self._key(song)
+        self._clients[key], self._keys[song] = client, key
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
-            del self._clients[song]
+            self._forget(key)
             raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
-        self.metrics.requests.inc()
-        self._control.put(("submit", song, cond, uncond, seed, budget_request, steps))
+        self._control.put(("submit", key, cond, uncond, seed, budget_request, steps))
         try:
             while True:
                 event = await client.events.get()
@@ -137,21 +149,50 @@ class Engine:
                 if isinstance(event, (Done, Failed)):
                     return
         finally:
-            if self._clients.pop(song, None) is not None:
-                self.cancel(song)
+            if self._forget(key):
+                self._cancel(key)
 
     def cancel(self, song: str) -> None:
-        """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed."""
-        self._emit(song, Failed(song, "cancelled"))
+        """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed.
+        An id the engine does not hold is ignored."""
+        key = self._keys.get(song)
+        if key is not None:
+            self._cancel(key)
+
+    def _key(self, song: str) -> str:
+        """The name the stages know a submission by: the caller's id and a number of its own, so that a song
+        submitted again under the id of one just cancelled or failed never receives that one's late windows,
+        audio or cancels."""
+        return f"{song}#{next(self._submissions)}"
+
+    def _forget(self, key: str) -> bool:
+        """Drop the submission's client (and its id, if still its own); whether it was held."""
+        client = self._clients.pop(key, None)
+        if client is not None and self._keys.get(client.song) == key:
+            del self._keys[client.song]
+        return client is not None
+
+    def _cancel(self, key: str) -> None:
+        self._control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
         if self.worker is not None:
-            self.worker.deadlines.drop(song)
-        self._control.put(("cancel", song))
+            self.worker.deadlines.drop(key)
+        self._emit(key, Failed, "cancelled")
+
+    def unavailable(self) -> str | None:
+        """Why the engine takes no songs (closed, or a stage died), or None while it serves."""
+        if self._broken:
+            return self._broken
+        return "the engine is closed" if self._stop.is_set() else None
 
     def close(self) -> None:
-        """Stop both stages; every open stream ends with Failed("engine closed"), later submits raise Music3Error."""
+        """Stop both stages; every open stream ends with Failed("engine closed"), later submits raise Music3Error.
+        Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()  # first, so a submit racing with close either sees it or is failed below
-        for song in list(self._clients):
-            self._emit(song, Failed(song, "engine closed"))
+        for key in list(self._clients):
+            self._emit(key, Failed, "engine closed")
         self._control.put(("stop",))
         self._windows.put(("stop",))
         for thread in self._threads:
@@ -169,19 +210,20 @@ class Engine:
         seed = check_seed(secrets.randbits(63) if seed is None else seed)
         steps = check_steps(request.steps)
         song = uuid.uuid4().hex if request.id is None else request.id
-        if not isinstance(song, str) or not song or song in self._clients:
+        if not isinstance(song, str) or not song or song in self._keys:
             raise InputError(f"request id must be a new non-empty string, got {song!r:.80}")
         cond, uncond = encode_prompt(self.tokenizer, request.caption, request.lyrics)
         return song, requested, seed, steps, cond, uncond
 
-    def _emit(self, song: str, event: Event) -> None:
-        client = self._clients.get(song)
+    def _emit(self, key: str, event: type[Event], *args) -> None:
+        """Queue event(caller's id, *args) on the submission's stream, if it still has one."""
+        client = self._clients.get(key)
         if client is not None:
             try:
-                client.loop.call_soon_threadsafe(client.events.put_nowait, event)
+                client.loop.call_soon_threadsafe(client.events.put_nowait, event(client.song, *args))
             except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
-                self._clients.pop(song, None)
-                self._control.put(("cancel", song))
+                self._forget(key)
+                self._control.put(("cancel", key))
 
     def _guarded(self, loop) -> None:
         """Run a stage loop; if it dies, every open stream fails with the reason instead of waiting forever."""
@@ -192,8 +234,8 @@ class Engine:
         except BaseException as exc:
             log.exception("engine thread died")
             self._broken = f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
-            for song in list(self._clients):
-                self._fail(song, self._broken)
+            for key in list(self._clients):
+                self._fail(key, self._broken)
 
     # Stage 0 thread.
     def _talker_loop(self) -> None:
@@ -219,7 +261,7 @@ class Engine:
                         client = self._clients.get(event.song)
                         if client:
                             client.finished = event
-                    elif isinstance(event, WindowReady):
+                    elif isinstance(event, WindowReady) and event.song in self._clients:  # else cancelled meanwhile
                         payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
                         if self.worker is None:
                             self._windows.put(("window", payload, event.ready))
@@ -232,13 +274,19 @@ class Engine:
                         steps.pop(event.song, None)
 
     def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
-        if self._window_copies is None:
-            self.worker.send_window(payload)
-            return
-        if ready is not None:
-            self._window_copies.wait_event(ready)
-        with torch.cuda.stream(self._window_copies):
-            self.worker.send_window(payload)  # its device-to-host copy runs here
+        """To the worker; a connector that cannot take it (say /dev/shm is full) fails this song only."""
+        try:
+            if self._window_copies is None:
+                self.worker.send_window(payload)
+                return
+            if ready is not None:
+                self._window_copies.wait_event(ready)
+            with torch.cuda.stream(self._window_copies):
+                self.worker.send_window(payload)  # its device-to-host copy runs here
+        except ConnectorError as exc:
+            log.warning("window %d of %s not sent: %s", payload.window.index, payload.song, exc)
+            self._fail(payload.song, f"stage 1 could not take window {payload.window.index}: {exc}")
+            self._cancel(payload.song)
 
     def _drain_control(self, steps: dict[str, int], block: bool) -> None:
         try:
@@ -250,11 +298,12 @@ class Engine:
                 _, song, cond, uncond, seed, requested, n_steps = item
                 try:
                     budget = self.talker.submit(song, cond, uncond, seed, requested)
-                except InputError as exc:
-                    self._fail(song, str(exc))
+                except InputError as exc:  # a refused request (HTTP 400): neither a request nor a failure served
+                    self._emit(song, Failed, str(exc))
                 else:
                     steps[song] = n_steps
-                    self._emit(song, Accepted(song, seed, budget, len(cond)))
+                    self.metrics.requests.inc()
+                    self._emit(song, Accepted, seed, budget, len(cond))
             elif item[0] == "cancel":
                 self.talker.cancel(item[1])
                 steps.pop(item[1], None)
@@ -294,23 +343,23 @@ class Engine:
     def _receiver_loop(self) -> None:
         while not self._stop.is_set():
             waits = self.worker.deadlines
-            for song in waits.overdue():
-                self._fail(song, "stage 1 sent no audio within the connector wait "
-                                 f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
-                self.cancel(song)
+            for key in waits.overdue():
+                self._fail(key, "stage 1 sent no audio within the connector wait "
+                                f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
+                self._cancel(key)
             message = self.worker.receive(0.05)
             if message is None:
                 if not self.worker.alive():
-                    self.worker.connector.cleanup(self.worker.process.pid)
+                    self.worker.connector.cleanup()  # its own segments and the windows it will never read
                     raise Music3Error(f"the stage-1 worker died (exit code {self.worker.process.exitcode})")
             elif message.key == "chunk":
                 self._on_chunk(chunk_window(message))
             elif message.key == "failed":
                 self._on_render_error(message.meta["song"], message.meta["message"])
 
-    def _on_render_error(self, song: str, message: str) -> None:
-        self._fail(song, message)
-        self.cancel(song)  # stops its talker rows and drops its later windows
+    def _on_render_error(self, key: str, message: str) -> None:
+        self._fail(key, message)
+        self._cancel(key)  # stops its talker rows and drops its later windows
 
     def _on_chunk(self, out: RenderedWindow) -> None:
         self.metrics.windows.inc()
@@ -321,17 +370,22 @@ class Engine:
         if client.first_audio is None:
             client.first_audio = now
             self.metrics.first_audio.observe(now - client.submitted)
-        self._emit(out.song, AudioChunk(out.song, out.window.index, out.pcm.numpy(), out.window.last))
+        self._emit(out.song, AudioChunk, out.window.index, out.pcm.numpy(), out.window.last)
         if out.window.last:
             self._done(out.song, client, now)
 
-    def _done(self, song: str, client: _Client, now: float) -> None:
+    def _done(self, key: str, client: _Client, now: float) -> None:
         finished = client.finished
         timings = {"first_audio_s": client.first_audio - client.submitted, "total_s": now - client.submitted}
         self.metrics.song_seconds.observe(timings["total_s"])
         frames, ended_by = (finished.frames, finished.ended_by) if finished else (0, "unknown")
-        self._emit(song, Done(song, frames, ended_by, timings))
+        self._emit(key, Done, frames, ended_by, timings)
 
-    def _fail(self, song: str, message: str) -> None:
+    def _fail(self, key: str, message: str) -> None:
+        """Fail a held submission (counted once, however many stages report it)."""
+        client = self._clients.get(key)
+        if client is None or client.failed:
+            return
+        client.failed = True
         self.metrics.failures.inc()
-        self._emit(song, Failed(song, message))
+        self._emit(key, Failed, message.replace(repr(key), repr(client.song)).replace(key, client.song))

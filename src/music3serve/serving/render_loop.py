@@ -26,6 +26,9 @@ class RenderLoop:
     ):
         self.renderer, self.inbox, self.on_chunk, self.on_error = renderer, inbox, on_chunk, on_error
         self.pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
+        # Songs failed here: their windows still in flight are dropped until the engine's cancel arrives (they
+        # would otherwise reach the renderer out of order and fail the songs batched with them).
+        self.failed: set[str] = set()
 
     def run(self) -> None:
         """Until a ("stop",) item arrives."""
@@ -33,9 +36,10 @@ class RenderLoop:
             for item in self.inbox(not self.pending):  # block only when there is nothing to render
                 if item[0] == "stop":
                     return
-                if item[0] == "window":
+                if item[0] == "window" and item[1].song not in self.failed:
                     self.pending[item[1].song].append(item[1])
                 elif item[0] == "cancel":
+                    self.failed.discard(item[1])
                     self.pending.pop(item[1], None)
                     self.renderer.cancel(item[1])
             songs = list(self.pending)[: self.renderer.max_batch]
@@ -53,9 +57,17 @@ class RenderLoop:
         except Exception as exc:  # a failed render fails its songs, never the loop
             log.exception("render failed")
             for payload in batch:
-                self.pending.pop(payload.song, None)
-                self.renderer.cancel(payload.song)
-                self.on_error(payload.song, f"stage 1 failed: {exc}")
+                self.fail(payload.song, f"stage 1 failed: {exc}")
             return
         for out in rendered:
-            self.on_chunk(out)
+            try:
+                self.on_chunk(out)
+            except Exception as exc:  # say the connector could not take it: this song only
+                log.exception("delivering window %d of %s failed", out.window.index, out.song)
+                self.fail(out.song, f"stage 1 could not deliver window {out.window.index}: {exc}")
+
+    def fail(self, song: str, message: str) -> None:
+        self.failed.add(song)
+        self.pending.pop(song, None)
+        self.renderer.cancel(song)
+        self.on_error(song, message)

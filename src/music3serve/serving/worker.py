@@ -65,6 +65,8 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     renderer.warmup(range(1, stage1.render_batch + 1))
     connector.put(PCM, Message("ready", {}, {}))
 
+    parent = multiprocessing.parent_process()
+
     def inbox(block: bool) -> list[tuple]:
         items = []
         try:
@@ -74,6 +76,10 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
                              (message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
                 message = connector.get(WINDOWS, 0)
         except ConnectorTimeout:
+            if block and parent is not None and not parent.is_alive():  # orphaned (say the server got SIGKILL)
+                log.warning("the engine process is gone; the stage-1 worker stops")
+                connector.cleanup()  # nobody else is left to remove the segments
+                items.append(("stop",))
             return items
 
     def on_chunk(out: RenderedWindow) -> None:
