@@ -282,6 +282,22 @@ def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch):
     assert result[0].status_code == 409 and "cancelled before it was accepted" in result[0].json()["error"]
 
 
+def test_a_song_not_accepted_in_time_answers_503_and_leaves_nothing_behind(client, engine, monkeypatch):
+    from music3serve.serving import api
+
+    monkeypatch.setattr(api, "ACCEPT_TIMEOUT_S", 0.5)
+    real_submit = engine.talker.submit
+
+    def stuck_submit(*args, **kwargs):  # a talker stuck for longer than the acceptance wait
+        time.sleep(2.0)
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine.talker, "submit", stuck_submit)
+    response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "id": "stuck"})
+    assert response.status_code == 503 and "did not take the song within 0.5 s" in response.json()["error"]
+    wait_until(lambda: engine_idle(engine, "stuck"))
+
+
 def test_health_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     response = client.get("/metrics")

@@ -57,6 +57,11 @@ class SongBody(BaseModel):
         return value
 
 
+# A song is accepted within one talker step of its POST (tokenizing and a prefill at most); a stage that takes
+# longer is stuck, and the client gets 503 instead of an open connection.
+ACCEPT_TIMEOUT_S = 60.0
+
+
 class SongFailedMidStream(RuntimeError):
     """Raised out of a streaming response so the server drops the connection before the final chunk."""
 
@@ -206,7 +211,10 @@ class SongService:
         events, stop = self.engine.submit(song_request), asyncio.Event()
         owner = body.id is not None and self.pending.setdefault(body.id, stop) is stop
         try:  # wait for acceptance, so input errors are still proper HTTP errors
-            first = await anext(events)
+            first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
+        except TimeoutError:
+            await events.aclose()
+            return _error(503, f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later")
         except InputError as exc:
             return _error(400, str(exc))
         except EngineBusy as exc:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .. import contract
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..acoustic.windows import Window
@@ -96,42 +97,49 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
 
 class ChunkDeadlines:
     """The connector's waits per song: a window sent is answered within the wait (longer for a song's first),
-    and while the worker sends anything, every waiting song's clock restarts (it is queued, not lost)."""
+    and while the worker sends anything, every waiting song's clock restarts (it is queued, not lost). A song
+    asking for more Euler steps than the contract's 30 gets waits that many times longer (its render takes that
+    much longer)."""
 
     def __init__(self, first_chunk_s: float, later_s: float):
         self.first_chunk_s, self.later_s = first_chunk_s, later_s
-        self.songs: dict[str, tuple[int, float | None, bool]] = {}  # windows out, deadline, answered before
+        # windows out, deadline, answered before, wait scale
+        self.songs: dict[str, tuple[int, float | None, bool, float]] = {}
         self.lock = threading.Lock()
 
-    def sent(self, song: str) -> None:
+    def _wait(self, answered: bool, scale: float) -> float:
+        return (self.later_s if answered else self.first_chunk_s) * scale
+
+    def sent(self, song: str, steps: int = contract.DIT_STEPS) -> None:
         with self.lock:
-            outstanding, deadline, answered = self.songs.get(song, (0, None, False))
+            outstanding, deadline, answered, scale = self.songs.get(song, (0, None, False, 1.0))
+            scale = max(scale, steps / contract.DIT_STEPS, 1.0)
             if deadline is None:
-                deadline = time.monotonic() + (self.later_s if answered else self.first_chunk_s)
-            self.songs[song] = (outstanding + 1, deadline, answered)
+                deadline = time.monotonic() + self._wait(answered, scale)
+            self.songs[song] = (outstanding + 1, deadline, answered, scale)
 
     def answered(self, song: str, last: bool) -> None:
         with self.lock:
             now = time.monotonic()
-            for other, (count, deadline, before) in self.songs.items():
+            for other, (count, deadline, before, scale) in self.songs.items():
                 if deadline is not None:
-                    wait = self.later_s if before else self.first_chunk_s
-                    self.songs[other] = (count, max(deadline, now + wait), before)
+                    self.songs[other] = (count, max(deadline, now + self._wait(before, scale)), before, scale)
             if song not in self.songs:
                 return  # cancelled or failed meanwhile
-            outstanding = self.songs[song][0] - 1
+            outstanding, _, _, scale = self.songs[song]
+            outstanding -= 1
             if last:
                 del self.songs[song]
             elif outstanding <= 0:
-                self.songs[song] = (0, None, True)  # nothing due until the next window goes out
+                self.songs[song] = (0, None, True, scale)  # nothing due until the next window goes out
             else:
-                self.songs[song] = (outstanding, now + self.later_s, True)
+                self.songs[song] = (outstanding, now + self._wait(True, scale), True, scale)
 
     def overdue(self) -> list[str]:
         """Songs past their deadline (forgotten here: the caller fails them)."""
         now = time.monotonic()
         with self.lock:
-            late = [song for song, (_, deadline, _) in self.songs.items() if deadline is not None and now > deadline]
+            late = [song for song, (_, deadline, _, _) in self.songs.items() if deadline is not None and now > deadline]
             for song in late:
                 del self.songs[song]
         return late
@@ -169,7 +177,7 @@ class RenderWorker:
                     raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
 
     def send_window(self, payload: WindowPayload) -> None:
-        self.deadlines.sent(payload.song)
+        self.deadlines.sent(payload.song, payload.steps)
         self.connector.put(WINDOWS, window_message(payload))
 
     def send_cancel(self, song: str) -> None:
