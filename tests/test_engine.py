@@ -10,6 +10,7 @@ queueing happen on the first `__anext__`, which is where InputError surfaces.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -567,3 +568,30 @@ def test_a_failed_render_fails_only_its_song_also_with_its_next_window_queued(en
     # It ran in the talker beside the doomed song: not bit-exact on the CPU (see the eight-song test).
     assert max(differences(pcm(events), pcm(expected))) < 1e-3
     assert failures() == before + 1  # one failed song, counted once
+
+
+def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_last_frame(models, deploy, solo):
+    """async_chunk false: stage 1 gets a song's windows only after its last frame; codec_streaming false: the
+    client gets the song's PCM as one chunk at the end. The audio is the streamed song's."""
+    name = deploy.stages[0].output_connectors["to_stage_1"]
+    connector = deploy.connectors[name]
+    quiet = dataclasses.replace(connector, extra=dataclasses.replace(connector.extra, codec_streaming=False))
+    engine = make_engine(models, dataclasses.replace(deploy, async_chunk=False, connectors={**deploy.connectors,
+                                                                                             name: quiet}))
+    try:
+        windows_at_stage1: list[bool] = []  # per render call: was the song still in the talker?
+        real = engine.renderer.render
+
+        def render(batch):
+            windows_at_stage1.append("whole" in callers(engine.talker.songs))
+            return real(batch)
+
+        engine.renderer.render = render
+        events = run(collect(engine, request(7, id="whole")))  # 9 s: two windows
+    finally:
+        shut(engine)
+    accepted, chunk, done = events
+    assert isinstance(accepted, Accepted) and isinstance(done, Done)
+    assert isinstance(chunk, AudioChunk) and chunk.window == 0 and chunk.last
+    assert windows_at_stage1 == [False, False]
+    assert np.array_equal(chunk.pcm, pcm(solo(7)))

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import AsyncIterator
 
+import numpy as np
 import torch
 
 from ..acoustic.precision import PrecisionPolicy
@@ -57,6 +58,7 @@ class _Client:
     first_audio: float | None = None
     finished: SongFinished | None = None
     failed: bool = False
+    held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -241,9 +243,10 @@ class Engine:
     def _talker_loop(self) -> None:
         stream = self.talker.stream  # the talker's own high-priority stream (its graphs were captured on it)
         steps: dict[str, int] = {}
+        held: dict[str, list] = {}  # async_chunk false: each song's windows until its last frame
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self._stop.is_set():
-                self._drain_control(steps, block=not self.talker.busy)
+                self._drain_control(steps, held, block=not self.talker.busy)
                 if not self.talker.busy:
                     continue
                 try:
@@ -263,15 +266,24 @@ class Engine:
                             client.finished = event
                     elif isinstance(event, WindowReady) and event.song in self._clients:  # else cancelled meanwhile
                         payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
-                        if self.worker is None:
-                            self._windows.put(("window", payload, event.ready))
+                        if self.deploy.async_chunk:
+                            self._to_stage1(payload, event.ready)
                         else:
-                            self._send_window(payload, event.ready)
+                            held.setdefault(event.song, []).append((payload, event.ready))
                     elif isinstance(event, SongFailed):
                         self._fail(event.song, event.message)
                 for event in events:
                     if isinstance(event, (SongFinished, SongFailed)):
                         steps.pop(event.song, None)
+                        for payload, ready in held.pop(event.song, []) if isinstance(event, SongFinished) else ():
+                            self._to_stage1(payload, ready)
+                        held.pop(event.song, None)
+
+    def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
+        if self.worker is None:
+            self._windows.put(("window", payload, ready))
+        else:
+            self._send_window(payload, ready)
 
     def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
         """To the worker; a connector that cannot take it (say /dev/shm is full) fails this song only."""
@@ -288,7 +300,7 @@ class Engine:
             self._fail(payload.song, f"stage 1 could not take window {payload.window.index}: {exc}")
             self._cancel(payload.song)
 
-    def _drain_control(self, steps: dict[str, int], block: bool) -> None:
+    def _drain_control(self, steps: dict[str, int], held: dict[str, list], block: bool) -> None:
         try:
             item = self._control.get(timeout=0.05) if block else self._control.get_nowait()
         except queue.Empty:
@@ -307,6 +319,7 @@ class Engine:
             elif item[0] == "cancel":
                 self.talker.cancel(item[1])
                 steps.pop(item[1], None)
+                held.pop(item[1], None)
                 if self.worker is None:
                     self._windows.put(("cancel", item[1]))
                 else:
@@ -367,10 +380,17 @@ class Engine:
         client = self._clients.get(out.song)
         if client is None:
             return
+        if not self.deploy.connector.extra.codec_streaming:  # the client gets the song in one piece at the end
+            client.held_pcm.append(out.pcm.numpy())
+            if not out.window.last:
+                return
         if client.first_audio is None:
             client.first_audio = now
             self.metrics.first_audio.observe(now - client.submitted)
-        self._emit(out.song, AudioChunk, out.window.index, out.pcm.numpy(), out.window.last)
+        if client.held_pcm:
+            self._emit(out.song, AudioChunk, 0, np.concatenate(client.held_pcm, axis=-1), True)
+        else:
+            self._emit(out.song, AudioChunk, out.window.index, out.pcm.numpy(), out.window.last)
         if out.window.last:
             self._done(out.song, client, now)
 
