@@ -192,6 +192,8 @@ def test_malformed_json_and_unknown_routes(client):
     response = client.post("/v1/songs", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]
     assert client.get("/v1/nothing").status_code == 404
+    assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
+    assert client.post("/health").status_code == 405
     assert client.get("/v1/songs/never-seen").status_code == 404
 
 

@@ -57,6 +57,8 @@ class SongBody(BaseModel):
         return value
 
 
+SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads
+
 # A song is accepted within one talker step of its POST (tokenizing and a prefill at most); a stage that takes
 # longer is stuck, and the client gets 503 instead of an open connection.
 ACCEPT_TIMEOUT_S = 60.0
@@ -95,14 +97,14 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 
 class BoundedBody:
-    """ASGI middleware: a POST body is read whole before it is parsed, so it must say its length (else 411) and
-    stay within MAX_BODY_BYTES (else 413). Plain ASGI, so streamed responses pass through untouched."""
+    """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411)
+    and stay within MAX_BODY_BYTES (else 413); POSTs elsewhere get the router's 404 or 405. Plain ASGI, so streamed responses pass through untouched."""
 
     def __init__(self, app: Callable[..., Awaitable[None]]):
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == SONGS_PATH:
             length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
             if not length:
                 return await _error(411, "send the body with a Content-Length header")(scope, receive, send)
@@ -330,7 +332,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
             return _error(400, f"the body is not valid JSON: {exc.__cause__}", exc.headers)
         return _error(exc.status_code, str(exc.detail), exc.headers)
 
-    @app.post("/v1/songs", response_model=None)
+    @app.post(SONGS_PATH, response_model=None)
     async def create_song(body: SongBody, request: Request) -> Response:
         return await service.create(body, request)
 
