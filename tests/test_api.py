@@ -338,3 +338,38 @@ def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, roo
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert cli.main(["serve", "--tiny"]) == 2
     assert "pip install 'music3serve[serve]'" in capsys.readouterr().err
+
+
+def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
+    """A send that does not complete within WRITE_STALL_S (the client's socket is full: it reads nothing) stops the
+    song and closes the body generator, instead of holding the song forever."""
+    from music3serve.serving import api
+
+    monkeypatch.setattr(api, "WRITE_STALL_S", 0.2)
+    closed = []
+
+    async def body():
+        try:
+            while True:
+                yield b"x" * 1024
+        finally:
+            closed.append(True)
+
+    async def scenario():
+        song = api.SongState("stalled", 1, 100, "pcm", 44100)
+        sends = []
+
+        async def send(message):
+            sends.append(message["type"])
+            if len(sends) > 2:  # the headers and one piece go out, then the client's window is full
+                await asyncio.Event().wait()
+
+        async def receive():
+            await asyncio.Event().wait()  # no disconnect is ever seen
+
+        await asyncio.wait_for(api.SongStream(body(), song)({"type": "http"}, receive, send), 5)
+        return song, sends
+
+    song, sends = asyncio.run(scenario())
+    assert song.stop.is_set() and closed == [True]
+    assert sends == ["http.response.start", "http.response.body", "http.response.body"]

@@ -161,9 +161,19 @@ async def _watch_disconnect(request: Request, stop: asyncio.Event) -> None:
     stop.set()
 
 
+class ClientStalled(OSError):
+    """The client read nothing for WRITE_STALL_S while a piece of its song waited to be sent."""
+
+
+# A client playing the stream in real time frees a window's bytes within ~8 s; one that reads nothing for this
+# long is gone or stuck, and its song is cancelled rather than held (it counts toward the engine's songs).
+WRITE_STALL_S = 120.0
+
+
 class SongStream(StreamingResponse):
-    """A streaming response that stops its song when the client disconnects, whatever the ASGI version, and
-    always closes its body generator (so the engine generator's cleanup runs at once, not at garbage collection)."""
+    """A streaming response that stops its song when the client disconnects or stops reading, whatever the ASGI
+    version, and always closes its body generator (so the engine generator's cleanup runs at once, not at garbage
+    collection)."""
 
     def __init__(self, content: AsyncIterator[bytes], song: SongState, **kwargs: Any):
         super().__init__(content, **kwargs)
@@ -171,9 +181,17 @@ class SongStream(StreamingResponse):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         watcher = asyncio.ensure_future(_watch_disconnect(Request(scope, receive), self.song.stop))
+
+        async def send_or_give_up(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), WRITE_STALL_S)
+            except TimeoutError:
+                log.warning("client stopped reading", extra={"song": self.song.id, "samples": self.song.samples_sent})
+                raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s") from None
+
         try:
-            await self.stream_response(send)
-        except OSError:  # the client went away between two chunks (ASGI 2.4 servers raise on send)
+            await self.stream_response(send_or_give_up)
+        except OSError:  # the client went away between two chunks (ASGI 2.4 servers raise on send), or stalled
             self.song.stop.set()
         finally:
             watcher.cancel()
