@@ -105,3 +105,35 @@ def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits
     assert waits.songs["heavy"][1] > time.monotonic() + 0.5  # the second window's wait: later_s scaled, 1 s
     waits.drop("heavy")
     assert waits.overdue() == [] and not waits.songs
+
+
+ORPHAN_PARENT = """
+import os, sys
+from music3serve.serving.engine import Engine
+engine = Engine.from_pretrained(sys.argv[1], device="cpu", split=True)
+print(engine.worker.process.pid, engine.worker.connector.prefix, flush=True)
+sys.stdin.readline()  # killed here
+"""
+
+
+def test_a_worker_whose_server_was_killed_stops_and_removes_the_segments(tiny_dir):
+    """SIGKILL of the engine's process (nothing of it runs its cleanup): the stage-1 worker notices its parent is
+    gone, removes the connector's shared-memory segments and exits."""
+    import subprocess
+    import sys
+
+    from music3serve.serving import shm_segments
+
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN_PARENT, str(tiny_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid, prefix = parent.stdout.readline().split()
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower():
+            assert time.monotonic() < deadline, "the orphaned worker is still running"
+            time.sleep(0.1)
+        assert not shm_segments.list_segments(prefix, None)
+    finally:
+        parent.kill()
