@@ -369,3 +369,18 @@ def test_cli_deploy_config_errors_quote_long_values_briefly(tmp_path, capsys, ro
     err = capsys.readouterr().err
     assert err.startswith(f"error: {config}: <top level>: got 'not a mapping") and len(err) < 600
     assert "allowed: a mapping" in err
+
+
+def test_the_body_bounds_hold_when_the_app_is_mounted_under_a_prefix(closed_engine):
+    """Behind a root path (uvicorn --root-path, or mounted in another app) a song POST without Content-Length is
+    still 411 and an oversized one 413, before any of it is read."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    outer = Starlette(routes=[Mount("/api", app=create_app(closed_engine))])
+    with TestClient(outer) as client:
+        chunked = client.post("/api/v1/songs", content=iter([b"{}"]), headers={"content-type": "application/json"})
+        big = client.post("/api/v1/songs", content=b" " * (MAX_BODY_BYTES + 1),
+                          headers={"content-type": "application/json"})
+    assert chunked.status_code == 411
+    assert big.status_code == 413

@@ -104,10 +104,13 @@ class BoundedBody:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == SONGS_PATH:
+        if scope["type"] == "http" and scope["method"] == "POST":
             length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
-            if not length:
+            path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
+            if not length and path == SONGS_PATH:
                 return await _error(411, "send the body with a Content-Length header")(scope, receive, send)
+            if not length:  # a body the router will refuse (404 / 405) without reading it
+                return await self.app(scope, receive, send)
             if not length.isdigit():
                 return await _error(400, f"Content-Length {length!r:.40} is not a byte count")(scope, receive, send)
             if int(length) > MAX_BODY_BYTES:
@@ -165,6 +168,7 @@ class ClientStalled(OSError):
     """The client read nothing for WRITE_STALL_S while a piece of its song waited to be sent."""
 
 
+SEND_PIECE_BYTES = 256 * 1024  # one send at most: each must drain within WRITE_STALL_S, even for a slow reader
 # A client playing the stream in real time frees a window's bytes within ~8 s; one that reads nothing for this
 # long is gone or stuck, and its song is cancelled rather than held (it counts toward the engine's songs).
 WRITE_STALL_S = 120.0
@@ -247,10 +251,11 @@ class SongService:
         finally:
             if owner:
                 del self.pending[body.id]
+        if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
+            await events.aclose()
+            return _error(409, f"song {body.id} was cancelled before it was accepted")
         if not isinstance(first, Accepted):
             await events.aclose()
-            if stop.is_set():  # a DELETE of its id came first
-                return _error(409, f"song {body.id} was cancelled before it was accepted")
             message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
             return _error(400 if isinstance(first, Failed) else 500, message)
         song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
@@ -305,8 +310,8 @@ class SongService:
             elif isinstance(event, AudioChunk):
                 data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
                 song.samples_sent += len(data) // (2 * CHANNELS)
-                if data:
-                    yield data
+                for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
+                    yield data[start : start + SEND_PIECE_BYTES]
             elif isinstance(event, Done):
                 tail = await asyncio.to_thread(encoder.feed, np.zeros((CHANNELS, 0), np.float32), True)
                 song.samples_sent += len(tail) // (2 * CHANNELS)

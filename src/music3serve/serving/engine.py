@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import itertools
+import re
 import secrets
 import threading
 import time
@@ -47,6 +48,11 @@ MAX_SONGS = 1024
 def caller_id(key: str) -> str:
     """The caller's id of a song key the stages know (Engine._key)."""
     return key.rpartition("#")[0]
+
+
+def _callers_ids(message: str) -> str:
+    """A stage's message with the song keys it quotes ('id#7') shown as the callers' ids ('id')."""
+    return re.sub(r"'([^']*)#\d+'", r"'\1'", message)
 
 
 @dataclass
@@ -91,6 +97,7 @@ class Engine:
         self._windows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._closed = False
+        self._failing = threading.Lock()
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
@@ -280,6 +287,9 @@ class Engine:
                         held.pop(event.song, None)
 
     def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
+        client = self._clients.get(payload.song)
+        if client is None or client.failed:  # cancelled or failed meanwhile (say an earlier window was not sent)
+            return
         if self.worker is None:
             self._windows.put(("window", payload, ready))
         else:
@@ -378,7 +388,7 @@ class Engine:
         self.metrics.windows.inc()
         now = time.perf_counter()
         client = self._clients.get(out.song)
-        if client is None:
+        if client is None or client.failed:
             return
         if not self.deploy.connector.extra.codec_streaming:  # the client gets the song in one piece at the end
             client.held_pcm.append(out.pcm.numpy())
@@ -403,9 +413,10 @@ class Engine:
 
     def _fail(self, key: str, message: str) -> None:
         """Fail a held submission (counted once, however many stages report it)."""
-        client = self._clients.get(key)
-        if client is None or client.failed:
-            return
-        client.failed = True
+        with self._failing:  # stage threads and the caller's loop may report the same song at once
+            client = self._clients.get(key)
+            if client is None or client.failed:
+                return
+            client.failed = True
         self.metrics.failures.inc()
-        self._emit(key, Failed, message.replace(repr(key), repr(client.song)).replace(key, client.song))
+        self._emit(key, Failed, _callers_ids(message))

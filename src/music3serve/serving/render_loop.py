@@ -37,7 +37,7 @@ class RenderLoop:
                 if item[0] == "stop":
                     return
                 if item[0] == "window" and item[1].song not in self.failed:
-                    self.pending[item[1].song].append(item[1])
+                    self.queue(item[1])
                 elif item[0] == "cancel":
                     self.failed.discard(item[1])
                     self.pending.pop(item[1], None)
@@ -50,6 +50,17 @@ class RenderLoop:
                     self.pending[song] = queue
             if batch:
                 self.render(batch)
+
+    def queue(self, payload: WindowPayload) -> None:
+        """Queue a window after its song's last one; a window out of order fails its song alone (batched, the
+        renderer would refuse the whole call)."""
+        queued = self.pending.get(payload.song)
+        expected = queued[-1].window.index + 1 if queued else self.renderer.next_index(payload.song)
+        if payload.window.index != expected:
+            self.fail(payload.song, f"stage 1 got window {payload.window.index} of song {payload.song!r} where "
+                                    f"window {expected} was due (an earlier one was lost)")
+            return
+        self.pending[payload.song].append(payload)
 
     def render(self, batch: list[WindowPayload]) -> None:
         try:

@@ -69,6 +69,10 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     parent = multiprocessing.parent_process()
 
     def inbox(block: bool) -> list[tuple]:
+        if parent is not None and not parent.is_alive():  # orphaned (say the server got SIGKILL)
+            log.warning("the engine process is gone; the stage-1 worker stops")
+            connector.cleanup()  # nobody else is left to remove the segments
+            return [("stop",)]
         items = []
         try:
             message = connector.get(WINDOWS, 0.05 if block else 0)
@@ -77,10 +81,6 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
                              (message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
                 message = connector.get(WINDOWS, 0)
         except ConnectorTimeout:
-            if block and parent is not None and not parent.is_alive():  # orphaned (say the server got SIGKILL)
-                log.warning("the engine process is gone; the stage-1 worker stops")
-                connector.cleanup()  # nobody else is left to remove the segments
-                items.append(("stop",))
             return items
 
     def on_chunk(out: RenderedWindow) -> None:
@@ -99,7 +99,8 @@ class ChunkDeadlines:
     """The connector's waits per song: a window sent is answered within the wait (longer for a song's first),
     and while the worker sends anything, every waiting song's clock restarts (it is queued, not lost). A song
     asking for more Euler steps than the contract's 30 gets waits that many times longer (its render takes that
-    much longer)."""
+    much longer), and while it has windows out every other song's waits stretch as much (they may be batched with
+    it, or queued behind its render call)."""
 
     def __init__(self, first_chunk_s: float, later_s: float):
         self.first_chunk_s, self.later_s = first_chunk_s, later_s
@@ -108,7 +109,8 @@ class ChunkDeadlines:
         self.lock = threading.Lock()
 
     def _wait(self, answered: bool, scale: float) -> float:
-        return (self.later_s if answered else self.first_chunk_s) * scale
+        heaviest = max((s for _, deadline, _, s in self.songs.values() if deadline is not None), default=1.0)
+        return (self.later_s if answered else self.first_chunk_s) * max(scale, heaviest)
 
     def sent(self, song: str, steps: int = contract.DIT_STEPS) -> None:
         with self.lock:
@@ -117,13 +119,19 @@ class ChunkDeadlines:
             if deadline is None:
                 deadline = time.monotonic() + self._wait(answered, scale)
             self.songs[song] = (outstanding + 1, deadline, answered, scale)
+            if scale > 1.0:
+                self._restart(time.monotonic())  # the others may wait behind this song's render now
+
+    def _restart(self, now: float) -> None:
+        """Every waiting song's clock from `now` (never shortened)."""
+        for other, (count, deadline, before, scale) in self.songs.items():
+            if deadline is not None:
+                self.songs[other] = (count, max(deadline, now + self._wait(before, scale)), before, scale)
 
     def answered(self, song: str, last: bool) -> None:
         with self.lock:
             now = time.monotonic()
-            for other, (count, deadline, before, scale) in self.songs.items():
-                if deadline is not None:
-                    self.songs[other] = (count, max(deadline, now + self._wait(before, scale)), before, scale)
+            self._restart(now)
             if song not in self.songs:
                 return  # cancelled or failed meanwhile
             outstanding, _, _, scale = self.songs[song]

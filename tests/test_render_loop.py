@@ -1,0 +1,72 @@
+"""Stage 1's loop (serving/render_loop.py) with a stand-in renderer: windows batch across songs, a song whose
+window arrives out of order or whose render fails is failed alone, and its windows still in flight are dropped
+until the engine's cancel arrives."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from music3serve.acoustic.renderer import WindowPayload
+from music3serve.acoustic.windows import Window
+from music3serve.serving.render_loop import RenderLoop
+
+
+class StandIn:
+    """Renders nothing but records the batches; refuses what the real renderer refuses (a window out of order)."""
+
+    max_batch = 8
+
+    def __init__(self, fail_seed: int | None = None):
+        self.next: dict[str, int] = {}
+        self.batches: list[list[tuple[str, int]]] = []
+        self.fail_seed = fail_seed
+
+    def next_index(self, song: str) -> int:
+        return self.next.get(song, 0)
+
+    def cancel(self, song: str) -> None:
+        self.next.pop(song, None)
+
+    def render(self, batch: list[WindowPayload]) -> list:
+        self.batches.append([(p.song, p.window.index) for p in batch])
+        for p in batch:
+            if p.window.index != self.next_index(p.song):
+                raise RuntimeError(f"song {p.song!r}: window {p.window.index} arrived out of order")
+        if any(p.seed == self.fail_seed for p in batch):
+            raise RuntimeError("injected")
+        for p in batch:
+            self.next[p.song] = p.window.index + 1
+        return [SimpleNamespace(song=p.song, window=p.window) for p in batch]
+
+
+def window(song: str, index: int, seed: int = 0) -> tuple:
+    return ("window", WindowPayload(song, seed, Window(index, 100 * index, 200, False), torch.zeros(1), 2))
+
+
+def run_loop(renderer: StandIn, inboxes: list[list[tuple]]) -> tuple[list, list]:
+    chunks, errors = [], []
+    feed = iter(inboxes + [[("stop",)]])
+    RenderLoop(renderer, lambda block: next(feed), lambda out: chunks.append((out.song, out.window.index)),
+               lambda song, message: errors.append((song, message))).run()
+    return chunks, errors
+
+
+def test_a_window_out_of_order_fails_its_song_alone():
+    renderer = StandIn()
+    chunks, errors = run_loop(renderer, [[window("a", 0), window("a", 2), window("b", 0)], [window("b", 1)]])
+    assert [song for song, _ in errors] == ["a"] and "window 2 of song 'a' where window 1 was due" in errors[0][1]
+    assert chunks == [("b", 0), ("b", 1)]  # the failed song renders nothing more, its queued window 0 included
+    assert all(song == "b" for batch in renderer.batches for song, _ in batch)
+
+
+def test_a_failed_render_drops_the_songs_next_windows_until_its_cancel():
+    renderer = StandIn(fail_seed=7)
+    chunks, errors = run_loop(renderer, [
+        [window("a", 0, seed=7)],
+        [window("a", 1, seed=7), window("b", 0)],  # in flight before the engine's cancel of "a"
+        [("cancel", "a"), window("b", 1)],
+    ])
+    assert [song for song, _ in errors] == ["a"] and "injected" in errors[0][1]
+    assert chunks == [("b", 0), ("b", 1)]
