@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
-import itertools
 import re
 import secrets
 import threading
@@ -29,10 +29,10 @@ from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
-from .connector_base import ConnectorError
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
+from .connector_base import ConnectorError
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
