@@ -282,9 +282,10 @@ class Engine:
                 for event in events:
                     if isinstance(event, (SongFinished, SongFailed)):
                         steps.pop(event.song, None)
-                        for payload, ready in held.pop(event.song, []) if isinstance(event, SongFinished) else ():
-                            self._to_stage1(payload, ready)
-                        held.pop(event.song, None)
+                        windows = held.pop(event.song, [])
+                        if isinstance(event, SongFinished):  # async_chunk false: now all of them, in order
+                            for payload, ready in windows:
+                                self._to_stage1(payload, ready)
 
     def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
         client = self._clients.get(payload.song)
