@@ -86,15 +86,12 @@ def _kernel():
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < width
-        x = tl.load(x_ptr + row * width + cols, mask=ok, other=0.0)
+        s = tl.load(x_ptr + row * width + cols, mask=ok, other=0.0)
         if DELTA:
             d = tl.load(d_ptr + row * width + cols, mask=ok, other=0.0)
             # torch's x + delta: both operands in the promoted dtype, one rounding to it
-            s = (x.to(tl.float32) + d.to(tl.float32)).to(s_ptr.dtype.element_ty)
-            tl.store(s_ptr + row * width + cols, s, mask=ok)
-        else:
-            s = x
-            tl.store(s_ptr + row * width + cols, s, mask=ok)
+            s = (s.to(tl.float32) + d.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * width + cols, s, mask=ok)
         v = s.to(tl.float32)  # the norm's input in its weight dtype (float32)
         mean = tl.sum(v, axis=0) / width
         centered = tl.where(ok, v - mean, 0.0)

@@ -21,9 +21,13 @@ _fused: dict[str, Callable] = {}
 _between_library_calls: set[str] = set()
 
 
+def _name(fn: Callable) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
 def hot(fn: F) -> F:
     """Register fn as fusable; calls go to its compiled version once fusion is enabled."""
-    name = f"{fn.__module__}.{fn.__qualname__}"
+    name = _name(fn)
     _plain[name] = fn
 
     @functools.wraps(fn)
@@ -36,7 +40,7 @@ def hot(fn: F) -> F:
 def between_library_calls(fn: F) -> F:
     """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's): programmatic dependent launch
     (kernels/pdl.py) measured no gain there (docs/performance.md, session 5); its kernels are generated without it."""
-    _between_library_calls.add(f"{fn.__module__}.{fn.__qualname__}")
+    _between_library_calls.add(_name(fn))
     return fn
 
 

@@ -98,7 +98,8 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 class BoundedBody:
     """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411)
-    and stay within MAX_BODY_BYTES (else 413); POSTs elsewhere get the router's 404 or 405. Plain ASGI, so streamed responses pass through untouched."""
+    and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's 404 or 405.
+    Plain ASGI, so streamed responses pass through untouched."""
 
     def __init__(self, app: Callable[..., Awaitable[None]]):
         self.app = app
@@ -106,11 +107,11 @@ class BoundedBody:
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
-            path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
-            if not length and path == SONGS_PATH:
+            if not length:
+                path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
+                if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
+                    return await self.app(scope, receive, send)
                 return await _error(411, "send the body with a Content-Length header")(scope, receive, send)
-            if not length:  # a body the router will refuse (404 / 405) without reading it
-                return await self.app(scope, receive, send)
             if not length.isdigit():
                 return await _error(400, f"Content-Length {length!r:.40} is not a byte count")(scope, receive, send)
             if int(length) > MAX_BODY_BYTES:
@@ -390,5 +391,6 @@ SHUTDOWN_GRACE_S = 10  # on SIGINT/SIGTERM, songs still streaming get this long,
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
-    uvicorn.run(create_app(engine, close_engine=True), host=host, port=port, log_config=None, log_level=log_level.lower(),
+    app = create_app(engine, close_engine=True)
+    uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
