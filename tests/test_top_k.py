@@ -22,6 +22,17 @@ def rows_to_rank(rows: int, columns: int, device: str) -> torch.Tensor:
     return x.to(device)
 
 
+def test_rows_whose_candidates_would_not_fit_one_program_take_torch_topk():
+    """Two passes keep next_power_of_2(k) values per chunk; when those are more than one program holds, the rows
+    go to torch.topk (here: on the CPU, the fallback the CUDA path would take)."""
+    from music3serve.kernels import top_k
+
+    assert -(-16385 // top_k.CHUNK) * top_k._keep(50) <= top_k.MAX_COLUMNS  # the semantic draws: two passes
+    assert -(-16385 // top_k.CHUNK) * top_k._keep(1000) > top_k.MAX_COLUMNS
+    x = rows_to_rank(2, 16385, "cpu")
+    assert torch.equal(kth_largest(x, 1000), kth_largest_reference(x, 1000))
+
+
 def test_cpu_is_torch_topk_and_bad_k_is_refused():
     x = rows_to_rank(4, 1024, "cpu")
     assert torch.equal(kth_largest(x, 50), torch.topk(x, 50, dim=-1).values[:, -1:])
@@ -32,7 +43,7 @@ def test_cpu_is_torch_topk_and_bad_k_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("columns", [1024, 4096, 3])
+@pytest.mark.parametrize("columns", [1024, 4096, 3, 4097, 16385])  # wider than 4096: two passes
 @pytest.mark.parametrize("rows", [1, 2, 16])
 def test_kernel_gives_the_topk_value(rows, columns):
     x = rows_to_rank(rows, columns, "cuda")
