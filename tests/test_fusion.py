@@ -40,6 +40,24 @@ def test_hot_paths_trace_whole_and_match_plain(models, depth_cache):
     torch.testing.assert_close(latent, plain_latent, rtol=1e-5, atol=1e-6)
 
 
+@torch.inference_mode()
+def test_the_depth_decoders_decode_path_traces_whole_and_matches_plain(models):
+    """The cached depth calls of CUDA (keys and values in buffers, decode attention between two hot paths)."""
+    from music3serve.models.depth_decoder import DepthKV
+
+    depth = models.depth_decoder
+    projected = torch.randn(6, 5, depth.cfg.hidden, generator=torch.Generator().manual_seed(1))
+
+    def calls():
+        cache = DepthKV(in_buffers=True)
+        return [depth(projected[:, :2], cache)] + [depth(projected[:, t : t + 1], cache) for t in range(2, 5)]
+
+    plain = calls()
+    enable_fusion(backend="aot_eager")
+    for got, expected in zip(calls(), plain):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_generated_kernels_launch_early_only_outside_the_dit(monkeypatch):
     """Inductor's PDL follows MUSIC3SERVE_PDL for the talker's hot paths; the DiT's (between cuBLAS / cuDNN calls,
     which never launch early) are generated without it."""
@@ -47,7 +65,7 @@ def test_generated_kernels_launch_early_only_outside_the_dit(monkeypatch):
         pytest.skip("this torch's inductor has no PDL option")
     from music3serve.models import fusion
 
-    talker_path, dit_path = "music3serve.models.language_model.residual_mlp", "music3serve.models.dit.dit_qkv"
+    talker_path, dit_path = "music3serve.models.layers.residual_mlp", "music3serve.models.dit.dit_qkv"
     assert {talker_path, dit_path} <= set(fusion._plain)
     monkeypatch.setenv("MUSIC3SERVE_PDL", "all")
     assert fusion._inductor_options(talker_path) == {"triton.enable_pdl": True}

@@ -187,16 +187,25 @@ def test_cached_depth_calls_equal_recomputed_ones(models, solo):
     torch.testing.assert_close(mixed_song(windows[0]), solo[1], rtol=1e-5, atol=1e-6)
 
 
-def test_depth_decoder_cache_equals_recompute_position_by_position(models):
+@pytest.mark.parametrize("in_buffers", [False, True], ids=["concatenated", "buffers"])
+def test_depth_decoder_cache_equals_recompute_position_by_position(models, in_buffers):
+    """Both caches give the recomputed hidden states; the buffers (CUDA's decode-attention path, run here by its
+    torch reference) hold the concatenated cache's keys and values at the same positions."""
     from music3serve.models.depth_decoder import DepthKV
 
     depth = models.depth_decoder
     projected = torch.randn(4, 8, depth.cfg.hidden, generator=torch.Generator().manual_seed(0))
     whole = depth(projected)
-    cache = DepthKV()
+    cache, grown = DepthKV(in_buffers), DepthKV()
     steps = [depth(projected[:, :2], cache)] + [depth(projected[:, t : t + 1], cache) for t in range(2, 8)]
+    for t in [slice(0, 2)] + [slice(t, t + 1) for t in range(2, 8)]:
+        depth(projected[:, t], grown)
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-6)
     assert cache.length == 8
+    for keys, grown_keys in zip(cache.keys + cache.values, grown.keys + grown.values):
+        torch.testing.assert_close(keys[:, :, :8], grown_keys, rtol=1e-5, atol=1e-6)
+    if in_buffers:  # the first block's keys and values come straight from the inputs: the same bits
+        assert torch.equal(cache.keys[0][:, :, :8], grown.keys[0]) and torch.equal(cache.values[0][:, :, :8], grown.values[0])
     with pytest.raises(ValueError, match="one new position"):
         depth(projected[:, :2], cache)
 

@@ -60,3 +60,22 @@ def test_fused_hot_paths_match_plain_ones(tiny_dir):
         assert torch.equal(plain[song][0][:20], fused[song][0][:20])
         # float32 sums reassociated by the fused norms, fed back for 20 frames: measured 2.9e-5 at worst (H200).
         torch.testing.assert_close(plain[song][1][:20], fused[song][1][:20], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_depth_decode_attention_gives_the_recomputed_hidden_states(tiny_dir, dtype):
+    """On CUDA the cached depth calls keep keys and values in buffers and run the decode attention kernel: their
+    hidden states agree with recomputing the whole sequence (SDPA), within the attention's roundings."""
+    from music3serve.models.depth_decoder import DepthKV
+
+    depth = load_models(tiny_dir, device="cuda", talker_dtype=dtype).depth_decoder
+    projected = torch.randn(16, 8, depth.cfg.hidden, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
+
+    def cached(x):
+        cache = DepthKV(in_buffers=True)
+        return torch.cat([depth(x[:, :2], cache)] + [depth(x[:, t : t + 1], cache) for t in range(2, 8)], dim=1)
+
+    whole, steps = depth(projected).float(), cached(projected)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3  # the kernel's tl.dot rounds float32 inputs to TF32
+    torch.testing.assert_close(steps.float(), whole, rtol=tolerance, atol=tolerance)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.decode_attention import decode_attention
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, linear, rms_norm, swiglu
+from .layers import GatedMLP, RMSNorm, linear, residual_mlp, rms_norm, swiglu
 from .weights import Source, require
 
 
@@ -55,6 +56,17 @@ class DepthBlock(nn.Module):
             self.mlp.gate_up.weight, self.mlp.down.weight, self.attn_norm.eps, self.heads,
         )
 
+    def decode(
+        self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The block for one new position x [rows, 1, hidden] over buffers of keys and values [rows, heads,
+        capacity, head_dim]: decode attention stores the new key and value at `positions` and attends over
+        [0, lengths)."""
+        q, k, v = depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps, self.heads)
+        attn = decode_attention(q, keys, values, lengths, append=(k, v, positions))
+        return residual_mlp(x, attn.reshape(x.shape), self.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight,
+                            self.mlp.down.weight, self.mlp_norm.eps)
+
 
 @hot
 def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int):
@@ -72,16 +84,27 @@ def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_
     return swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w, residual=x), k, v
 
 
-class DepthKV:
-    """Keys and values of the depth positions run so far in one frame, per block."""
+@hot
+def depth_qkv(x, attn_norm_w, qkv_w, eps: float, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [rows, heads, head_dim] of one new position x [rows, 1, hidden]."""
+    return tuple(p.reshape(x.shape[0], heads, -1) for p in linear(rms_norm(x, attn_norm_w, eps), qkv_w).chunk(3, -1))
 
-    def __init__(self) -> None:
+
+class DepthKV:
+    """Keys and values of the depth positions run so far in one frame, per block.
+
+    Concatenated (the default): each cached call attends with SDPA over the grown keys, the same bits as
+    recomputing the sequence (on the CPU). ``in_buffers``: the first call's keys and values go into buffers of every
+    position [rows, heads, capacity, head_dim] and each later call runs decode attention, which stores the new
+    position's key and value itself (kernels/decode_attention.py): on CUDA one Triton kernel per block instead of
+    SDPA plus two concatenations, whose arithmetic per row does not depend on the rows beside it."""
+
+    def __init__(self, in_buffers: bool = False) -> None:
+        self.in_buffers = in_buffers
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        self.length = 0
+        self.steps: torch.Tensor | None = None  # in_buffers: row p holds p in every column (lengths and positions)
 
 
 class DepthDecoder(nn.Module):
@@ -104,6 +127,12 @@ class DepthDecoder(nn.Module):
         if start and projected.shape[1] != 1:
             raise ValueError(f"a cached depth call takes one new position, got {projected.shape[1]}")
         x = projected + self.positions.weight[start : start + projected.shape[1]]
+        if start and cache.in_buffers:
+            lengths, positions = cache.steps[start + 1], cache.steps[start]
+            for i, block in enumerate(self.blocks):
+                x = block.decode(x, cache.keys[i], cache.values[i], lengths, positions)
+            cache.length += 1
+            return self.norm(x)
         rows, heads = x.shape[0], self.cfg.heads
         empty = x.new_zeros(rows, heads, 0, self.cfg.hidden // heads)
         keys, values = [], []
@@ -113,8 +142,20 @@ class DepthDecoder(nn.Module):
             keys.append(k)
             values.append(v)
         if cache is not None:
-            cache.keys, cache.values = keys, values
+            cache.keys, cache.values = (self._buffered(keys), self._buffered(values)) if cache.in_buffers else (keys, values)
+            cache.length = start + projected.shape[1]
+            if cache.in_buffers:
+                cache.steps = torch.arange(self.cfg.positions + 1, device=x.device)[:, None].expand(-1, rows).contiguous()
         return self.norm(x)
+
+    def _buffered(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each [rows, heads, t, head_dim] at the start of a buffer of all positions."""
+        out = []
+        for t in tensors:
+            buffer = t.new_empty(*t.shape[:2], self.cfg.positions, t.shape[3])
+            buffer[:, :, : t.shape[2]] = t
+            out.append(buffer)
+        return out
 
     def head_logits(self, hidden: torch.Tensor, codebook: int) -> torch.Tensor:
         """float32 logits of residual codebook `codebook` (1..7) from hidden [rows, hidden]."""

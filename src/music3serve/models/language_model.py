@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import contract
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, apply_rope, linear, normed, rms_norm, rope_angles, swiglu
+from .layers import GatedMLP, RMSNorm, apply_rope, linear, normed, residual_mlp, rms_norm, rope_angles
 from .weights import Source, require
 
 
@@ -115,13 +115,6 @@ def attention_inputs(x, qkv_w, q_norm_w, k_norm_w, cos, sin, eps: float, heads: 
     q = apply_rope(rms_norm(q.view(b, t, heads, head_dim), q_norm_w, eps), cos, sin)
     k = apply_rope(rms_norm(k.view(b, t, kv_heads, head_dim), k_norm_w, eps), cos, sin)
     return q, k, v.view(b, t, kv_heads, head_dim)
-
-
-@hot
-def residual_mlp(x, attn_out, o_w, norm_w, gate_up_w, down_w, eps: float) -> torch.Tensor:
-    """x + o(attn_out), then + SwiGLU(norm(.)): the second half of a decoder layer."""
-    x = linear(attn_out, o_w, residual=x)
-    return swiglu(rms_norm(x, norm_w, eps), gate_up_w, down_w, residual=x)
 
 
 class DecoderLayer(nn.Module):

@@ -63,6 +63,14 @@ def swiglu(
     return linear(gated(x, gate_up), down, residual)
 
 
+@hot
+def residual_mlp(x, attn_out, o_w, norm_w, gate_up_w, down_w, eps: float) -> torch.Tensor:
+    """x + o(attn_out), then + SwiGLU(norm(.)): the second half of a pre-norm decoder block (backbone and depth
+    decoder)."""
+    x = linear(attn_out, o_w, residual=x)
+    return swiglu(rms_norm(x, norm_w, eps), gate_up_w, down_w, residual=x)
+
+
 def _skinny(x: torch.Tensor) -> bool:
     """CUDA bf16 inputs go to the skinny custom ops (which fall back to torch for many rows); anything else stays
     plain torch ops that inductor can fuse."""

@@ -49,7 +49,7 @@ def talker_frame(
     semantic = (column - 1).clamp_min(0)
     semantic_embed = lm.embed_codes(both_rows(semantic))
     sequence = [depth.project(hidden), depth.project(semantic_embed)]
-    cache = DepthKV() if depth_cache else None
+    cache = DepthKV(in_buffers=hidden.is_cuda) if depth_cache else None
     codes, depth_hiddens, residual_embeds = [semantic], [], []
     for codebook in range(1, contract.NUM_CODEBOOKS):
         new = sequence[cache.length :] if cache is not None else sequence
