@@ -162,9 +162,9 @@ def _kernels():
 
     @triton.jit
     def split_kernel(
-        q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr,
+        q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr, out_ptr,
         k_new_ptr, v_new_ptr, pos_ptr,
-        stride_qr, stride_qh,
+        stride_qr, stride_qh, stride_or, stride_oh,
         stride_kr, stride_kh, stride_kn,
         stride_vr, stride_vh, stride_vn,
         stride_knr, stride_knh, stride_vnr, stride_vnh,
@@ -231,15 +231,17 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        # Only splits that own at least one position store; the combine reads exactly those.
-        active = lo < hi
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        lse = m_i + tl.log2(l_safe)
-        part_row = (row64 * q_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD]
-        st_mask = g_mask & active
-        tl.store(lse_part_ptr + part_row, lse, mask=st_mask)
-        tl.store(o_part_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=st_mask[:, None])
+        if NUM_SPLITS == 1:  # the whole row: the combine's result (weight exp2(0) = 1, zeros for no position), directly
+            out_ptrs = out_ptr + row64 * stride_or + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        else:  # only splits that own at least one position store; the combine reads exactly those
+            lse = m_i + tl.log2(l_safe)
+            part_row = (row64 * q_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+            st_mask = g_mask & (lo < hi)
+            tl.store(lse_part_ptr + part_row, lse, mask=st_mask)
+            tl.store(o_part_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=st_mask[:, None])
 
     @triton.jit
     def combine_kernel(
@@ -363,9 +365,9 @@ def _decode_attention_triton(
     lse_part = torch.empty((rows, q_heads, num_splits), device=q.device, dtype=torch.float32)
 
     split_kernel[(num_splits, kv_heads, rows)](
-        q, k_cache, v_cache, lengths, o_part, lse_part,
+        q, k_cache, v_cache, lengths, o_part, lse_part, out,
         k_new, v_new, positions,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -374,6 +376,8 @@ def _decode_attention_triton(
         APPEND=append is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **launch_options(pdl),
     )  # fmt: skip
+    if num_splits == 1:  # the split kernel wrote the result
+        return out
     combine_kernel[(q_heads, rows)](
         o_part, lse_part, lengths, out,
         out.stride(0), out.stride(1),
