@@ -1,5 +1,5 @@
 """Which SDPA backend runs the DiT's attention fastest? At eight windows the attention (16 sequences of 690 tokens,
-16 heads of 128) took 9.2 ms of a ~102 ms call in cuDNN (~240 TFLOP/s, docs/performance.md round 6): the
+32 heads of 64) took 9.2 ms of a ~102 ms call in cuDNN (~240 TFLOP/s, docs/performance.md round 6): the
 largest piece left outside the GEMMs. The fused bf16 DiT call (graph) with torch's default choice, then each
 backend forced, same inputs; the output's relative difference to the default's says the backends agree.
 
