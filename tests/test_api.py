@@ -200,6 +200,7 @@ def test_malformed_json_and_unknown_routes(client):
 # --- cancellation and failure -----------------------------------------------------------------------------
 def test_delete_cancels_a_streaming_song(client, engine):
     requests, failures = metric(client, "music3_requests"), metric(client, "music3_failures")
+    frames = metric(client, "music3_frames")
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
         assert response.status_code == 200
         song = response.headers["x-song-id"]
@@ -218,6 +219,7 @@ def test_delete_cancels_a_streaming_song(client, engine):
     assert metric(client, "music3_talker_steps") == steps  # the talker stopped writing it
     assert metric(client, "music3_requests") == requests + 1
     assert metric(client, "music3_failures") == failures  # a cancel is not a failure
+    assert metric(client, "music3_frames") >= frames + seconds * contract.FRAME_RATE  # a cancelled song's count too
     assert client.delete(f"/v1/songs/{song}").status_code == 204  # idempotent
 
 

@@ -256,6 +256,7 @@ class Engine:
                 self._drain_control(steps, held, block=not self.talker.busy)
                 if not self.talker.busy:
                     continue
+                written = self.talker.frames_written
                 try:
                     events = self.talker.step()
                 except Exception as exc:  # a failed step fails its songs, never the engine
@@ -264,10 +265,11 @@ class Engine:
                         self.talker.cancel(song)
                         self._fail(song, f"stage 0 failed: {exc}")
                     continue
+                finally:
+                    self.metrics.frames.inc(self.talker.frames_written - written)
                 self.metrics.talker_steps.inc()
                 for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
                     if isinstance(event, SongFinished):
-                        self.metrics.frames.inc(event.frames)
                         client = self._clients.get(event.song)
                         if client:
                             client.finished = event

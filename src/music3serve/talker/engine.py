@@ -123,6 +123,7 @@ class Talker:
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]
         self.songs: dict[str, _Song] = {}
+        self.frames_written = 0  # by every song, those cancelled or failed later included
 
     @torch.inference_mode()
     def warm_prefill(self) -> None:
@@ -261,6 +262,7 @@ class Talker:
                 events += self._finish(song, "audio_end", done.copied)
             elif index > 0:
                 song.codes.append(codes[p])
+                self.frames_written += 1
                 events += [self._payload(song, w, done.copied) for w in song.windows.ready(song.frames)]
                 if song.frames == song.budget:
                     finished.append(song)
