@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from music3serve.errors import Music3Error
+from music3serve.serving.connectors import ConnectorError, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
+from music3serve.serving.worker import Outbox
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
 
@@ -88,6 +91,96 @@ def test_stage1_silence_fails_the_song_after_the_connector_wait(tiny_dir):
     finally:
         os.kill(engine.worker.process.pid, signal.SIGCONT)
         engine.close()
+
+
+def test_a_hung_worker_is_stopped_and_the_engine_says_so(tiny_dir):
+    """Alive but silent past the limit (heartbeats stop too): the worker is killed, the song in flight fails with
+    the reason, the engine refuses songs and says why, and nothing is left in /dev/shm."""
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    connector = engine.worker.connector
+    try:
+
+        async def scenario():
+            events = []
+            async for event in engine.submit(SongRequest("pop", "[verse]\nla", 30.0, seed=4, steps=2)):
+                events.append(event)
+                if isinstance(event, AudioChunk) and event.window == 0:
+                    os.kill(engine.worker.process.pid, signal.SIGSTOP)
+                    engine.worker.silence_limit_s = 1.0  # the default 300 s, shortened for the test
+            return events
+
+        events = asyncio.run(asyncio.wait_for(scenario(), 240))
+        assert isinstance(events[-1], Failed) and "stopped as hung" in events[-1].message
+        assert "stopped as hung" in engine.unavailable()
+        assert not engine.worker.alive()
+        with pytest.raises(Music3Error, match="stopped as hung"):
+            asyncio.run(song_pcm(engine, 5, 2.0))
+    finally:
+        started = time.monotonic()
+        engine.close()
+        assert time.monotonic() - started < 20
+    assert not connector.segments()
+
+
+def test_an_idle_worker_is_not_taken_for_hung(tiny_dir):
+    """Between songs the worker says it is alive, so a silence limit shorter than the idle time kills nothing."""
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    try:
+        engine.worker.silence_limit_s = 3.0
+        time.sleep(5)
+        assert engine.unavailable() is None and engine.worker.alive()
+        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 7, 2.0), 120)), np.ndarray)
+    finally:
+        engine.close()
+
+
+class StuckConnector:
+    """Takes one message and never returns (a worker that stopped reading, its pipe full)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def put(self, channel, message):
+        self.release.wait(30)
+
+
+class FullConnector:
+    def put(self, channel, message):
+        raise ConnectorError("no space left in /dev/shm")
+
+
+def window(song: str, index: int) -> Message:
+    return Message("window", {"song": song, "index": index}, {})
+
+
+def test_the_outbox_refuses_windows_once_the_worker_stops_reading_instead_of_blocking():
+    stuck = StuckConnector()
+    outbox = Outbox(stuck, "windows", limit=2)
+    try:
+        started = time.monotonic()
+        outbox.put(window("a", 0))  # taken by the writer, which now blocks
+        deadline = time.monotonic() + 5
+        while not outbox._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        outbox.put(window("a", 1))
+        outbox.put(window("b", 0))
+        with pytest.raises(ConnectorError, match="has not read the last 2 messages"):
+            outbox.put(window("b", 1))
+        assert time.monotonic() - started < 5
+    finally:
+        stuck.release.set()
+        outbox.close()
+
+
+def test_windows_the_connector_cannot_take_come_back_as_failures_of_their_songs():
+    outbox = Outbox(FullConnector(), "windows")
+    outbox.put(window("a", 3))
+    outbox.put(Message("cancel", {"song": "b"}, {}))  # logged only
+    outbox.close(Message("stop", {}, {}))
+    outbox._thread.join(5)
+    assert not outbox._thread.is_alive()  # it stopped after the stop message
+    assert outbox.failures() == [("a", "stage 1 could not take window 3: no space left in /dev/shm")]
+    assert outbox.failures() == []
 
 
 def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits():

@@ -299,7 +299,8 @@ class Engine:
             self._send_window(payload, ready)
 
     def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
-        """To the worker; a connector that cannot take it (say /dev/shm is full) fails this song only."""
+        """To the worker's outbox; a worker that is not reading fails this song only (and so does a connector that
+        cannot take the window, say /dev/shm is full: reported to the receiver thread)."""
         try:
             if self._window_copies is None:
                 self.worker.send_window(payload)
@@ -373,11 +374,18 @@ class Engine:
                 self._fail(key, "stage 1 sent no audio within the connector wait "
                                 f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
                 self._cancel(key)
+            for key, reason in self.worker.outbox.failures():  # windows the connector could not take
+                self._fail(key, reason)
+                self._cancel(key)
             message = self.worker.receive(0.05)
             if message is None:
                 if not self.worker.alive():
                     self.worker.connector.cleanup()  # its own segments and the windows it will never read
                     raise Music3Error(f"the stage-1 worker died (exit code {self.worker.process.exitcode})")
+                silent = self.worker.hung_for()
+                if silent is not None:
+                    self.worker.kill()
+                    raise Music3Error(f"the stage-1 worker said nothing for {silent:.0f} s and was stopped as hung")
             elif message.key == "chunk":
                 self._on_chunk(chunk_window(message))
             elif message.key == "failed":

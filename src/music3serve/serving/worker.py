@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..acoustic.windows import Window
 from ..checkpoint import load_component
 from ..errors import Music3Error
-from .connectors import ConnectorTimeout, Message, make_connector, timeouts
+from .connectors import ConnectorError, ConnectorTimeout, Message, make_connector, timeouts
 from .deploy_config import ConnectorConfig, Stage1Config
 from .render_loop import RenderLoop
 
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 
 WINDOWS, PCM = "stage0_to_stage1", "stage1_to_engine"
 STARTUP_TIMEOUT_S = 1800.0  # loading 10 GB of acoustic weights and capturing graphs
+HEARTBEAT_S = 1.0  # a worker between render calls says it is alive at least this often
+# A worker that says nothing this long (times the heaviest song's Euler-step scale, like the connector waits) is
+# hung: one render call of eight windows at the contract's 30 steps takes ~3 s on an H200.
+SILENCE_LIMIT_S = 300.0
+OUTBOX_MESSAGES = 64  # windows and cancels waiting to be written to the worker; past that a window is refused
 
 
 def window_message(payload: WindowPayload) -> Message:
@@ -64,8 +70,13 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         fuse=stage1.graphs,
     )
     renderer.warmup(range(1, stage1.render_batch + 1))
-    connector.put(PCM, Message("ready", {}, {}))
+    said = [0.0]  # when the worker last sent anything
 
+    def say(message: Message) -> None:
+        connector.put(PCM, message)
+        said[0] = time.monotonic()
+
+    say(Message("ready", {}, {}))
     parent = multiprocessing.parent_process()
 
     def inbox(block: bool) -> list[tuple]:
@@ -73,6 +84,8 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
             log.warning("the engine process is gone; the stage-1 worker stops")
             connector.cleanup()  # nobody else is left to remove the segments
             return [("stop",)]
+        if time.monotonic() - said[0] > HEARTBEAT_S:
+            say(Message("alive", {}, {}))
         items = []
         try:
             message = connector.get(WINDOWS, 0.05 if block else 0)
@@ -86,10 +99,10 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     def on_chunk(out: RenderedWindow) -> None:
         w = out.window
         meta = {"song": out.song, "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
-        connector.put(PCM, Message("chunk", meta, {"pcm": out.pcm}))
+        say(Message("chunk", meta, {"pcm": out.pcm}))
 
     def on_error(song: str, message: str) -> None:
-        connector.put(PCM, Message("failed", {"song": song, "message": message}, {}))
+        say(Message("failed", {"song": song, "message": message}, {}))
 
     RenderLoop(renderer, inbox, on_chunk, on_error).run()
     connector.close()
@@ -156,6 +169,57 @@ class ChunkDeadlines:
         with self.lock:
             self.songs.pop(song, None)
 
+    def heaviest(self) -> float:
+        """The largest Euler-step scale of the songs with windows out (1 with none)."""
+        with self.lock:
+            return max((scale for *_, scale in self.songs.values()), default=1.0)
+
+
+class Outbox:
+    """Messages to the worker, written to the connector by a thread of their own, so the talker never blocks on
+    a worker that stopped reading: `put` refuses a message once `limit` wait. Windows that the connector could
+    not take (say /dev/shm is full) come back from `failures()` as (song, reason)."""
+
+    def __init__(self, connector, channel: str, limit: int = OUTBOX_MESSAGES):
+        self.connector, self.channel, self.limit = connector, channel, limit
+        self._queue: queue.Queue[Message | None] = queue.Queue(maxsize=limit)
+        self._failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="music3-stage1-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, message: Message) -> None:
+        try:
+            self._queue.put_nowait(message)
+        except queue.Full:
+            raise ConnectorError(f"stage 1 has not read the last {self.limit} messages sent to it") from None
+
+    def failures(self) -> list[tuple[str, str]]:
+        out = []
+        while not self._failures.empty():
+            out.append(self._failures.get())
+        return out
+
+    def close(self, last: Message | None = None) -> None:
+        """The writer stops after the messages queued and `last` (at once if the queue is full: a worker that has
+        not read them will not)."""
+        try:
+            self._queue.put_nowait(last)
+        except queue.Full:
+            pass
+
+    def _write(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self.connector.put(self.channel, message)
+            except Exception as exc:  # a closed connector, a full /dev/shm, a worker gone (broken pipe)
+                if message.key == "window":
+                    reason = f"stage 1 could not take window {message.meta['index']}: {exc}"
+                    self._failures.put((message.meta["song"], reason))
+                else:
+                    log.warning("message %r to stage 1 not sent: %s", message.key, exc)
+            if message.key == "stop":
+                return
+
 
 class RenderWorker:
     """Starts the worker process and carries windows to it and PCM back. `load(device)` runs in the worker and
@@ -171,6 +235,8 @@ class RenderWorker:
             target=worker_main, args=(load, device, stage1, self.connector), name="music3-stage1", daemon=True
         )
         self.process.start()
+        self.outbox = Outbox(self.connector, WINDOWS)
+        self.silence_limit_s = SILENCE_LIMIT_S
         started = time.monotonic()
         while True:
             if not self.process.is_alive():
@@ -178,6 +244,7 @@ class RenderWorker:
                 raise Music3Error(f"the stage-1 worker exited with code {self.process.exitcode} while starting")
             try:
                 self.connector.get(PCM, 1.0)
+                self.heard = time.monotonic()
                 break
             except ConnectorTimeout:
                 if time.monotonic() - started > STARTUP_TIMEOUT_S:
@@ -185,34 +252,50 @@ class RenderWorker:
                     raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
 
     def send_window(self, payload: WindowPayload) -> None:
-        self.deadlines.sent(payload.song, payload.steps)
-        self.connector.put(WINDOWS, window_message(payload))
+        """Queue a window (its copy to the host happens here); ConnectorError if the worker is not reading."""
+        message = window_message(payload)
+        self.deadlines.sent(payload.song, payload.steps)  # before it can be answered (a refusal cancels the song)
+        self.outbox.put(message)
 
     def send_cancel(self, song: str) -> None:
-        self.connector.put(WINDOWS, Message("cancel", {"song": song}, {}))
+        try:
+            self.outbox.put(Message("cancel", {"song": song}, {}))
+        except ConnectorError as exc:  # its windows then render and their audio is ignored
+            log.warning("cancel of %s not sent: %s", song, exc)
 
     def receive(self, timeout_s: float) -> Message | None:
+        """The worker's next chunk or failure report, or None (heartbeats only count as news of its life)."""
         try:
             message = self.connector.get(PCM, timeout_s)
         except ConnectorTimeout:
             return None
+        self.heard = time.monotonic()
         if message.key == "chunk":
             self.deadlines.answered(message.meta["song"], message.meta["last"])
-        return message
+        return None if message.key == "alive" else message
 
     def alive(self) -> bool:
         return self.process.is_alive()
 
+    def hung_for(self) -> float | None:
+        """How long the worker has said nothing, once that is past its limit (scaled like the connector waits)."""
+        silent = time.monotonic() - self.heard
+        return silent if silent > self.silence_limit_s * self.deadlines.heaviest() else None
+
+    def kill(self) -> None:
+        """Kill the worker now and remove its segments and those of windows it will never read."""
+        self.process.kill()
+        self.process.join(timeout=10)
+        self.connector.cleanup()
+
     def close(self) -> None:
         """Stop the worker (killing it if it does not stop) and remove every shared-memory segment."""
         if self.process.is_alive():
-            try:
-                self.connector.put(WINDOWS, Message("stop", {}, {}))
-            except Music3Error:
-                pass
+            self.outbox.close(Message("stop", {}, {}))
             self.process.join(timeout=10)
+        else:
+            self.outbox.close()
         if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=10)
+            self.kill()
         self.connector.cleanup()
         self.connector.close()
