@@ -26,18 +26,19 @@ def frames_and_window(models, depth_cache: bool):
     renderer = Renderer.from_models(models)
     mixed = renderer.mix(torch.randn(150, 8 * models.language_model.cfg.hidden, generator=gen))
     (window,) = renderer.render(renderer.payloads("song", 7, mixed, steps=2)[:1])
-    return frame, window.latent
+    return frame, window
 
 
 @pytest.mark.parametrize("depth_cache", [False, True], ids=["recomputed", "cached"])
 def test_hot_paths_trace_whole_and_match_plain(models, depth_cache):
-    plain_frame, plain_latent = frames_and_window(models, depth_cache)
+    plain_frame, plain_window = frames_and_window(models, depth_cache)
     enable_fusion(backend="aot_eager")
     assert set(_fused) == set(_plain)
-    frame, latent = frames_and_window(models, depth_cache)
+    frame, window = frames_and_window(models, depth_cache)
     assert torch.equal(frame.codes, plain_frame.codes)
     torch.testing.assert_close(frame.conditioning, plain_frame.conditioning, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(latent, plain_latent, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(window.latent, plain_window.latent, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(window.pcm, plain_window.pcm, rtol=1e-5, atol=1e-6)  # the vocoder's snakes fused
 
 
 @torch.inference_mode()
@@ -70,6 +71,7 @@ def test_generated_kernels_launch_early_only_outside_the_dit(monkeypatch):
     monkeypatch.setenv("MUSIC3SERVE_PDL", "all")
     assert fusion._inductor_options(talker_path) == {"triton.enable_pdl": True}
     assert fusion._inductor_options(dit_path) == {"triton.enable_pdl": False}
+    assert fusion._inductor_options("music3serve.models.vocoder.snake") == {"triton.enable_pdl": False}
     monkeypatch.setenv("MUSIC3SERVE_PDL", "ours")
     assert fusion._inductor_options(talker_path) == {"triton.enable_pdl": False}
 

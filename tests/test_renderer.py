@@ -259,3 +259,22 @@ def graphs_against_eager(root: Path, policy: PrecisionPolicy, steps: int = 4) ->
 def test_graphs_equal_eager_on_cuda(tiny_dir, policy):
     latent, pcm = graphs_against_eager(tiny_dir, policy)
     assert latent <= 1e-6 and pcm <= 1e-4, (latent, pcm)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_the_fused_vocoder_equals_eager_on_cuda(tiny_dir):
+    """The Snake activations compiled by inductor (one pass each) against the eager ops, IEEE float32."""
+    from music3serve.models.fusion import disable_fusion, enable_fusion
+
+    vocoder = acoustic(tiny_dir, "cuda").vocoder
+    latents = torch.randn(3, 128, 300, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with float32_matmuls("cuda"):
+        disable_fusion()
+        eager = vocoder(latents)
+        enable_fusion()
+        try:
+            fused = vocoder(latents)
+        finally:
+            disable_fusion()
+    assert rel_err(eager, fused) <= 1e-4

@@ -38,8 +38,9 @@ def hot(fn: F) -> F:
 
 
 def between_library_calls(fn: F) -> F:
-    """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's): programmatic dependent launch
-    (kernels/pdl.py) measured no gain there (docs/performance.md, session 5); its kernels are generated without it."""
+    """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's, the vocoder's): programmatic
+    dependent launch (kernels/pdl.py) measured no gain there (docs/performance.md, session 5); its kernels are
+    generated without it."""
     _between_library_calls.add(_name(fn))
     return fn
 
