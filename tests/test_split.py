@@ -14,7 +14,8 @@ import pytest
 from music3serve.errors import Music3Error
 from music3serve.serving.connectors import ConnectorError, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
-from music3serve.serving.worker import Outbox
+from music3serve.serving.heartbeat import Heartbeat, WorkerWatch
+from music3serve.serving.outbox import Outbox
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
 
@@ -93,9 +94,10 @@ def test_stage1_silence_fails_the_song_after_the_connector_wait(tiny_dir):
         engine.close()
 
 
-def test_a_hung_worker_is_stopped_and_the_engine_says_so(tiny_dir):
-    """Alive but silent past the limit (heartbeats stop too): the worker is killed, the song in flight fails with
-    the reason, the engine refuses songs and says why, and nothing is left in /dev/shm."""
+def test_a_frozen_worker_is_stopped_as_hung_and_the_engine_says_so(tiny_dir):
+    """Alive but frozen past the silence limit (its heartbeat stops too): the worker is killed, the song in flight
+    fails with the reason, the engine refuses songs and says why, close() does not wait on it, and nothing is left
+    in /dev/shm."""
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     connector = engine.worker.connector
     try:
@@ -106,11 +108,12 @@ def test_a_hung_worker_is_stopped_and_the_engine_says_so(tiny_dir):
                 events.append(event)
                 if isinstance(event, AudioChunk) and event.window == 0:
                     os.kill(engine.worker.process.pid, signal.SIGSTOP)
-                    engine.worker.silence_limit_s = 1.0  # the default 300 s, shortened for the test
+                    engine.worker.watch.silence_s = 1.0  # the default 30 s, shortened for the test
             return events
 
         events = asyncio.run(asyncio.wait_for(scenario(), 240))
-        assert isinstance(events[-1], Failed) and "stopped as hung" in events[-1].message
+        assert isinstance(events[-1], Failed), events[-1]
+        assert "said nothing for" in events[-1].message and "stopped as hung" in events[-1].message
         assert "stopped as hung" in engine.unavailable()
         assert not engine.worker.alive()
         with pytest.raises(Music3Error, match="stopped as hung"):
@@ -123,10 +126,10 @@ def test_a_hung_worker_is_stopped_and_the_engine_says_so(tiny_dir):
 
 
 def test_an_idle_worker_is_not_taken_for_hung(tiny_dir):
-    """Between songs the worker says it is alive, so a silence limit shorter than the idle time kills nothing."""
+    """Between songs the worker's heartbeat goes on, so a silence limit shorter than the idle time kills nothing."""
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     try:
-        engine.worker.silence_limit_s = 3.0
+        engine.worker.watch.silence_s = 3.0
         time.sleep(5)
         assert engine.unavailable() is None and engine.worker.alive()
         assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 7, 2.0), 120)), np.ndarray)
@@ -134,52 +137,101 @@ def test_an_idle_worker_is_not_taken_for_hung(tiny_dir):
         engine.close()
 
 
-class StuckConnector:
-    """Takes one message and never returns (a worker that stopped reading, its pipe full)."""
+def test_the_heartbeat_reports_the_render_call_and_the_watch_tells_stuck_from_long():
+    said = []
+    beat = Heartbeat(said.append, period_s=0.05)
+    try:
+        time.sleep(0.2)
+        assert said and said[-1].meta == {"busy_s": 0.0, "scale": 1.0}
+        beat.rendering(10.0)  # a call of 300 Euler steps starts
+        time.sleep(0.3)
+        busy = said[-1].meta
+        assert 0.1 < busy["busy_s"] < 1.0 and busy["scale"] == 10.0
+        beat.rendering(None)
+        time.sleep(0.2)
+        assert said[-1].meta["busy_s"] == 0.0
+    finally:
+        beat.stop()
 
-    def __init__(self):
-        self.release = threading.Event()
+    watch = WorkerWatch(silence_s=30.0, render_s=2.0)
+    watch.heard -= 100  # before the first check (the engine starting): not counted
+    assert watch.hung() is None
+    watch.heard_from(Message("alive", {"busy_s": 15.0, "scale": 10.0}, {}))
+    assert watch.hung() is None  # 15 s of a 300-step call: within 2 s x 10
+    watch.heard_from(Message("alive", {"busy_s": 25.0, "scale": 10.0}, {}))
+    assert watch.hung() == "has been in one render call for 25 s"
+    watch.heard_from(Message("alive", {"busy_s": 0.0, "scale": 1.0}, {}))
+    assert watch.hung() is None
+    watch.silence_s, watch.heard = 1.0, time.monotonic() - 2.0
+    assert watch.hung().startswith("said nothing for 2")
+    watch._checked -= 10  # this process was paused itself: the worker gets a fresh allowance
+    assert watch.hung() is None
+
+
+class GatedConnector:
+    """Records what is written; the first write waits until `release` (a worker slow to read)."""
+
+    def __init__(self, fail_windows: bool = False):
+        self.entered, self.release, self.written = threading.Event(), threading.Event(), []
+        self.fail_windows = fail_windows
 
     def put(self, channel, message):
-        self.release.wait(30)
-
-
-class FullConnector:
-    def put(self, channel, message):
-        raise ConnectorError("no space left in /dev/shm")
+        if not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        if self.fail_windows and message.key == "window":
+            raise ConnectorError("no space left in /dev/shm")
+        self.written.append((message.key, message.meta.get("song"), message.meta.get("index")))
 
 
 def window(song: str, index: int) -> Message:
     return Message("window", {"song": song, "index": index}, {})
 
 
-def test_the_outbox_refuses_windows_once_the_worker_stops_reading_instead_of_blocking():
-    stuck = StuckConnector()
-    outbox = Outbox(stuck, "windows", limit=2)
-    try:
-        started = time.monotonic()
-        outbox.put(window("a", 0))  # taken by the writer, which now blocks
-        deadline = time.monotonic() + 5
-        while not outbox._queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        outbox.put(window("a", 1))
-        outbox.put(window("b", 0))
-        with pytest.raises(ConnectorError, match="has not read the last 2 messages"):
-            outbox.put(window("b", 1))
-        assert time.monotonic() - started < 5
-    finally:
-        stuck.release.set()
-        outbox.close()
+def cancel(song: str) -> Message:
+    return Message("cancel", {"song": song}, {})
 
 
-def test_windows_the_connector_cannot_take_come_back_as_failures_of_their_songs():
-    outbox = Outbox(FullConnector(), "windows")
-    outbox.put(window("a", 3))
-    outbox.put(Message("cancel", {"song": "b"}, {}))  # logged only
+def test_the_outbox_never_blocks_and_skips_the_windows_of_a_song_cancelled_behind_them():
+    gated = GatedConnector()
+    outbox = Outbox(gated, "windows")
+    started = time.monotonic()
+    outbox.put(window("a", 0))
+    assert gated.entered.wait(5)  # the writer is on it
+    for message in [window("a", 1), window("b", 0), cancel("a"), window("b", 1)]:
+        outbox.put(message)
+    for i in range(2, 500):  # a burst (async_chunk false: a whole song's windows at its end)
+        outbox.put(window("b", i))
+    assert time.monotonic() - started < 1.0  # the talker never waits for the worker
+    gated.release.set()
+    outbox.put(Message("stop", {}, {}))
+    assert outbox.join(10)
+    assert gated.written[:4] == [("window", "a", 0), ("window", "b", 0), ("cancel", "a", None), ("window", "b", 1)]
+    assert gated.written[4:] == [("window", "b", i) for i in range(2, 500)] + [("stop", None, None)]
+    assert outbox.failures() == []
+
+
+def test_closing_the_outbox_drops_the_queued_windows_but_sends_the_stop():
+    gated = GatedConnector()
+    outbox = Outbox(gated, "windows")
+    outbox.put(window("a", 0))
+    assert gated.entered.wait(5)  # being written
+    outbox.put(window("a", 1))
     outbox.close(Message("stop", {}, {}))
-    outbox._thread.join(5)
-    assert not outbox._thread.is_alive()  # it stopped after the stop message
+    gated.release.set()
+    assert outbox.join(10)
+    assert gated.written == [("window", "a", 0), ("stop", None, None)]
+
+
+def test_windows_the_connector_cannot_take_come_back_once_as_failures_of_their_songs():
+    gated = GatedConnector(fail_windows=True)
+    gated.release.set()
+    outbox = Outbox(gated, "windows")
+    for message in [window("a", 3), window("a", 4), cancel("b"), Message("stop", {}, {})]:
+        outbox.put(message)
+    assert outbox.join(10)  # it ends after the stop
     assert outbox.failures() == [("a", "stage 1 could not take window 3: no space left in /dev/shm")]
+    assert gated.written == [("cancel", "b", None), ("stop", None, None)]  # window 4 skipped, not failed again
     assert outbox.failures() == []
 
 

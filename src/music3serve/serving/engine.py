@@ -32,7 +32,6 @@ from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
-from .connector_base import ConnectorError
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
@@ -299,20 +298,15 @@ class Engine:
             self._send_window(payload, ready)
 
     def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
-        """To the worker's outbox; a worker that is not reading fails this song only (and so does a connector that
-        cannot take the window, say /dev/shm is full: reported to the receiver thread)."""
-        try:
-            if self._window_copies is None:
-                self.worker.send_window(payload)
-                return
-            if ready is not None:
-                self._window_copies.wait_event(ready)
-            with torch.cuda.stream(self._window_copies):
-                self.worker.send_window(payload)  # its device-to-host copy runs here
-        except ConnectorError as exc:
-            log.warning("window %d of %s not sent: %s", payload.window.index, payload.song, exc)
-            self._fail(payload.song, f"stage 1 could not take window {payload.window.index}: {exc}")
-            self._cancel(payload.song)
+        """To the worker's outbox (its writer thread reports a window the connector cannot take, say /dev/shm is
+        full, to the receiver thread, which fails that song only)."""
+        if self._window_copies is None:
+            self.worker.send_window(payload)
+            return
+        if ready is not None:
+            self._window_copies.wait_event(ready)
+        with torch.cuda.stream(self._window_copies):
+            self.worker.send_window(payload)  # its device-to-host copy runs here
 
     def _drain_control(self, steps: dict[str, int], held: dict[str, list], block: bool) -> None:
         try:
@@ -377,15 +371,15 @@ class Engine:
             for key, reason in self.worker.outbox.failures():  # windows the connector could not take
                 self._fail(key, reason)
                 self._cancel(key)
+            hung = self.worker.watch.hung()
+            if hung is not None:
+                self.worker.kill()
+                raise Music3Error(f"the stage-1 worker {hung} and was stopped as hung")
             message = self.worker.receive(0.05)
             if message is None:
                 if not self.worker.alive():
-                    self.worker.connector.cleanup()  # its own segments and the windows it will never read
+                    self.worker.kill()  # reaped; what waits for it dropped, its segments removed
                     raise Music3Error(f"the stage-1 worker died (exit code {self.worker.process.exitcode})")
-                silent = self.worker.hung_for()
-                if silent is not None:
-                    self.worker.kill()
-                    raise Music3Error(f"the stage-1 worker said nothing for {silent:.0f} s and was stopped as hung")
             elif message.key == "chunk":
                 self._on_chunk(chunk_window(message))
             elif message.key == "failed":

@@ -6,6 +6,7 @@ import logging
 from collections import defaultdict, deque
 from typing import Callable, Iterable
 
+from .. import contract
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,12 @@ class RenderLoop:
         inbox: Inbox,
         on_chunk: Callable[[RenderedWindow], None],
         on_error: Callable[[str, str], None],
+        rendering: Callable[[float | None], None] = lambda scale: None,
     ):
+        """`rendering(scale)` is told when a render call of that Euler-step scale (steps / 30, at least 1) starts, and
+        `rendering(None)` when it ends (the worker's heartbeat reports it)."""
         self.renderer, self.inbox, self.on_chunk, self.on_error = renderer, inbox, on_chunk, on_error
+        self.rendering = rendering
         self.pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
         # Songs failed here: their windows still in flight are dropped until the engine's cancel arrives (they
         # would otherwise reach the renderer out of order and fail the songs batched with them).
@@ -63,6 +68,7 @@ class RenderLoop:
         self.pending[payload.song].append(payload)
 
     def render(self, batch: list[WindowPayload]) -> None:
+        self.rendering(max(1.0, max(payload.steps for payload in batch) / contract.DIT_STEPS))
         try:
             rendered = self.renderer.render(batch)
         except Exception as exc:  # a failed render fails its songs, never the loop
@@ -70,6 +76,8 @@ class RenderLoop:
             for payload in batch:
                 self.fail(payload.song, f"stage 1 failed: {exc}")
             return
+        finally:
+            self.rendering(None)
         for out in rendered:
             try:
                 self.on_chunk(out)

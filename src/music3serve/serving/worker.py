@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import queue
 import threading
 import time
 from pathlib import Path
@@ -20,19 +19,16 @@ from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..acoustic.windows import Window
 from ..checkpoint import load_component
 from ..errors import Music3Error
-from .connectors import ConnectorError, ConnectorTimeout, Message, make_connector, timeouts
+from .connectors import ConnectorTimeout, Message, make_connector, timeouts
 from .deploy_config import ConnectorConfig, Stage1Config
+from .heartbeat import Heartbeat, WorkerWatch
+from .outbox import Outbox
 from .render_loop import RenderLoop
 
 log = logging.getLogger(__name__)
 
 WINDOWS, PCM = "stage0_to_stage1", "stage1_to_engine"
 STARTUP_TIMEOUT_S = 1800.0  # loading 10 GB of acoustic weights and capturing graphs
-HEARTBEAT_S = 1.0  # a worker between render calls says it is alive at least this often
-# A worker that says nothing this long (times the heaviest song's Euler-step scale, like the connector waits) is
-# hung: one render call of eight windows at the contract's 30 steps takes ~3 s on an H200.
-SILENCE_LIMIT_S = 300.0
-OUTBOX_MESSAGES = 64  # windows and cancels waiting to be written to the worker; past that a window is refused
 
 
 def window_message(payload: WindowPayload) -> Message:
@@ -70,13 +66,8 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         fuse=stage1.graphs,
     )
     renderer.warmup(range(1, stage1.render_batch + 1))
-    said = [0.0]  # when the worker last sent anything
-
-    def say(message: Message) -> None:
-        connector.put(PCM, message)
-        said[0] = time.monotonic()
-
-    say(Message("ready", {}, {}))
+    connector.put(PCM, Message("ready", {}, {}))
+    heartbeat = Heartbeat(lambda message: connector.put(PCM, message))
     parent = multiprocessing.parent_process()
 
     def inbox(block: bool) -> list[tuple]:
@@ -84,8 +75,6 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
             log.warning("the engine process is gone; the stage-1 worker stops")
             connector.cleanup()  # nobody else is left to remove the segments
             return [("stop",)]
-        if time.monotonic() - said[0] > HEARTBEAT_S:
-            say(Message("alive", {}, {}))
         items = []
         try:
             message = connector.get(WINDOWS, 0.05 if block else 0)
@@ -99,12 +88,13 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     def on_chunk(out: RenderedWindow) -> None:
         w = out.window
         meta = {"song": out.song, "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
-        say(Message("chunk", meta, {"pcm": out.pcm}))
+        connector.put(PCM, Message("chunk", meta, {"pcm": out.pcm}))
 
     def on_error(song: str, message: str) -> None:
-        say(Message("failed", {"song": song, "message": message}, {}))
+        connector.put(PCM, Message("failed", {"song": song, "message": message}, {}))
 
-    RenderLoop(renderer, inbox, on_chunk, on_error).run()
+    RenderLoop(renderer, inbox, on_chunk, on_error, rendering=heartbeat.rendering).run()
+    heartbeat.stop()
     connector.close()
 
 
@@ -169,57 +159,6 @@ class ChunkDeadlines:
         with self.lock:
             self.songs.pop(song, None)
 
-    def heaviest(self) -> float:
-        """The largest Euler-step scale of the songs with windows out (1 with none)."""
-        with self.lock:
-            return max((scale for *_, scale in self.songs.values()), default=1.0)
-
-
-class Outbox:
-    """Messages to the worker, written to the connector by a thread of their own, so the talker never blocks on
-    a worker that stopped reading: `put` refuses a message once `limit` wait. Windows that the connector could
-    not take (say /dev/shm is full) come back from `failures()` as (song, reason)."""
-
-    def __init__(self, connector, channel: str, limit: int = OUTBOX_MESSAGES):
-        self.connector, self.channel, self.limit = connector, channel, limit
-        self._queue: queue.Queue[Message | None] = queue.Queue(maxsize=limit)
-        self._failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._write, name="music3-stage1-sender", daemon=True)
-        self._thread.start()
-
-    def put(self, message: Message) -> None:
-        try:
-            self._queue.put_nowait(message)
-        except queue.Full:
-            raise ConnectorError(f"stage 1 has not read the last {self.limit} messages sent to it") from None
-
-    def failures(self) -> list[tuple[str, str]]:
-        out = []
-        while not self._failures.empty():
-            out.append(self._failures.get())
-        return out
-
-    def close(self, last: Message | None = None) -> None:
-        """The writer stops after the messages queued and `last` (at once if the queue is full: a worker that has
-        not read them will not)."""
-        try:
-            self._queue.put_nowait(last)
-        except queue.Full:
-            pass
-
-    def _write(self) -> None:
-        while (message := self._queue.get()) is not None:
-            try:
-                self.connector.put(self.channel, message)
-            except Exception as exc:  # a closed connector, a full /dev/shm, a worker gone (broken pipe)
-                if message.key == "window":
-                    reason = f"stage 1 could not take window {message.meta['index']}: {exc}"
-                    self._failures.put((message.meta["song"], reason))
-                else:
-                    log.warning("message %r to stage 1 not sent: %s", message.key, exc)
-            if message.key == "stop":
-                return
-
 
 class RenderWorker:
     """Starts the worker process and carries windows to it and PCM back. `load(device)` runs in the worker and
@@ -235,8 +174,7 @@ class RenderWorker:
             target=worker_main, args=(load, device, stage1, self.connector), name="music3-stage1", daemon=True
         )
         self.process.start()
-        self.outbox = Outbox(self.connector, WINDOWS)
-        self.silence_limit_s = SILENCE_LIMIT_S
+        self.outbox, self.watch = Outbox(self.connector, WINDOWS), WorkerWatch()
         started = time.monotonic()
         while True:
             if not self.process.is_alive():
@@ -244,7 +182,6 @@ class RenderWorker:
                 raise Music3Error(f"the stage-1 worker exited with code {self.process.exitcode} while starting")
             try:
                 self.connector.get(PCM, 1.0)
-                self.heard = time.monotonic()
                 break
             except ConnectorTimeout:
                 if time.monotonic() - started > STARTUP_TIMEOUT_S:
@@ -252,24 +189,21 @@ class RenderWorker:
                     raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
 
     def send_window(self, payload: WindowPayload) -> None:
-        """Queue a window (its copy to the host happens here); ConnectorError if the worker is not reading."""
+        """Queue a window for the outbox's writer (its copy to the host happens here)."""
         message = window_message(payload)
-        self.deadlines.sent(payload.song, payload.steps)  # before it can be answered (a refusal cancels the song)
+        self.deadlines.sent(payload.song, payload.steps)  # before it can be answered
         self.outbox.put(message)
 
     def send_cancel(self, song: str) -> None:
-        try:
-            self.outbox.put(Message("cancel", {"song": song}, {}))
-        except ConnectorError as exc:  # its windows then render and their audio is ignored
-            log.warning("cancel of %s not sent: %s", song, exc)
+        self.outbox.put(Message("cancel", {"song": song}, {}))
 
     def receive(self, timeout_s: float) -> Message | None:
-        """The worker's next chunk or failure report, or None (heartbeats only count as news of its life)."""
+        """The worker's next chunk or failure report, or None (its heartbeats go to the watch)."""
         try:
             message = self.connector.get(PCM, timeout_s)
         except ConnectorTimeout:
             return None
-        self.heard = time.monotonic()
+        self.watch.heard_from(message)
         if message.key == "chunk":
             self.deadlines.answered(message.meta["song"], message.meta["last"])
         return None if message.key == "alive" else message
@@ -277,13 +211,10 @@ class RenderWorker:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def hung_for(self) -> float | None:
-        """How long the worker has said nothing, once that is past its limit (scaled like the connector waits)."""
-        silent = time.monotonic() - self.heard
-        return silent if silent > self.silence_limit_s * self.deadlines.heaviest() else None
-
     def kill(self) -> None:
-        """Kill the worker now and remove its segments and those of windows it will never read."""
+        """Kill the worker now (if it still runs); drop what waits for it and remove its segments and those of the
+        windows it will never read."""
+        self.outbox.close()
         self.process.kill()
         self.process.join(timeout=10)
         self.connector.cleanup()
@@ -293,9 +224,9 @@ class RenderWorker:
         if self.process.is_alive():
             self.outbox.close(Message("stop", {}, {}))
             self.process.join(timeout=10)
-        else:
-            self.outbox.close()
         if self.process.is_alive():
             self.kill()
+        self.outbox.close()
         self.connector.cleanup()
-        self.connector.close()
+        self.connector.close()  # a writer blocked on a worker that never read is released here
+        self.outbox.join(timeout_s=5)
