@@ -1,4 +1,4 @@
-"""GPU: several concurrent songs through the colocated engine (both stages' graphs replaying at once)."""
+"""GPU: several concurrent songs through the engine, colocated (both stages' graphs replaying at once) and split."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ async def song(engine: Engine, seed: int, duration: float) -> tuple[np.ndarray, 
     return np.concatenate(chunks, axis=-1), frames
 
 
-def test_concurrent_songs_complete(tiny_dir):
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "split"])
+def test_concurrent_songs_complete(tiny_dir, split):
     """The stall seen on the H200 (2026-11-30): several songs at once never finished. Each must finish, with
-    every window's audio (other songs change GEMM shapes on the GPU, so PCM is not compared bit for bit)."""
-    engine = Engine(load_models(tiny_dir, device="cuda"))
+    every window's audio (other songs change GEMM shapes on the GPU, so PCM is not compared bit for bit); split:
+    stage 1 in a worker process on the same GPU, behind the outbox, the heartbeat and the shared-memory connector."""
+    engine = Engine.from_pretrained(tiny_dir, device="cuda", split=True) if split else Engine(
+        load_models(tiny_dir, device="cuda"))
     try:
         durations = {seed: 12.0 + 3 * seed for seed in range(4)}  # 3-4 windows each, overlapping renders
 
@@ -44,3 +47,5 @@ def test_concurrent_songs_complete(tiny_dir):
     finally:
         engine.close()
         torch.cuda.synchronize()
+    if split:
+        assert not engine.worker.connector.segments()
