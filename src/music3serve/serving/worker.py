@@ -58,8 +58,8 @@ def load_acoustic(root: str, device: str) -> SimpleNamespace:
 
 def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector) -> None:
     """The worker process: load(device) the acoustic stage, then render windows until told to stop."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # streams and graph captures belong to the worker's own GPU
+    if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
+        torch.cuda.set_device(torch.device(device).index or 0)
     models = load(device)
     renderer = Renderer.from_models(
         models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
