@@ -72,13 +72,13 @@ def test_a_failed_render_drops_the_songs_next_windows_until_its_cancel():
     assert chunks == [("b", 0), ("b", 1)]
 
 
-def test_each_render_call_is_reported_with_its_euler_step_scale_at_least_one():
-    """What the worker's heartbeat says while a call runs: steps / 30 of the batch's heaviest song, never below 1 (a
-    few-step song renders faster than the contract's 30 steps, not slower than the limit allows)."""
+def test_each_render_call_is_reported_with_its_work():
+    """What the worker's heartbeat says while a call runs: its windows times steps / 30 of the batch's heaviest
+    song, the scale never below 1 (a few-step song renders faster than the contract's 30 steps)."""
     seen = []
     few = ("window", WindowPayload("a", 0, Window(0, 0, 200, False), torch.zeros(1), 2))
     heavy = ("window", WindowPayload("b", 0, Window(0, 0, 200, False), torch.zeros(1), 300))
-    feed = iter([[few], [heavy], [("stop",)]])
+    feed = iter([[few], [heavy, window("c", 0)], [("stop",)]])
     RenderLoop(StandIn(), lambda block: next(feed), lambda out: None, lambda song, message: None,
                rendering=seen.append).run()
-    assert seen == [1.0, None, 10.0, None]
+    assert seen == [1.0, None, 20.0, None]

@@ -7,15 +7,22 @@ import os
 import signal
 import threading
 import time
+from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
+from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
 from music3serve.serving.connectors import ConnectorError, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
+from music3serve.serving import heartbeat
+from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.heartbeat import Heartbeat, WorkerWatch
 from music3serve.serving.outbox import Outbox
+from music3serve.serving.worker import RenderWorker, load_acoustic
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
 
@@ -142,11 +149,11 @@ def test_the_heartbeat_reports_the_render_call_and_the_watch_tells_stuck_from_lo
     beat = Heartbeat(said.append, period_s=0.05)
     try:
         time.sleep(0.2)
-        assert said and said[-1].meta == {"busy_s": 0.0, "scale": 1.0}
-        beat.rendering(10.0)  # a call of 300 Euler steps starts
+        assert said and said[-1].meta == {"busy_s": 0.0, "work": 0.0}
+        beat.rendering(10.0)  # a call of ten windows' work starts
         time.sleep(0.3)
         busy = said[-1].meta
-        assert 0.1 < busy["busy_s"] < 1.0 and busy["scale"] == 10.0
+        assert 0.1 < busy["busy_s"] < 1.0 and busy["work"] == 10.0
         beat.rendering(None)
         time.sleep(0.2)
         assert said[-1].meta["busy_s"] == 0.0
@@ -156,16 +163,90 @@ def test_the_heartbeat_reports_the_render_call_and_the_watch_tells_stuck_from_lo
     watch = WorkerWatch(silence_s=30.0, render_s=2.0)
     watch.heard -= 100  # before the first check (the engine starting): not counted
     assert watch.hung() is None
-    watch.heard_from(Message("alive", {"busy_s": 15.0, "scale": 10.0}, {}))
-    assert watch.hung() is None  # 15 s of a 300-step call: within 2 s x 10
-    watch.heard_from(Message("alive", {"busy_s": 25.0, "scale": 10.0}, {}))
-    assert watch.hung() == "has been in one render call for 25 s"
-    watch.heard_from(Message("alive", {"busy_s": 0.0, "scale": 1.0}, {}))
+    watch.heard_from(Message("alive", {"busy_s": 15.0, "work": 10.0}, {}))
+    assert watch.hung() is None  # 15 s of ten windows' work: within 2 s x 10
+    watch.heard_from(Message("alive", {"busy_s": 25.0, "work": 10.0}, {}))
+    assert watch.hung() == "has been in one render call (10 windows' work) for 25 s"
+    watch.heard_from(Message("alive", {"busy_s": 0.0, "work": 0.0}, {}))
     assert watch.hung() is None
     watch.silence_s, watch.heard = 1.0, time.monotonic() - 2.0
     assert watch.hung().startswith("said nothing for 2")
     watch._checked -= 10  # this process was paused itself: the worker gets a fresh allowance
     assert watch.hung() is None
+
+
+def test_time_the_worker_spends_paused_is_not_rendering(monkeypatch):
+    """A frozen process (say a paused container) resumes: neither a call started after the pause nor one that
+    spanned it counts the pause as rendering time."""
+    clock = [1000.0]
+    monkeypatch.setattr(heartbeat, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    said = []
+    beat = Heartbeat(said.append, period_s=0.02)
+    try:
+        time.sleep(0.1)
+        clock[0] += 100  # paused while idle
+        time.sleep(0.1)
+        beat.rendering(1.0)
+        clock[0] += 2
+        time.sleep(0.1)
+        assert said[-1].meta["busy_s"] == pytest.approx(2.0)
+        clock[0] += 100  # paused in the middle of the call
+        time.sleep(0.1)
+        assert 2.0 <= said[-1].meta["busy_s"] < 3.0
+    finally:
+        beat.stop()
+
+
+def stalling_loader(root: str, flag: str, device: str) -> SimpleNamespace:
+    """Stage 1's models whose vocoder does not return while `flag` exists (a render call that hangs, the GIL
+    free, as in a wait for a stuck GPU)."""
+    models = load_acoustic(root, device)
+    forward = models.vocoder.forward
+
+    def stalled(*args, **kwargs):
+        while os.path.exists(flag):
+            time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    models.vocoder.forward = stalled
+    return models
+
+
+def stalling_engine(tiny_dir, flag) -> Engine:
+    deploy = load_deploy_config()
+    models = load_models(tiny_dir, device="cpu", talker_dtype=torch.float32, acoustic=False)
+    loader = partial(stalling_loader, str(tiny_dir), str(flag))
+    return Engine(models, deploy, RenderWorker(loader, "cpu", deploy.stages[1], deploy.connector))
+
+
+def test_a_render_call_that_never_ends_is_stopped_as_hung(tiny_dir, tmp_path):
+    flag = tmp_path / "stall"
+    flag.touch()
+    engine = stalling_engine(tiny_dir, flag)
+    engine.worker.watch.render_s = 2.0  # per window of work; the default 60 s, shortened for the test
+    connector = engine.worker.connector
+    try:
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
+        assert isinstance(result, str) and "has been in one render call" in result and "stopped as hung" in result
+        assert "stopped as hung" in engine.unavailable()
+    finally:
+        flag.unlink()
+        engine.close()
+    assert not connector.segments()
+
+
+def test_a_long_render_call_does_not_time_out_the_songs_waiting_on_it(tiny_dir, tmp_path):
+    """A render call longer than the connector wait (float32 on a slow GPU): the worker says it is rendering, so the
+    waiting song's clock restarts and it completes."""
+    flag = tmp_path / "stall"
+    flag.touch()
+    engine = stalling_engine(tiny_dir, flag)
+    engine.worker.deadlines.first_chunk_s = engine.worker.deadlines.later_s = 1.0
+    try:
+        threading.Timer(4.0, flag.unlink).start()  # the call takes 4 s, four times the wait
+        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+    finally:
+        engine.close()
 
 
 class GatedConnector:

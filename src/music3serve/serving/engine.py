@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, NoReturn
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
+from .connector_base import ConnectorError
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
@@ -98,6 +99,7 @@ class Engine:
         self._closed = False
         self._failing = threading.Lock()
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
+        self._worker_loss: str | None = None  # why the stage-1 worker is gone (split placement)
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
             threading.Thread(
@@ -107,6 +109,10 @@ class Engine:
                 daemon=True,
             ),
         ]
+        if worker is not None:
+            watch = threading.Thread(target=self._guarded, args=(self._watch_loop,), name="music3-stage1-watch")
+            watch.daemon = True
+            self._threads.append(watch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # start-up work on the default stream is done before the stages run
         for thread in self._threads:
@@ -241,7 +247,8 @@ class Engine:
             loop()
         except BaseException as exc:
             log.exception("engine thread died")
-            self._broken = f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
+            # the first reason stands (the stage-1 threads may both see a worker that is gone)
+            self._broken = self._broken or f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
             for key in list(self._clients):
                 self._fail(key, self._broken)
 
@@ -360,10 +367,26 @@ class Engine:
             items.append(("stop",))
         return [item[:2] for item in items]
 
-    # Stage 1 in a worker process: this thread receives its PCM.
+    # Stage 1 in a worker process: this thread receives its PCM...
     def _receiver_loop(self) -> None:
         while not self._stop.is_set():
-            waits = self.worker.deadlines
+            try:
+                message = self.worker.receive(0.05)
+            except ConnectorError:  # no sender left, after everything it sent was read
+                if self._stop.is_set():
+                    return
+                self._worker_lost()
+            if message is None:
+                continue
+            if message.key == "chunk":
+                self._on_chunk(chunk_window(message))
+            elif message.key == "failed":
+                self._on_render_error(message.meta["song"], message.meta["message"])
+
+    # ... and this one watches it (apart, so that a read stuck in a frozen worker's half-sent message is no matter).
+    def _watch_loop(self) -> None:
+        waits = self.worker.deadlines
+        while not self._stop.wait(0.05):
             for key in waits.overdue():
                 self._fail(key, "stage 1 sent no audio within the connector wait "
                                 f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
@@ -372,18 +395,20 @@ class Engine:
                 self._fail(key, reason)
                 self._cancel(key)
             hung = self.worker.watch.hung()
-            if hung is not None:
-                self.worker.kill()
-                raise Music3Error(f"the stage-1 worker {hung} and was stopped as hung")
-            message = self.worker.receive(0.05)
-            if message is None:
-                if not self.worker.alive():
-                    self.worker.kill()  # reaped; what waits for it dropped, its segments removed
-                    raise Music3Error(f"the stage-1 worker died (exit code {self.worker.process.exitcode})")
-            elif message.key == "chunk":
-                self._on_chunk(chunk_window(message))
-            elif message.key == "failed":
-                self._on_render_error(message.meta["song"], message.meta["message"])
+            if hung is not None:  # (or dead, its pipe held open by something it left behind)
+                self._worker_lost(hung if self.worker.alive() else None)
+
+    def _worker_lost(self, hung: str | None = None) -> NoReturn:
+        """Stop (or reap) the worker and stop this thread with the reason, the same whichever stage-1 thread sees the
+        loss first: a worker stopped as hung is not reported as died when its pipe closes."""
+        with self._failing:
+            if hung is not None and self._worker_loss is None:
+                self._worker_loss = f"the stage-1 worker {hung} and was stopped as hung"
+        self.worker.kill()  # what waited for it dropped, its segments removed
+        with self._failing:
+            died = f"the stage-1 worker died (exit code {self.worker.process.exitcode})"
+            self._worker_loss = self._worker_loss or died
+        raise Music3Error(self._worker_loss)
 
     def _on_render_error(self, key: str, message: str) -> None:
         self._fail(key, message)

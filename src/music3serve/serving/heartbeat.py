@@ -10,26 +10,27 @@ from .connectors import Message
 
 HEARTBEAT_S = 1.0  # the worker's pulse
 SILENCE_LIMIT_S = 30.0  # no pulse this long: the worker process is frozen (its pulse thread cannot run)
-# One render call this long, times its Euler-step scale (steps / 30), is stuck: eight windows at 30 steps take
-# ~3.5 s on an H200.
-RENDER_LIMIT_S = 120.0
-PAUSE_S = 5.0  # a gap this much longer than expected in a beat or a check: this process itself was paused
+# A render call longer than this per window of its batch (times the Euler-step scale, steps / 30) is stuck. One
+# window of 30 steps takes ~0.45 s in bf16 and ~4.6 s in IEEE float32 on an H200: room for a GPU ten times slower.
+RENDER_LIMIT_PER_WINDOW_S = 60.0
+PAUSE_S = 5.0  # a gap this much longer than expected between beats or checks: this process itself was paused
 
 
 class Heartbeat:
     """In the worker: a thread that says every HEARTBEAT_S how long the render loop has been in its current render
-    call and that call's Euler-step scale. Time the whole process spends paused (say a frozen container) is not
-    counted as rendering."""
+    call and that call's work (windows x Euler-step scale). Time the whole process spends paused (say a frozen
+    container) does not count as rendering."""
 
     def __init__(self, say: Callable[[Message], None], period_s: float = HEARTBEAT_S):
         self.say, self.period_s = say, period_s
-        self._busy: tuple[float, float] | None = None  # (since, scale) while a render call runs
+        self._paused = 0.0  # seconds this process was seen paused (written by the beat thread only)
+        self._call: tuple[float, float, float] | None = None  # (start, work, paused at start) while a call runs
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="music3-stage1-heartbeat", daemon=True).start()
 
-    def rendering(self, scale: float | None) -> None:
-        """A render call of this Euler-step scale starts; None: it ended."""
-        self._busy = None if scale is None else (time.monotonic(), scale)
+    def rendering(self, work: float | None) -> None:
+        """A render call of this much work starts; None: it ended."""
+        self._call = None if work is None else (time.monotonic(), work, self._paused)
 
     def stop(self) -> None:
         self._stop.set()
@@ -37,11 +38,15 @@ class Heartbeat:
     def _beat(self) -> None:
         last = time.monotonic()
         while not self._stop.wait(self.period_s):
-            now, busy = time.monotonic(), self._busy
-            if busy is not None and now - last > self.period_s + PAUSE_S:  # paused: shift the call's start
-                self._busy = busy = (busy[0] + now - last - self.period_s, busy[1])
+            now, call = time.monotonic(), self._call
+            if now - last > self.period_s + PAUSE_S:
+                self._paused += now - last - self.period_s
             last = now
-            meta = {"busy_s": 0.0, "scale": 1.0} if busy is None else {"busy_s": now - busy[0], "scale": busy[1]}
+            if call is None:
+                meta = {"busy_s": 0.0, "work": 0.0}
+            else:
+                start, work, paused_before = call
+                meta = {"busy_s": max(0.0, now - start - (self._paused - paused_before)), "work": work}
             try:
                 self.say(Message("alive", meta, {}))
             except Exception:  # the connector is closed: the worker is stopping
@@ -51,16 +56,16 @@ class Heartbeat:
 class WorkerWatch:
     """In the engine: what the worker's messages say of it, and whether it is hung."""
 
-    def __init__(self, silence_s: float = SILENCE_LIMIT_S, render_s: float = RENDER_LIMIT_S):
+    def __init__(self, silence_s: float = SILENCE_LIMIT_S, render_s: float = RENDER_LIMIT_PER_WINDOW_S):
         self.silence_s, self.render_s = silence_s, render_s
         self.heard = time.monotonic()
         self._checked: float | None = None
-        self.busy_s, self.scale = 0.0, 1.0
+        self.busy_s, self.work = 0.0, 0.0
 
     def heard_from(self, message: Message) -> None:
         self.heard = time.monotonic()
         if message.key == "alive":
-            self.busy_s, self.scale = float(message.meta["busy_s"]), float(message.meta["scale"])
+            self.busy_s, self.work = float(message.meta["busy_s"]), float(message.meta["work"])
 
     def hung(self) -> str | None:
         """Why the worker counts as hung, or None. Checked often: the silence counts from the first check on (the
@@ -72,6 +77,6 @@ class WorkerWatch:
         self._checked = now
         if now - self.heard > self.silence_s:
             return f"said nothing for {now - self.heard:.0f} s"
-        if self.busy_s > self.render_s * self.scale:
-            return f"has been in one render call for {self.busy_s:.0f} s"
+        if self.work and self.busy_s > self.render_s * self.work:
+            return f"has been in one render call ({self.work:g} windows' work) for {self.busy_s:.0f} s"
         return None

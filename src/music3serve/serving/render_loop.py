@@ -24,10 +24,11 @@ class RenderLoop:
         inbox: Inbox,
         on_chunk: Callable[[RenderedWindow], None],
         on_error: Callable[[str, str], None],
-        rendering: Callable[[float | None], None] = lambda scale: None,
+        rendering: Callable[[float | None], None] = lambda work: None,
     ):
-        """`rendering(scale)` is told when a render call of that Euler-step scale (steps / 30, at least 1) starts, and
-        `rendering(None)` when it ends (the worker's heartbeat reports it)."""
+        """`rendering(work)` is told when a render call starts, its work counted in windows of the contract's 30
+        Euler steps (windows x max(1, steps / 30) of its heaviest song), and `rendering(None)` when it ends (the
+        worker's heartbeat reports it)."""
         self.renderer, self.inbox, self.on_chunk, self.on_error = renderer, inbox, on_chunk, on_error
         self.rendering = rendering
         self.pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
@@ -68,7 +69,7 @@ class RenderLoop:
         self.pending[payload.song].append(payload)
 
     def render(self, batch: list[WindowPayload]) -> None:
-        self.rendering(max(1.0, max(payload.steps for payload in batch) / contract.DIT_STEPS))
+        self.rendering(len(batch) * max(1.0, max(payload.steps for payload in batch) / contract.DIT_STEPS))
         try:
             rendered = self.renderer.render(batch)
         except Exception as exc:  # a failed render fails its songs, never the loop

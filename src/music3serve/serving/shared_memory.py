@@ -214,11 +214,13 @@ class SharedMemoryConnector:
             data = pickle.dumps(envelope, protocol=pickle.HIGHEST_PROTOCOL)
             with ch.write_lock:
                 ch.writer.send_bytes(data)
-        except BaseException:
+        except BaseException as exc:
             if segment is not None:
                 shm_segments.unlink_segment(segment)
             if self._closed:
                 raise ConnectorError("the connector was closed while sending") from None
+            if isinstance(exc, BrokenPipeError):
+                raise ConnectorError(f"channel {channel!r} has no reader left: its process is gone") from None
             raise
 
     def get(self, channel: str, timeout_s: float | None) -> Message:
@@ -236,11 +238,21 @@ class SharedMemoryConnector:
                 data = ch.reader.recv_bytes()
             finally:
                 ch.read_lock.release()
-        except (OSError, EOFError, ValueError):
+        except (OSError, EOFError, ValueError) as exc:
             if self._closed:
                 raise ConnectorError(f"the connector was closed while waiting on channel {channel!r}") from None
+            if isinstance(exc, EOFError):
+                raise ConnectorError(f"channel {channel!r} has no sender left: its process is gone") from None
             raise
         return self._decode(channel, data)
+
+    def release(self, channel: str, end: str) -> None:
+        """Close this process's copy of one end ("reader" or "writer") of a channel it never uses, once the other
+        process holds its own copy: a peer that dies is then seen at once (a reader gets end of file, a writer a
+        broken pipe) instead of a wait on a pipe this process itself keeps open."""
+        if end not in ("reader", "writer"):
+            raise ConnectorError(f"end must be 'reader' or 'writer', got {end!r}")
+        getattr(self._channel(channel), end).close()
 
     def _decode(self, channel: str, data: bytes) -> Message:
         key, meta, specs, segment, inline = pickle.loads(data)

@@ -100,7 +100,8 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
 
 class ChunkDeadlines:
     """The connector's waits per song: a window sent is answered within the wait (longer for a song's first),
-    and while the worker sends anything, every waiting song's clock restarts (it is queued, not lost). A song
+    and while the worker sends anything or says it is rendering, every waiting song's clock restarts (it is queued
+    behind work in progress, not lost; a render that never ends is the worker watch's to catch). A song
     asking for more Euler steps than the contract's 30 gets waits that many times longer (its render takes that
     much longer), and while it has windows out every other song's waits stretch as much (they may be batched with
     it, or queued behind its render call)."""
@@ -124,6 +125,11 @@ class ChunkDeadlines:
             self.songs[song] = (outstanding + 1, deadline, answered, scale)
             if scale > 1.0:
                 self._restart(time.monotonic())  # the others may wait behind this song's render now
+
+    def working(self) -> None:
+        """The worker is in a render call: every waiting song's clock restarts."""
+        with self.lock:
+            self._restart(time.monotonic())
 
     def _restart(self, now: float) -> None:
         """Every waiting song's clock from `now` (never shortened)."""
@@ -187,6 +193,10 @@ class RenderWorker:
                 if time.monotonic() - started > STARTUP_TIMEOUT_S:
                     self.close()
                     raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
+        # The worker holds its own ends now. Without this process's copies of the ends it never uses, the worker's
+        # death reaches it at once (end of file on PCM, broken pipe on WINDOWS) instead of a read that never ends.
+        self.connector.release(PCM, "writer")
+        self.connector.release(WINDOWS, "reader")
 
     def send_window(self, payload: WindowPayload) -> None:
         """Queue a window for the outbox's writer (its copy to the host happens here)."""
@@ -206,6 +216,8 @@ class RenderWorker:
         self.watch.heard_from(message)
         if message.key == "chunk":
             self.deadlines.answered(message.meta["song"], message.meta["last"])
+        elif message.key == "alive" and message.meta["busy_s"] > 0:
+            self.deadlines.working()
         return None if message.key == "alive" else message
 
     def alive(self) -> bool:
@@ -213,10 +225,11 @@ class RenderWorker:
 
     def kill(self) -> None:
         """Kill the worker now (if it still runs); drop what waits for it and remove its segments and those of the
-        windows it will never read."""
+        windows it will never read (after the writer stopped, so none is made after the cleanup)."""
         self.outbox.close()
         self.process.kill()
         self.process.join(timeout=10)
+        self.outbox.join(timeout_s=5)  # its pipe has no reader left: a write in progress fails now
         self.connector.cleanup()
 
     def close(self) -> None:
