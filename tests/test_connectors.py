@@ -27,7 +27,9 @@ from music3serve.serving.connectors import (
     ConnectorSettings,
     ConnectorTimeout,
     InProcessConnector,
+    LostMessage,
     Message,
+    PeerGone,
     SharedMemoryConnector,
     make_connector,
     timeouts,
@@ -186,6 +188,48 @@ def test_shared_memory_round_trip_in_one_process() -> None:
         assert conn.get("events", 1.0) == Message("done", {}, {})
         with pytest.raises(ConnectorError, match="unknown channel 'nope'"):
             conn.put("nope", ("k", {}, {}))
+    finally:
+        conn.close()
+
+
+def test_a_peer_gone_is_seen_once_its_ends_are_released() -> None:
+    """Without this process's own copies of the ends it never uses, the other end's death is an error at once: end
+    of file (at a message's start or in its middle) for a reader, a broken pipe for a writer."""
+    conn = SharedMemoryConnector(EXTRA, channels=("pcm", "cut", "windows"))
+    try:
+        conn.put("pcm", ("chunk", META, payload(1, large=False)))
+        conn.release("pcm", "writer")  # as if the only sender (a worker) exited after this message
+        assert conn.get("pcm", 1.0).key == "chunk"  # what it sent before is still read
+        with pytest.raises(PeerGone, match="no sender left"):
+            conn.get("pcm", 1.0)
+        writer = conn._channel("cut").writer
+        os.write(writer.fileno(), (1000).to_bytes(4, "big") + b"half")  # a sender killed mid-message
+        conn.release("cut", "writer")
+        with pytest.raises(PeerGone, match="no sender left"):
+            conn.get("cut", 1.0)
+        conn.release("windows", "reader")
+        with pytest.raises(PeerGone, match="no reader left"):
+            conn.put("windows", ("window", META, payload(2, large=True)))
+        assert conn.segments() == []  # the unsent message's segment went with it
+        with pytest.raises(ConnectorError, match="end must be"):
+            conn.release("pcm", "both")
+    finally:
+        conn.close()
+
+
+def test_a_message_whose_segment_was_removed_is_lost_alone() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=("pcm",))
+    try:
+        conn.put("pcm", ("chunk", {"song": "a#0"}, payload(1, large=True)))
+        conn.put("pcm", ("chunk", {"song": "b#1"}, payload(2, large=True)))
+        conn.cleanup()  # say systemd's RemoveIPC emptied /dev/shm
+        with pytest.raises(LostMessage, match="lost its shared-memory segment") as lost:
+            conn.get("pcm", 1.0)
+        assert lost.value.meta == {"song": "a#0"}
+        conn.put("pcm", ("chunk", {"song": "c#2"}, payload(3, large=False)))
+        with pytest.raises(LostMessage):
+            conn.get("pcm", 1.0)
+        assert conn.get("pcm", 1.0).meta == {"song": "c#2"}  # the channel goes on
     finally:
         conn.close()
 

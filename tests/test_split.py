@@ -193,6 +193,14 @@ def test_time_the_worker_spends_paused_is_not_rendering(monkeypatch):
         clock[0] += 100  # paused in the middle of the call
         time.sleep(0.1)
         assert 2.0 <= said[-1].meta["busy_s"] < 3.0
+        beat.rendering(None)
+        time.sleep(0.1)
+        clock[0] += 100  # paused while idle, and a call starts before the beat has seen the pause
+        beat.rendering(1.0)
+        time.sleep(0.1)  # (the beat wakes right after a pause: its wait is long over)
+        clock[0] += 3
+        time.sleep(0.1)
+        assert said[-1].meta["busy_s"] == pytest.approx(3.0)
     finally:
         beat.stop()
 
@@ -314,6 +322,30 @@ def test_windows_the_connector_cannot_take_come_back_once_as_failures_of_their_s
     assert outbox.failures() == [("a", "stage 1 could not take window 3: no space left in /dev/shm")]
     assert gated.written == [("cancel", "b", None), ("stop", None, None)]  # window 4 skipped, not failed again
     assert outbox.failures() == []
+
+
+def test_audio_whose_segment_vanished_fails_its_song_alone(tiny_dir, monkeypatch):
+    """A PCM chunk whose shared-memory segment is gone before it is read (say /dev/shm emptied by RemoveIPC): that
+    song fails with the reason; the worker and the next song are fine."""
+    from music3serve.serving import shm_segments
+
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    read, reads = shm_segments.read_segment, []
+
+    def first_one_gone(name, reader):
+        reads.append(name)
+        if len(reads) == 1:
+            raise FileNotFoundError(name)
+        return read(name, reader)
+
+    monkeypatch.setattr(shm_segments, "read_segment", first_one_gone)
+    try:
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
+        assert isinstance(result, str) and "audio was lost on its way" in result
+        assert engine.unavailable() is None and engine.worker.alive()
+        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+    finally:
+        engine.close()
 
 
 def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits():

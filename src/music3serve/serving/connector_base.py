@@ -27,6 +27,19 @@ class ConnectorTimeout(ConnectorError):
     """``get`` waited as long as it was allowed to and no message arrived on the channel."""
 
 
+class PeerGone(ConnectorError):
+    """The process at the other end of the channel is gone (end of file, also in the middle of a message, or a
+    broken pipe)."""
+
+
+class LostMessage(ConnectorError):
+    """A message arrived without its payload (its shared-memory segment was removed first); ``meta`` is its own."""
+
+    def __init__(self, message: str, meta: dict[str, Any]):
+        super().__init__(message)
+        self.meta = meta
+
+
 # --------------------------------------------------------------------------------------------------- settings
 
 

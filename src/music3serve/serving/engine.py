@@ -32,9 +32,10 @@ from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
-from .connector_base import ConnectorError
+from .connector_base import ConnectorError, LostMessage, PeerGone
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
+from .heartbeat import PAUSE_S
 from .metrics import EngineMetrics
 from .render_loop import RenderLoop
 from .worker import RenderWorker, chunk_window, load_acoustic
@@ -209,10 +210,12 @@ class Engine:
             self._emit(key, Failed, "engine closed")
         self._control.put(("stop",))
         self._windows.put(("stop",))
-        for thread in self._threads:
-            thread.join(timeout=30)
-        if self.worker is not None:
+        talker, *stage1 = self._threads
+        talker.join(timeout=30)
+        if self.worker is not None:  # first: a receiver stuck in a frozen worker's half-sent message is freed
             self.worker.close()
+        for thread in stage1:
+            thread.join(timeout=30)
 
     def _validate(self, request: SongRequest):
         if not isinstance(request, SongRequest):
@@ -247,8 +250,8 @@ class Engine:
             loop()
         except BaseException as exc:
             log.exception("engine thread died")
-            # the first reason stands (the stage-1 threads may both see a worker that is gone)
-            self._broken = self._broken or f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
+            with self._failing:  # the first reason stands (the stage-1 threads may both see a worker that is gone)
+                self._broken = self._broken or f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
             for key in list(self._clients):
                 self._fail(key, self._broken)
 
@@ -372,10 +375,18 @@ class Engine:
         while not self._stop.is_set():
             try:
                 message = self.worker.receive(0.05)
-            except ConnectorError:  # no sender left, after everything it sent was read
+            except PeerGone:  # no sender left, after everything it sent was read
                 if self._stop.is_set():
                     return
                 self._worker_lost()
+            except LostMessage as exc:  # one message without its payload: its song alone fails
+                if "song" in exc.meta:
+                    self._on_render_error(exc.meta["song"], f"stage 1's audio was lost on its way: {exc}")
+                continue
+            except ConnectorError:  # the connector closed under it: the engine is closing
+                if self._stop.is_set():
+                    return
+                raise
             if message is None:
                 continue
             if message.key == "chunk":
@@ -385,8 +396,12 @@ class Engine:
 
     # ... and this one watches it (apart, so that a read stuck in a frozen worker's half-sent message is no matter).
     def _watch_loop(self) -> None:
-        waits = self.worker.deadlines
-        while not self._stop.wait(0.05):
+        waits, last = self.worker.deadlines, time.monotonic()
+        while not self._stop.wait(0.05) and self._worker_loss is None:
+            now = time.monotonic()
+            if now - last > PAUSE_S:  # this process was paused: the songs' waits start again
+                waits.restart()
+            last = now
             for key in waits.overdue():
                 self._fail(key, "stage 1 sent no audio within the connector wait "
                                 f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")

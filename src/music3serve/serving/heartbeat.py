@@ -23,32 +23,32 @@ class Heartbeat:
 
     def __init__(self, say: Callable[[Message], None], period_s: float = HEARTBEAT_S):
         self.say, self.period_s = say, period_s
-        self._paused = 0.0  # seconds this process was seen paused (written by the beat thread only)
-        self._call: tuple[float, float, float] | None = None  # (start, work, paused at start) while a call runs
+        self._call: tuple[float, float] | None = None  # (start, work) while a render call runs
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="music3-stage1-heartbeat", daemon=True).start()
 
     def rendering(self, work: float | None) -> None:
         """A render call of this much work starts; None: it ended."""
-        self._call = None if work is None else (time.monotonic(), work, self._paused)
+        self._call = None if work is None else (time.monotonic(), work)
 
     def stop(self) -> None:
         self._stop.set()
 
     def _beat(self) -> None:
-        last = time.monotonic()
+        last, current, paused = time.monotonic(), None, 0.0  # paused: seconds of the current call spent paused
         while not self._stop.wait(self.period_s):
             now, call = time.monotonic(), self._call
-            if now - last > self.period_s + PAUSE_S:
-                self._paused += now - last - self.period_s
+            if call is not current:
+                current, paused = call, 0.0
+            excess = now - last - self.period_s
+            if call is not None and excess > PAUSE_S:
+                # The beat wakes right after a pause ends, and nothing runs during one: a call started after the
+                # pause is only moments old here, a call that spanned it at least the pause's length.
+                paused += max(0.0, min(excess, now - call[0] - self.period_s))
             last = now
-            if call is None:
-                meta = {"busy_s": 0.0, "work": 0.0}
-            else:
-                start, work, paused_before = call
-                meta = {"busy_s": max(0.0, now - start - (self._paused - paused_before)), "work": work}
+            busy = 0.0 if call is None else max(0.0, now - call[0] - paused)
             try:
-                self.say(Message("alive", meta, {}))
+                self.say(Message("alive", {"busy_s": busy, "work": 0.0 if call is None else call[1]}, {}))
             except Exception:  # the connector is closed: the worker is stopping
                 return
 

@@ -25,7 +25,9 @@ from .connector_base import (
     BoundedWait,
     ConnectorError,
     ConnectorSettings,
+    LostMessage,
     Message,
+    PeerGone,
     channel_names,
     check_message,
     tensor_nbytes,
@@ -220,7 +222,7 @@ class SharedMemoryConnector:
             if self._closed:
                 raise ConnectorError("the connector was closed while sending") from None
             if isinstance(exc, BrokenPipeError):
-                raise ConnectorError(f"channel {channel!r} has no reader left: its process is gone") from None
+                raise PeerGone(f"channel {channel!r} has no reader left: its process is gone") from None
             raise
 
     def get(self, channel: str, timeout_s: float | None) -> Message:
@@ -241,8 +243,8 @@ class SharedMemoryConnector:
         except (OSError, EOFError, ValueError) as exc:
             if self._closed:
                 raise ConnectorError(f"the connector was closed while waiting on channel {channel!r}") from None
-            if isinstance(exc, EOFError):
-                raise ConnectorError(f"channel {channel!r} has no sender left: its process is gone") from None
+            if isinstance(exc, (EOFError, OSError)):  # end of file at a message's start, or in its middle
+                raise PeerGone(f"channel {channel!r} has no sender left: its process is gone ({exc})") from None
             raise
         return self._decode(channel, data)
 
@@ -261,9 +263,9 @@ class SharedMemoryConnector:
         try:
             tensors = shm_segments.read_segment(segment, lambda buf: _unpack(specs, buf, copy=True))
         except FileNotFoundError:
-            raise ConnectorError(
+            raise LostMessage(
                 f"message {key!r} on channel {channel!r} lost its shared-memory segment {segment!r}: its sender "
-                "closed the connector, exited or was cleaned up before the message was read"
+                "closed the connector, exited or was cleaned up before the message was read", meta
             ) from None
         return Message(key, meta, tensors)
 

@@ -126,8 +126,8 @@ class ChunkDeadlines:
             if scale > 1.0:
                 self._restart(time.monotonic())  # the others may wait behind this song's render now
 
-    def working(self) -> None:
-        """The worker is in a render call: every waiting song's clock restarts."""
+    def restart(self) -> None:
+        """Every waiting song's clock restarts now (the worker is in a render call, or this process was paused)."""
         with self.lock:
             self._restart(time.monotonic())
 
@@ -217,7 +217,7 @@ class RenderWorker:
         if message.key == "chunk":
             self.deadlines.answered(message.meta["song"], message.meta["last"])
         elif message.key == "alive" and message.meta["busy_s"] > 0:
-            self.deadlines.working()
+            self.deadlines.restart()
         return None if message.key == "alive" else message
 
     def alive(self) -> bool:
