@@ -309,7 +309,7 @@ class Engine:
 
     def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
         """To the worker's outbox (its writer thread reports a window the connector cannot take, say /dev/shm is
-        full, to the receiver thread, which fails that song only)."""
+        full, to the watch thread, which fails that song only)."""
         if self._window_copies is None:
             self.worker.send_window(payload)
             return
