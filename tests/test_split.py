@@ -312,6 +312,31 @@ def test_closing_the_outbox_drops_the_queued_windows_but_sends_the_stop():
     assert gated.written == [("window", "a", 0), ("stop", None, None)]
 
 
+def test_windows_wait_for_a_slot_the_reader_gives_back_and_a_cancel_frees_the_waiting_ones():
+    """At most `slots` windows written and unread (in /dev/shm); the rest wait in the outbox until the reader gives a
+    slot back; a window still waiting when its song is cancelled is never written."""
+    gated = GatedConnector()
+    gated.release.set()
+    slots = threading.Semaphore(2)
+    outbox = Outbox(gated, "windows", slots)
+    for i in range(4):
+        outbox.put(window("a", i))
+    outbox.put(window("b", 0))
+    time.sleep(0.3)
+    assert gated.written == [("window", "a", 0), ("window", "a", 1)]
+    slots.release()  # the reader took window 0
+    time.sleep(0.3)
+    assert gated.written[-1] == ("window", "a", 2)
+    outbox.put(cancel("a"))  # window 3 is waiting for a slot: dropped; b's window and the cancel go on
+    slots.release()
+    time.sleep(0.3)
+    assert gated.written[3:] == [("window", "b", 0), ("cancel", "a", None)]
+    outbox.put(window("b", 1))  # no slot left: waits
+    outbox.close(Message("stop", {}, {}))  # closing drops it
+    assert outbox.join(5)
+    assert gated.written[-1] == ("stop", None, None) and ("window", "b", 1) not in gated.written
+
+
 def test_windows_the_connector_cannot_take_come_back_once_as_failures_of_their_songs():
     gated = GatedConnector(fail_windows=True)
     gated.release.set()

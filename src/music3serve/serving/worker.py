@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 WINDOWS, PCM = "stage0_to_stage1", "stage1_to_engine"
 STARTUP_TIMEOUT_S = 1800.0  # loading 10 GB of acoustic weights and capturing graphs
+# Windows written to the worker and not yet read by it: ~40 MB of /dev/shm (Docker's default is 64 MB); more wait
+# in the engine's memory while the worker renders. Twelve keep a render batch of eight fed.
+WINDOWS_IN_FLIGHT = 12
 
 
 def window_message(payload: WindowPayload) -> Message:
@@ -56,8 +59,9 @@ def load_acoustic(root: str, device: str) -> SimpleNamespace:
     return SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
 
 
-def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector) -> None:
-    """The worker process: load(device) the acoustic stage, then render windows until told to stop."""
+def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector, slots) -> None:
+    """The worker process: load(device) the acoustic stage, then render windows until told to stop; each window read
+    gives its slot back (serving/outbox.py)."""
     if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
         torch.cuda.set_device(torch.device(device).index or 0)
     models = load(device)
@@ -79,8 +83,11 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         try:
             message = connector.get(WINDOWS, 0.05 if block else 0)
             while True:
-                items.append(("window", window_payload(message)) if message.key == "window" else
-                             (message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
+                if message.key == "window":
+                    items.append(("window", window_payload(message)))
+                    slots.release()
+                else:
+                    items.append((message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
                 message = connector.get(WINDOWS, 0)
         except ConnectorTimeout:
             return items
@@ -176,11 +183,12 @@ class RenderWorker:
         self.deadlines = ChunkDeadlines(*timeouts(extra))
         self.connector = make_connector(connector.name, extra, channels=(WINDOWS, PCM))
         context = multiprocessing.get_context("spawn")
+        slots = context.Semaphore(WINDOWS_IN_FLIGHT)
         self.process = context.Process(
-            target=worker_main, args=(load, device, stage1, self.connector), name="music3-stage1", daemon=True
+            target=worker_main, args=(load, device, stage1, self.connector, slots), name="music3-stage1", daemon=True
         )
         self.process.start()
-        self.outbox, self.watch = Outbox(self.connector, WINDOWS), WorkerWatch()
+        self.outbox, self.watch = Outbox(self.connector, WINDOWS, slots), WorkerWatch()
         started = time.monotonic()
         while True:
             if not self.process.is_alive():
