@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 
@@ -295,7 +296,8 @@ def test_the_outbox_never_blocks_and_skips_the_windows_of_a_song_cancelled_behin
     gated.release.set()
     outbox.put(Message("stop", {}, {}))
     assert outbox.join(10)
-    assert gated.written[:4] == [("window", "a", 0), ("window", "b", 0), ("cancel", "a", None), ("window", "b", 1)]
+    # the cancel goes out ahead of the windows queued before it; a's queued window is dropped
+    assert gated.written[:4] == [("window", "a", 0), ("cancel", "a", None), ("window", "b", 0), ("window", "b", 1)]
     assert gated.written[4:] == [("window", "b", i) for i in range(2, 500)] + [("stop", None, None)]
     assert outbox.failures() == []
 
@@ -327,10 +329,12 @@ def test_windows_wait_for_a_slot_the_reader_gives_back_and_a_cancel_frees_the_wa
     slots.release()  # the reader took window 0
     time.sleep(0.3)
     assert gated.written[-1] == ("window", "a", 2)
-    outbox.put(cancel("a"))  # window 3 is waiting for a slot: dropped; b's window and the cancel go on
+    outbox.put(cancel("a"))  # window 3 is waiting for a slot: the cancel goes out now, window 3 is dropped
+    time.sleep(0.3)
+    assert gated.written[3:] == [("cancel", "a", None)]
     slots.release()
     time.sleep(0.3)
-    assert gated.written[3:] == [("window", "b", 0), ("cancel", "a", None)]
+    assert gated.written[4:] == [("window", "b", 0)]
     outbox.put(window("b", 1))  # no slot left: waits
     outbox.close(Message("stop", {}, {}))  # closing drops it
     assert outbox.join(5)
@@ -347,6 +351,55 @@ def test_windows_the_connector_cannot_take_come_back_once_as_failures_of_their_s
     assert outbox.failures() == [("a", "stage 1 could not take window 3: no space left in /dev/shm")]
     assert gated.written == [("cancel", "b", None), ("stop", None, None)]  # window 4 skipped, not failed again
     assert outbox.failures() == []
+
+
+def test_one_window_slot_still_gives_the_colocated_songs_and_every_slot_back(tiny_dir, colocated, monkeypatch):
+    """The worker reads one window at a time (the outbox waits for it to give the slot back): the songs are the
+    colocated ones, and afterwards the slot is free and /dev/shm empty."""
+    from music3serve.serving import worker
+
+    monkeypatch.setattr(worker, "windows_in_flight", lambda render_batch: 1)
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    connector, slots = engine.worker.connector, engine.worker.outbox.slots
+    try:
+        for got, want in zip(run_songs(engine), colocated):
+            assert got.shape == want.shape and np.abs(got - want).max() < 1e-3
+        assert slots.get_value() == 1
+    finally:
+        engine.close()
+    assert not connector.segments()
+
+
+def losing_loader(root: str, device: str) -> SimpleNamespace:
+    """Stage 1's models, in a worker where the first window's shared-memory segment is gone before it is read."""
+    from music3serve.serving import shm_segments
+
+    read, reads = shm_segments.read_segment, []
+
+    def first_one_gone(name, reader):
+        reads.append(name)
+        if len(reads) == 1:
+            raise FileNotFoundError(name)
+        return read(name, reader)
+
+    shm_segments.read_segment = first_one_gone
+    return load_acoustic(root, device)
+
+
+def test_a_window_whose_segment_vanished_fails_its_song_alone(tiny_dir):
+    deploy = load_deploy_config()
+    # The tiny model's windows are small: through shared memory too, so that one can go missing.
+    connector = replace(deploy.connector, extra=replace(deploy.connector.extra, shm_threshold_bytes=0))
+    models = load_models(tiny_dir, device="cpu", talker_dtype=torch.float32, acoustic=False)
+    engine = Engine(models, deploy, RenderWorker(partial(losing_loader, str(tiny_dir)), "cpu", deploy.stages[1],
+                                                 connector))
+    try:
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
+        assert isinstance(result, str) and "lost a window on its way" in result
+        assert engine.unavailable() is None and engine.worker.alive()
+        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+    finally:
+        engine.close()
 
 
 def test_audio_whose_segment_vanished_fails_its_song_alone(tiny_dir, monkeypatch):

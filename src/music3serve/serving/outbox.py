@@ -22,12 +22,16 @@ class Outbox:
 
     `slots`, a semaphore shared with the reader, bounds the windows written and not yet read: each window takes one
     before it is written (into shared memory, 3.2 MB) and the reader gives it back once it has read the window, so a
-    reader that is busy rendering leaves the rest waiting here, in this process's memory, not in /dev/shm."""
+    reader that is busy rendering leaves the rest waiting here, in this process's memory, not in /dev/shm. Cancels go
+    out ahead of the windows waiting (the worker stops rendering the song at once)."""
 
     def __init__(self, connector, channel: str, slots: Any = None):
         self.connector, self.channel, self.slots = connector, channel, slots
         self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
-        self._skipped: set[str] = set()  # songs whose queued windows are dropped, until their cancel is written
+        self._cancels: list[Message] = []  # written ahead of the queue
+        # Songs whose windows are dropped: from their cancel until the queue has passed their last window (a
+        # "forget" marker queued behind the cancel); ids are never reused.
+        self._skipped: set[str] = set()
         self._closing = False  # closing: windows still queued are dropped
         self._lock = threading.Lock()
         self._failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
@@ -36,8 +40,11 @@ class Outbox:
 
     def put(self, message: Message) -> None:
         if message.key == "cancel":
+            song = message.meta["song"]
             with self._lock:
-                self._skipped.add(message.meta["song"])
+                self._skipped.add(song)
+                self._cancels.append(message)
+            message = Message("forget", {"song": song}, {})  # wakes the writer; marks the end of the song's windows
         self._queue.put(message)
 
     def failures(self) -> list[tuple[str, str]]:
@@ -59,29 +66,41 @@ class Outbox:
 
     def _write(self) -> None:
         while (message := self._queue.get()) is not None:
+            self._send_cancels()
             song = message.meta.get("song")
+            if message.key == "forget":
+                with self._lock:
+                    self._skipped.discard(song)
+                continue
             if message.key == "window" and not self._slot_for(song):
                 continue
-            try:
-                self.connector.put(self.channel, message)
-            except Exception as exc:  # a closed connector, a full /dev/shm, a pipe without reader
-                if message.key == "window":
-                    if self.slots is not None:
-                        self.slots.release()  # never written: nobody will read it
-                    with self._lock:
-                        self._skipped.add(song)  # its later windows would only arrive out of order
-                    self._failures.put((song, f"stage 1 could not take window {message.meta['index']}: {exc}"))
-                else:
-                    log.warning("message %r to stage 1 not sent: %s", message.key, exc)
-            if message.key == "cancel":
-                with self._lock:
-                    self._skipped.discard(song)  # ids are never reused: nothing of it comes after its cancel
-            elif message.key == "stop":
+            self._send(message)
+            if message.key == "stop":
                 return
+
+    def _send(self, message: Message) -> None:
+        try:
+            self.connector.put(self.channel, message)
+        except Exception as exc:  # a closed connector, a full /dev/shm, a pipe without reader
+            if message.key != "window":
+                log.warning("message %r to stage 1 not sent: %s", message.key, exc)
+                return
+            song = message.meta["song"]
+            if self.slots is not None:
+                self.slots.release()  # never written: nobody will read it
+            with self._lock:
+                self._skipped.add(song)  # its later windows would only arrive out of order
+            self._failures.put((song, f"stage 1 could not take window {message.meta['index']}: {exc}"))
+
+    def _send_cancels(self) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            self._send(cancel)
 
     def _slot_for(self, song: str) -> bool:
         """Whether a window of `song` is to be written: not skipped, and a slot taken for it (waiting for the reader
-        as long as it takes, unless the window is skipped or the outbox closes meanwhile)."""
+        as long as it takes, cancels going out meanwhile, unless the window is dropped or the outbox closes)."""
         while not self._dropped(song):
             if self.slots is None:
                 return True
@@ -89,6 +108,7 @@ class Outbox:
                 if not self._dropped(song):  # still wanted once the slot came
                     return True
                 self.slots.release()
+            self._send_cancels()
         return False
 
     def _dropped(self, song: str) -> bool:

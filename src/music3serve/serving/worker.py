@@ -19,7 +19,7 @@ from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..acoustic.windows import Window
 from ..checkpoint import load_component
 from ..errors import Music3Error
-from .connectors import ConnectorTimeout, Message, make_connector, timeouts
+from .connectors import ConnectorTimeout, LostMessage, Message, make_connector, timeouts
 from .deploy_config import ConnectorConfig, Stage1Config
 from .heartbeat import Heartbeat, WorkerWatch
 from .outbox import Outbox
@@ -29,9 +29,13 @@ log = logging.getLogger(__name__)
 
 WINDOWS, PCM = "stage0_to_stage1", "stage1_to_engine"
 STARTUP_TIMEOUT_S = 1800.0  # loading 10 GB of acoustic weights and capturing graphs
-# Windows written to the worker and not yet read by it: ~40 MB of /dev/shm (Docker's default is 64 MB); more wait
-# in the engine's memory while the worker renders. Twelve keep a render batch of eight fed.
+# Windows written to the worker and not yet read by it: at least 12 (~40 MB of /dev/shm; Docker's default is 64 MB),
+# and a render batch and some more; others wait in the engine's memory while the worker renders.
 WINDOWS_IN_FLIGHT = 12
+
+
+def windows_in_flight(render_batch: int) -> int:
+    return max(WINDOWS_IN_FLIGHT, render_batch + 4)
 
 
 def window_message(payload: WindowPayload) -> Message:
@@ -79,18 +83,24 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
             log.warning("the engine process is gone; the stage-1 worker stops")
             connector.cleanup()  # nobody else is left to remove the segments
             return [("stop",)]
-        items = []
-        try:
-            message = connector.get(WINDOWS, 0.05 if block else 0)
-            while True:
-                if message.key == "window":
-                    items.append(("window", window_payload(message)))
-                    slots.release()
-                else:
-                    items.append((message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
-                message = connector.get(WINDOWS, 0)
-        except ConnectorTimeout:
-            return items
+        items, wait = [], 0.05 if block else 0
+        while True:
+            try:
+                message = connector.get(WINDOWS, wait)
+            except ConnectorTimeout:
+                return items
+            except LostMessage as exc:  # a window whose segment vanished (say /dev/shm emptied): its song fails
+                message = None
+                slots.release()
+                on_error(exc.meta["song"], f"stage 1 lost a window on its way: {exc}")
+            wait = 0
+            if message is None:
+                continue
+            if message.key == "window":
+                items.append(("window", window_payload(message)))
+                slots.release()
+            else:
+                items.append((message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
 
     def on_chunk(out: RenderedWindow) -> None:
         w = out.window
@@ -183,7 +193,7 @@ class RenderWorker:
         self.deadlines = ChunkDeadlines(*timeouts(extra))
         self.connector = make_connector(connector.name, extra, channels=(WINDOWS, PCM))
         context = multiprocessing.get_context("spawn")
-        slots = context.Semaphore(WINDOWS_IN_FLIGHT)
+        slots = context.Semaphore(windows_in_flight(stage1.render_batch))
         self.process = context.Process(
             target=worker_main, args=(load, device, stage1, self.connector, slots), name="music3-stage1", daemon=True
         )
