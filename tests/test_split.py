@@ -370,11 +370,9 @@ def test_one_window_slot_still_gives_the_colocated_songs_and_every_slot_back(tin
     assert not connector.segments()
 
 
-def losing_loader(root: str, device: str) -> SimpleNamespace:
-    """Stage 1's models, in a worker where the first window's shared-memory segment is gone before it is read."""
-    from music3serve.serving import shm_segments
-
-    read, reads = shm_segments.read_segment, []
+def first_segment_gone(read):
+    """shm_segments.read_segment as if the first segment read had been removed before (say by RemoveIPC)."""
+    reads = []
 
     def first_one_gone(name, reader):
         reads.append(name)
@@ -382,7 +380,14 @@ def losing_loader(root: str, device: str) -> SimpleNamespace:
             raise FileNotFoundError(name)
         return read(name, reader)
 
-    shm_segments.read_segment = first_one_gone
+    return first_one_gone
+
+
+def losing_loader(root: str, device: str) -> SimpleNamespace:
+    """Stage 1's models, in a worker where the first window's shared-memory segment is gone before it is read."""
+    from music3serve.serving import shm_segments
+
+    shm_segments.read_segment = first_segment_gone(shm_segments.read_segment)
     return load_acoustic(root, device)
 
 
@@ -408,15 +413,7 @@ def test_audio_whose_segment_vanished_fails_its_song_alone(tiny_dir, monkeypatch
     from music3serve.serving import shm_segments
 
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
-    read, reads = shm_segments.read_segment, []
-
-    def first_one_gone(name, reader):
-        reads.append(name)
-        if len(reads) == 1:
-            raise FileNotFoundError(name)
-        return read(name, reader)
-
-    monkeypatch.setattr(shm_segments, "read_segment", first_one_gone)
+    monkeypatch.setattr(shm_segments, "read_segment", first_segment_gone(shm_segments.read_segment))
     try:
         result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
         assert isinstance(result, str) and "audio was lost on its way" in result
