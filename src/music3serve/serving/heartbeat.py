@@ -11,8 +11,8 @@ from .connectors import Message
 HEARTBEAT_S = 1.0  # the worker's pulse
 SILENCE_LIMIT_S = 30.0  # no pulse this long: the worker process is frozen (its pulse thread cannot run)
 # A render call longer than this per window of its batch (times the Euler-step scale, steps / 30) is stuck. One
-# window of 30 steps takes ~0.4 s in bf16 and ~4.6 s in IEEE float32 on an H200 (DiT calls and vocoder, docs/performance.md):
-# room for a GPU ten times slower.
+# window of 30 steps takes ~0.4 s in bf16 and ~4.6 s in IEEE float32 on an H200 (DiT calls and vocoder,
+# docs/performance.md): room for a GPU ten times slower.
 RENDER_LIMIT_PER_WINDOW_S = 60.0
 PAUSE_S = 5.0  # a gap this much longer than expected between beats or checks: this process itself was paused
 
