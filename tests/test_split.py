@@ -221,11 +221,27 @@ def stalling_loader(root: str, flag: str, device: str) -> SimpleNamespace:
     return models
 
 
-def stalling_engine(tiny_dir, flag) -> Engine:
+def engine_with_loader(tiny_dir, loader, shm_threshold_bytes: int | None = None) -> Engine:
+    """A split engine whose worker loads stage 1 with `loader(device)` (and, if given, sends payloads of this many
+    bytes or more through shared memory)."""
     deploy = load_deploy_config()
+    connector = deploy.connector
+    if shm_threshold_bytes is not None:
+        connector = replace(connector, extra=replace(connector.extra, shm_threshold_bytes=shm_threshold_bytes))
     models = load_models(tiny_dir, device="cpu", talker_dtype=torch.float32, acoustic=False)
-    loader = partial(stalling_loader, str(tiny_dir), str(flag))
-    return Engine(models, deploy, RenderWorker(loader, "cpu", deploy.stages[1], deploy.connector))
+    return Engine(models, deploy, RenderWorker(loader, "cpu", deploy.stages[1], connector))
+
+
+def stalling_engine(tiny_dir, flag) -> Engine:
+    return engine_with_loader(tiny_dir, partial(stalling_loader, str(tiny_dir), str(flag)))
+
+
+def assert_that_song_alone_fails(engine: Engine, reason: str) -> None:
+    """Song 1 fails with `reason`; the engine and its worker go on, and song 2 completes."""
+    result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
+    assert isinstance(result, str) and reason in result
+    assert engine.unavailable() is None and engine.worker.alive()
+    assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
 
 
 def test_a_render_call_that_never_ends_is_stopped_as_hung(tiny_dir, tmp_path):
@@ -392,17 +408,10 @@ def losing_loader(root: str, device: str) -> SimpleNamespace:
 
 
 def test_a_window_whose_segment_vanished_fails_its_song_alone(tiny_dir):
-    deploy = load_deploy_config()
     # The tiny model's windows are small: through shared memory too, so that one can go missing.
-    connector = replace(deploy.connector, extra=replace(deploy.connector.extra, shm_threshold_bytes=0))
-    models = load_models(tiny_dir, device="cpu", talker_dtype=torch.float32, acoustic=False)
-    engine = Engine(models, deploy, RenderWorker(partial(losing_loader, str(tiny_dir)), "cpu", deploy.stages[1],
-                                                 connector))
+    engine = engine_with_loader(tiny_dir, partial(losing_loader, str(tiny_dir)), shm_threshold_bytes=0)
     try:
-        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
-        assert isinstance(result, str) and "lost a window on its way" in result
-        assert engine.unavailable() is None and engine.worker.alive()
-        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+        assert_that_song_alone_fails(engine, "lost a window on its way")
     finally:
         engine.close()
 
@@ -415,10 +424,7 @@ def test_audio_whose_segment_vanished_fails_its_song_alone(tiny_dir, monkeypatch
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     monkeypatch.setattr(shm_segments, "read_segment", first_segment_gone(shm_segments.read_segment))
     try:
-        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
-        assert isinstance(result, str) and "audio was lost on its way" in result
-        assert engine.unavailable() is None and engine.worker.alive()
-        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+        assert_that_song_alone_fails(engine, "audio was lost on its way")
     finally:
         engine.close()
 
