@@ -94,3 +94,19 @@ def test_enable_fusion_gives_each_hot_path_its_pdl_option(monkeypatch, mode):
     assert all("mode" not in kwargs for kwargs in calls.values())
     if mode:
         assert calls["dit_qkv"]["options"]["max_autotune"] is True
+
+
+def test_the_snake_compiles_once_for_every_vocoder_width():
+    """Twelve widths through one compiled snake: parameter shapes are static to dynamo, so passing alpha itself
+    compiled one graph per width and the ninth raised FailOnRecompileLimitHit (GPU suite, session 7)."""
+    from music3serve.models import fusion
+    from music3serve.models.vocoder import Snake
+
+    fusion.enable_fusion(backend="aot_eager")
+    try:
+        for width in range(2, 14):
+            snake, x = Snake(width), torch.randn(2, width, 30)
+            torch.nn.init.uniform_(snake.alpha, 0.5, 2.0)
+            torch.testing.assert_close(snake(x), x + snake.alpha.reciprocal() * torch.sin(snake.alpha * x) ** 2)
+    finally:
+        fusion.disable_fusion()

@@ -43,7 +43,9 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return snake(x, self.alpha)
+        # A plain tensor, not the Parameter: dynamo keeps parameters' shapes static, so every width of the vocoder
+        # compiled its own snake and a ninth width hit the recompile limit (a hard error under fullgraph).
+        return snake(x, self.alpha.detach())
 
 
 @between_library_calls
