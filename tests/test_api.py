@@ -64,9 +64,10 @@ def songs(engine: Engine) -> dict[int, np.ndarray]:
     return out
 
 
-def metric(client: httpx.Client, name: str) -> float:
+def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     text = client.get("/metrics").text
-    match = re.search(rf"^{name}_total ([0-9.e+]+)$", text, re.MULTILINE)
+    series = f"{name}_total{{{labels}}}" if labels else f"{name}_total"
+    match = re.search(rf"^{re.escape(series)} ([0-9.e+]+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
@@ -188,6 +189,18 @@ def test_bad_requests_are_400_and_never_reach_the_engine(client, change, needle)
     assert metric(client, "music3_requests") == requests
 
 
+def test_refusals_and_held_songs_are_exported(client):
+    """A request the engine refuses (a blank caption passes the schema) counts under reason="invalid"; the gauges
+    of held and waiting songs are there, at zero when idle."""
+    invalid = metric(client, "music3_refusals", 'reason="invalid"')
+    assert client.post("/v1/songs", json={**SONG, "caption": "   "}).status_code == 400
+    assert metric(client, "music3_refusals", 'reason="invalid"') == invalid + 1
+    text = client.get("/metrics").text
+    for series in ('music3_refusals_total{reason="busy"}', 'music3_refusals_total{reason="unavailable"}',
+                   "music3_songs_held 0.0", "music3_songs_waiting 0.0"):
+        assert re.search(rf"^{re.escape(series)}", text, re.MULTILINE), series
+
+
 def test_malformed_json_and_unknown_routes(client):
     response = client.post("/v1/songs", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]
@@ -200,7 +213,7 @@ def test_malformed_json_and_unknown_routes(client):
 # --- cancellation and failure -----------------------------------------------------------------------------
 def test_delete_cancels_a_streaming_song(client, engine):
     requests, failures = metric(client, "music3_requests"), metric(client, "music3_failures")
-    frames = metric(client, "music3_frames")
+    frames, cancels = metric(client, "music3_frames"), metric(client, "music3_cancels")
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
         assert response.status_code == 200
         song = response.headers["x-song-id"]
@@ -219,6 +232,7 @@ def test_delete_cancels_a_streaming_song(client, engine):
     assert metric(client, "music3_talker_steps") == steps  # the talker stopped writing it
     assert metric(client, "music3_requests") == requests + 1
     assert metric(client, "music3_failures") == failures  # a cancel is not a failure
+    assert metric(client, "music3_cancels") == cancels + 1  # the DELETE, not again for its stream closing
     assert metric(client, "music3_frames") >= frames + seconds * contract.FRAME_RATE  # a cancelled song's count too
     assert client.delete(f"/v1/songs/{song}").status_code == 204  # idempotent
 
@@ -369,9 +383,125 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
         async def receive():
             await asyncio.Event().wait()  # no disconnect is ever seen
 
-        await asyncio.wait_for(api.SongStream(body(), song)({"type": "http"}, receive, send), 5)
+        async def abandon() -> None:  # the service's: close the engine stream, record the song as ended
+            closed.append("abandoned")
+
+        await asyncio.wait_for(api.SongStream(body(), song, abandon)({"type": "http"}, receive, send), 5)
         return song, sends
 
     song, sends = asyncio.run(scenario())
-    assert song.stop.is_set() and closed == [True]
+    assert song.stop.is_set() and closed == [True, "abandoned"]  # the body closed, then the song ended
     assert sends == ["http.response.start", "http.response.body", "http.response.body"]
+
+
+# --- server-side failures, abandoned streams, logs (review of session 7) -----------------------------------
+def test_a_failing_submit_fails_that_song_with_a_5xx_and_the_engine_serves_on(client, engine, monkeypatch):
+    """A non-input error while stage 0 takes a song (say out of memory for its prompt) is the server's fault: that
+    POST gets a 500, and the next song is served (it killed the talker thread: every later song got 503)."""
+    real = engine.talker.submit
+
+    def flaky(song, *args, **kwargs):
+        if song.startswith("oom#"):  # the stages know a song as "<id>#<n>"
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real(song, *args, **kwargs)
+
+    monkeypatch.setattr(engine.talker, "submit", flaky)
+    first = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "id": "oom"})
+    assert first.status_code == 500 and "out of memory" in first.json()["error"]
+    second = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False})
+    assert second.status_code == 200
+    assert engine.unavailable() is None
+
+
+def test_an_engine_closing_before_acceptance_answers_503(tiny_dir: Path, serve_http, monkeypatch):
+    """The server shutting down while a POST waits for acceptance: 503 (retry elsewhere), not 400 (your fault)."""
+    from music3serve.serving.api import create_app
+
+    engine = Engine.from_pretrained(tiny_dir, device="cpu")
+    real_submit = engine.talker.submit
+
+    def slow_submit(*args, **kwargs):  # a talker busy with a long prefill step
+        time.sleep(1.0)
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine.talker, "submit", slow_submit)
+    result: list = []
+    try:
+        with serve_http(create_app(engine)) as url:
+            def post() -> None:
+                with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+                    result.append(c.post("/v1/songs", json={**SONG, "id": "closing"}))
+
+            thread = threading.Thread(target=post)
+            thread.start()
+            wait_until(lambda: "closing" in engine._keys)
+            engine.close()
+            thread.join(30)
+    finally:
+        engine.close()
+    assert result[0].status_code == 503, result[0].text
+
+
+class HeldSong:
+    """An engine whose one song is accepted and then waits forever (until its stream is closed)."""
+
+    def __init__(self):
+        self.closed = False
+
+    async def submit(self, request):
+        from music3serve.serving.engine import Accepted
+
+        try:
+            yield Accepted(request.id, 1, 100, 10)
+            await asyncio.Event().wait()
+        finally:
+            self.closed = True
+
+    def cancel(self, song: str) -> None:
+        pass
+
+
+def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
+    """An ASGI server raising on the first send (a client gone before the headers; ASGI 2.4 servers raise): the
+    body never starts, so its cleanup never ran and the song stayed 'running' with its engine stream open."""
+    from music3serve.serving import api
+
+    async def scenario():
+        engine = HeldSong()
+        service = api.SongService(engine)  # type: ignore[arg-type]
+        response = await service.create(api.SongBody(caption="pop", lyrics="la", id="gone"), None)  # type: ignore[arg-type]
+        assert isinstance(response, api.SongStream)
+
+        async def send(message):
+            raise OSError("client disconnected")
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        await asyncio.wait_for(response({"type": "http", "headers": []}, receive, send), 5)
+        return service, engine
+
+    service, engine = asyncio.run(scenario())
+    assert service.lookup("gone").state == "cancelled" and "gone" not in service.running
+    assert engine.closed
+
+
+def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
+    from music3serve.serving import api
+
+    monkeypatch.setattr(api, "KEEP_FINISHED", 2)
+    service = api.SongService(None)  # type: ignore[arg-type]
+    for song_id in ("a", "b", "a", "c"):  # "a" runs again after "b", then "c"
+        song = api.SongState(song_id, 1, 100, "wav", 44100)
+        service.running[song_id] = song
+        service.finish(song, "done")
+    assert service.lookup("a") is not None and service.lookup("c") is not None
+    assert service.lookup("b") is None
+
+
+def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
+    caplog.set_level("INFO", logger="music3serve.serving.api")
+    response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "id": "logged-1"})
+    assert response.status_code == 200
+    ended = [r for r in caplog.records if r.getMessage() == "song ended" and getattr(r, "song", None) == "logged-1"]
+    assert len(ended) == 1 and ended[0].state == "done" and ended[0].frames == int(response.headers["x-frame-budget"])

@@ -67,7 +67,7 @@ def test_bad_steps(steps):
         check_steps(steps)
 
 
-@pytest.mark.parametrize("steps", [1, 30, 1000])
+@pytest.mark.parametrize("steps", [1, 30, 200])
 def test_good_steps(steps):
     assert check_steps(steps) == steps
 

@@ -73,12 +73,26 @@ def test_a_failed_render_drops_the_songs_next_windows_until_its_cancel():
 
 
 def test_each_render_call_is_reported_with_its_work():
-    """What the worker's heartbeat says while a call runs: its windows times steps / 30 of the batch's heaviest
-    song, the scale never below 1 (a few-step song renders faster than the contract's 30 steps)."""
+    """What the worker's heartbeat says while a call runs: its windows times steps / 30, the scale never below 1
+    (a few-step song renders faster than the contract's 30 steps); windows of other step counts are other calls."""
     seen = []
     few = ("window", WindowPayload("a", 0, Window(0, 0, 200, False), torch.zeros(1), 2))
     heavy = ("window", WindowPayload("b", 0, Window(0, 0, 200, False), torch.zeros(1), 300))
     feed = iter([[few], [heavy, window("c", 0)], [("stop",)]])
     RenderLoop(StandIn(), lambda block: next(feed), lambda out: None, lambda song, message: None,
                rendering=seen.append).run()
-    assert seen == [1.0, None, 20.0, None]
+    assert seen == [1.0, None, 1.0, None, 10.0, None]
+
+
+def test_windows_with_fewer_steps_are_rendered_and_delivered_first():
+    """A batch with a 300-step window: the 2-step windows beside it are one call, delivered before the heavy one
+    renders (in one call they waited for its whole render)."""
+    renderer, order = StandIn(), []
+    original = renderer.render
+    renderer.render = lambda batch: order.append(("render", [p.song for p in batch])) or original(batch)
+    heavy = ("window", WindowPayload("b", 0, Window(0, 0, 200, False), torch.zeros(1), 300))
+    feed = iter([[heavy, window("c", 0), window("d", 0)], [("stop",)]])
+    RenderLoop(renderer, lambda block: next(feed), lambda out: order.append(("delivered", out.song)),
+               lambda song, message: None).run()
+    assert order == [("render", ["c", "d"]), ("delivered", "c"), ("delivered", "d"), ("render", ["b"]),
+                     ("delivered", "b")]

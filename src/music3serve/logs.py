@@ -8,11 +8,22 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color
 
 
 class KeyValueFormatter(logging.Formatter):
+    """The record's extra fields as logfmt after the message: None is left out, a value with a space, quote, equals
+    sign or line break is quoted and escaped, so each event stays one line that parses back."""
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        fields = {k: v for k, v in vars(record).items() if k not in _STANDARD}
-        tail = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        fields = {k: v for k, v in vars(record).items() if k not in _STANDARD and v is not None}
+        tail = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
         return f"{line} {tail}" if tail else line
+
+
+def _value(value: object) -> str:
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    if text and not any(c in text for c in ' "=\\\n\r\t'):
+        return text
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from .. import contract
 from ..errors import EngineBusy, InputError, Music3Error
+from ..pipeline import MAX_STEPS
 from .audio_io import CHANNELS, OUTPUT_RATES, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 
@@ -43,7 +44,7 @@ class SongBody(BaseModel):
     lyrics: str
     duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    steps: int | None = Field(None, ge=1, le=1000)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     format: Literal["wav", "pcm"] = "wav"
     sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
     stream: bool = True
@@ -180,9 +181,13 @@ class SongStream(StreamingResponse):
     version, and always closes its body generator (so the engine generator's cleanup runs at once, not at garbage
     collection)."""
 
-    def __init__(self, content: AsyncIterator[bytes], song: SongState, **kwargs: Any):
+    def __init__(
+        self, content: AsyncIterator[bytes], song: SongState, abandon: Callable[[], Awaitable[None]], **kwargs: Any
+    ):
+        """`abandon` ends the song if the body never ran (the headers could not be sent): the body's own cleanup
+        is in code that never started."""
         super().__init__(content, **kwargs)
-        self.song = song
+        self.song, self.abandon = song, abandon
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         watcher = asyncio.ensure_future(_watch_disconnect(Request(scope, receive), self.song.stop))
@@ -201,6 +206,8 @@ class SongStream(StreamingResponse):
         finally:
             watcher.cancel()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            if self.song.state == "running":
+                await self.abandon()
 
 
 class SongService:
@@ -216,9 +223,14 @@ class SongService:
     def finish(self, song: SongState, state: str, error: str | None = None) -> None:
         if song.state == "running":
             song.state, song.error = state, error
+            log.info("song ended", extra={"song": song.id, "state": song.state, "seed": song.seed,
+                                          "frames": song.frames, "ended_by": song.ended_by,
+                                          "samples": song.samples_sent, "error": song.error})
         if self.running.get(song.id) is song:  # not a newer song that reused the id after this one ended
             del self.running[song.id]
-        self.finished[song.id] = song
+        if self.finished.get(song.id) is not song:  # a reused id's newest result goes to the back of the line
+            self.finished.pop(song.id, None)
+            self.finished[song.id] = song
         while len(self.finished) > KEEP_FINISHED:
             self.finished.popitem(last=False)
 
@@ -257,8 +269,11 @@ class SongService:
             return _error(409, f"song {body.id} was cancelled before it was accepted")
         if not isinstance(first, Accepted):
             await events.aclose()
-            message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
-            return _error(400 if isinstance(first, Failed) else 500, message)
+            if isinstance(first, Failed) and first.refused:
+                return _error(400, first.message)
+            if self.engine.unavailable() is not None:  # closing, or a stage died: retry elsewhere or later
+                return _error(503, f"the engine cannot take songs: {self.engine.unavailable()}")
+            return _error(500, first.message if isinstance(first, Failed) else f"unexpected first event {first!r}")
         song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
         self.running[song.id] = song
         headers = {
@@ -268,7 +283,8 @@ class SongService:
         }
         if body.stream:
             headers["X-Accel-Buffering"] = "no"  # ask proxies not to buffer the stream
-            return SongStream(self.stream(song, events), song, headers=headers, media_type=MEDIA_TYPES[song.format])
+            return SongStream(self.stream(song, events), song, lambda: self.abandon(song, events), headers=headers,
+                              media_type=MEDIA_TYPES[song.format])
         return await self.whole(song, events, request, headers)
 
     async def stream(self, song: SongState, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
@@ -282,8 +298,12 @@ class SongService:
             if song.state == "failed":
                 raise SongFailedMidStream(f"song {song.id} failed after {song.samples_sent} samples: {song.error}")
         finally:
-            await events.aclose()
-            self.finish(song, "cancelled")
+            await self.abandon(song, events)
+
+    async def abandon(self, song: SongState, events: AsyncIterator[Event]) -> None:
+        """Close the engine stream (which cancels a song still running there) and record the song as ended."""
+        await events.aclose()  # type: ignore[attr-defined]
+        self.finish(song, "cancelled")
 
     async def whole(self, song: SongState, events: AsyncIterator[Event], request: Request, headers: dict) -> Response:
         watcher = asyncio.ensure_future(_watch_disconnect(request, song.stop))

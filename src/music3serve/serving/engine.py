@@ -65,6 +65,7 @@ class _Client:
     first_audio: float | None = None
     finished: SongFinished | None = None
     failed: bool = False
+    cancelled: bool = False
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -89,7 +90,7 @@ class Engine:
                 fuse=stage1.graphs,
             )
             self.renderer.warmup(range(1, stage1.render_batch + 1))
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
         self.max_songs = MAX_SONGS
         self._clients: dict[str, _Client] = {}  # by key
         self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
@@ -147,7 +148,26 @@ class Engine:
         """Validate, queue and stream one song's events; bad input raises InputError before anything is queued, and
         a closed or broken engine raises Music3Error. Songs beyond the talker's rows wait in its queue, up to
         `max_songs` held in all; past that, EngineBusy."""
-        song, budget_request, seed, steps, cond, uncond = self._validate(request)
+        try:
+            async with contextlib.aclosing(self._submit(request)) as events:  # closing this closes that at once
+                async for event in events:
+                    yield event
+        except InputError:
+            self.metrics.refusals.labels("invalid").inc()
+            raise
+        except EngineBusy:
+            self.metrics.refusals.labels("busy").inc()
+            raise
+        except Music3Error:
+            self.metrics.refusals.labels("unavailable").inc()
+            raise
+
+    async def _submit(self, request: SongRequest) -> AsyncIterator[Event]:
+        if not isinstance(request, SongRequest):
+            raise InputError(f"submit takes a SongRequest, got {type(request).__name__}: {request!r:.80}")
+        # Tokenizing a long caption takes a while: off the caller's event loop (the other streams keep flowing).
+        cond, uncond = await asyncio.to_thread(encode_prompt, self.tokenizer, request.caption, request.lyrics)
+        song, budget_request, seed, steps = self._validate(request)
         client = _Client(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         if len(self._clients) >= self.max_songs:
             raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
@@ -157,13 +177,15 @@ class Engine:
             self._forget(key)
             raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
         self._control.put(("submit", key, cond, uncond, seed, budget_request, steps))
+        ended = False
         try:
-            while True:
+            while not ended:
                 event = await client.events.get()
+                ended = isinstance(event, (Done, Failed))
                 yield event
-                if isinstance(event, (Done, Failed)):
-                    return
         finally:
+            if not ended:  # the caller stopped reading before the end
+                self._count_cancel(key)
             if self._forget(key):
                 self._cancel(key)
 
@@ -172,7 +194,15 @@ class Engine:
         An id the engine does not hold is ignored."""
         key = self._keys.get(song)
         if key is not None:
+            self._count_cancel(key)
             self._cancel(key)
+
+    def _count_cancel(self, key: str) -> None:
+        """Count a caller's cancel once (a DELETE, then its stream closing, is one)."""
+        client = self._clients.get(key)
+        if client is not None and not client.cancelled:
+            client.cancelled = True
+            self.metrics.cancels.inc()
 
     def _key(self, song: str) -> str:
         """The name the stages know a submission by: the caller's id and a number of its own, so that a song
@@ -217,9 +247,8 @@ class Engine:
         for thread in stage1:
             thread.join(timeout=30)
 
-    def _validate(self, request: SongRequest):
-        if not isinstance(request, SongRequest):
-            raise InputError(f"submit takes a SongRequest, got {type(request).__name__}: {request!r:.80}")
+    def _validate(self, request: SongRequest) -> tuple[str, int, int, int]:
+        """The song's id, requested frames, seed and Euler steps, checked."""
         requested = frames_for_duration(request.duration_s)
         seed = request.seed
         if seed is None:
@@ -229,8 +258,7 @@ class Engine:
         song = uuid.uuid4().hex if request.id is None else request.id
         if not isinstance(song, str) or not song or song in self._keys:
             raise InputError(f"request id must be a new non-empty string, got {song!r:.80}")
-        cond, uncond = encode_prompt(self.tokenizer, request.caption, request.lyrics)
-        return song, requested, seed, steps, cond, uncond
+        return song, requested, seed, steps
 
     def _emit(self, key: str, event: type[Event], *args) -> None:
         """Queue event(caller's id, *args) on the submission's stream, if it still has one."""
@@ -329,7 +357,11 @@ class Engine:
                 try:
                     budget = self.talker.submit(song, cond, uncond, seed, requested)
                 except InputError as exc:  # a refused request (HTTP 400): neither a request nor a failure served
-                    self._emit(song, Failed, str(exc))
+                    self._emit(song, Failed, str(exc), True)
+                except Exception as exc:  # say out of memory for its prompt: this song fails, the engine goes on
+                    log.exception("stage 0 could not take a song", extra={"song": song})
+                    self.talker.cancel(song)  # whatever part of it was queued
+                    self._fail(song, f"stage 0 could not take the song: {exc}")
                 else:
                     steps[song] = n_steps
                     self.metrics.requests.inc()

@@ -47,6 +47,7 @@ class Done:
 class Failed:
     song: str
     message: str
+    refused: bool = False  # the request was refused as invalid before acceptance (the caller's fault: HTTP 400)
 
 
 Event = Accepted | AudioChunk | Done | Failed

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 8, 13, 21, 34, 60, 120, 300)
 
 
+REFUSALS = ("invalid", "busy", "unavailable")  # bad input (HTTP 400), at max songs (429), closed or broken (503)
+
+
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, songs_held: Callable[[], int], songs_waiting: Callable[[], int]) -> None:
+        """songs_held / songs_waiting: read at each scrape (all songs the engine holds; those not yet decoding)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("music3_requests", "Songs submitted", registry=r)
         self.failures = Counter("music3_failures", "Songs that ended with an error", registry=r)
+        self.refusals = Counter("music3_refusals", "Submissions refused before acceptance", ["reason"], registry=r)
+        for reason in REFUSALS:  # every series exported from the start, at zero
+            self.refusals.labels(reason)
+        self.cancels = Counter("music3_cancels", "Songs cancelled by their caller (or a client gone)", registry=r)
+        Gauge("music3_songs_held", "Songs the engine holds (decoding, waiting or rendering)",
+              registry=r).set_function(songs_held)
+        Gauge("music3_songs_waiting", "Songs waiting for talker rows", registry=r).set_function(songs_waiting)
         self.talker_steps = Counter("music3_talker_steps", "Stage-0 scheduler steps", registry=r)
         self.frames = Counter("music3_frames", "Frames (40 ms each) written by stage 0", registry=r)
         self.windows = Counter("music3_windows", "Windows rendered by stage 1", registry=r)

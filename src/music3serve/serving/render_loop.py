@@ -69,7 +69,18 @@ class RenderLoop:
         self.pending[payload.song].append(payload)
 
     def render(self, batch: list[WindowPayload]) -> None:
-        self.rendering(len(batch) * max(1.0, max(payload.steps for payload in batch) / contract.DIT_STEPS))
+        """One render call per Euler-step count, fewest steps first, each delivered before the next renders: a
+        song asking for many steps holds the others' windows for its own render only, not for each one it is
+        batched with."""
+        by_steps: dict[int, list[WindowPayload]] = defaultdict(list)
+        for payload in batch:
+            by_steps[payload.steps].append(payload)
+        for steps in sorted(by_steps):
+            self.render_group(by_steps[steps])
+
+    def render_group(self, batch: list[WindowPayload]) -> None:
+        """Render windows of one step count and hand each on; a failure fails these songs only."""
+        self.rendering(len(batch) * max(1.0, batch[0].steps / contract.DIT_STEPS))
         try:
             rendered = self.renderer.render(batch)
         except Exception as exc:  # a failed render fails its songs, never the loop
