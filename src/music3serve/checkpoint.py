@@ -229,7 +229,8 @@ class Music3Models:
 def check_layout(root: Path) -> None:
     """The pipeline index and scheduler say this is a MiniMax-Music3 checkpoint with its fixed schedule."""
     if not Path(root).is_dir():
-        raise CheckpointError(f"model folder {root} does not exist")
+        what = "is not a folder" if Path(root).exists() else "does not exist"
+        raise CheckpointError(f"model folder {root} {what}")
     index = read_json(Path(root) / "modular_model_index.json")
     if index.get("_class_name") != PIPELINE_CLASS:
         raise CheckpointError(f"{root}/modular_model_index.json is not a {PIPELINE_CLASS} (got {index.get('_class_name')!r})")

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -13,14 +14,15 @@ from pathlib import Path
 from . import contract
 from .errors import Music3Error
 from .logs import setup_logging
-from .serving.audio_io import OUTPUT_RATES, resample, write_audio
+from .serving.audio_io import OUTPUT_RATES, check_output, resample, write_audio
 
 log = logging.getLogger("music3serve")
 
 REPO_ID = "MiniMaxAI/MiniMax-Music3"
 GET_MODEL = (
     "no MiniMax-Music3 checkpoint found. Download it (57 GB) with\n"
-    f"  huggingface-cli download {REPO_ID}\n"
+    f"  hf download {REPO_ID}\n"
+    "(huggingface-cli download on huggingface_hub before 1.0)\n"
     "then run again, or pass --model DIR, or set MUSIC3_MODEL=DIR, or try the pipeline on random weights with --tiny"
 )
 
@@ -30,18 +32,29 @@ def cache_root() -> Path:
 
 
 def tiny_checkpoint() -> Path:
-    """The tiny random checkpoint in the cache folder, written on first use (atomically)."""
-    from .tiny import write_tiny_checkpoint
-
+    """The tiny random checkpoint in the cache folder, written on first use."""
     target = cache_root() / "tiny-v1"
     if not (target / "modular_model_index.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
         log.info("writing the tiny checkpoint", extra={"path": str(target)})
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
-        write_tiny_checkpoint(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        write_tiny(target, replace=False)
     return target
+
+
+def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
+    """A tiny random checkpoint written whole into a staging folder beside `target`, then put in its place (the
+    staging folder goes on any failure or interrupt; what `target` held is replaced only at the end). replace
+    False: a complete checkpoint another process put there meanwhile stays (it may be loading from it)."""
+    from .tiny import write_tiny_checkpoint
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+    try:
+        write_tiny_checkpoint(staging, seed=seed)
+        if replace or not (target / "modular_model_index.json").is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; here on a failure or a lost race
 
 
 def hf_cache_snapshot() -> Path | None:
@@ -134,18 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--force", action="store_true", help="replace a folder that is not empty")
+    for sub in (gen, serve, bench, tiny):  # also accepted after the subcommand
+        sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
+                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     return parser
-
-
-def check_writable(path: Path) -> None:
-    """Fail before any model work if the output file could not be written."""
-    if path.is_dir():
-        raise Music3Error(f"cannot write {path}: it is a folder")
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise Music3Error(f"cannot write {path}: no write permission")
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -154,9 +160,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from .pipeline import Pipeline, check_seed, check_steps, frames_for_duration
     from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, check_text
 
-    if not args.output.lower().endswith((".wav", ".flac")):
-        raise Music3Error(f"output file must end in .wav or .flac, got {args.output!r}")
-    check_writable(Path(args.output))
+    check_output(args.output)
     # Bad values fail before the model loads (the pipeline checks them again).
     frames_for_duration(args.duration)
     check_seed(args.seed)
@@ -169,7 +173,9 @@ def run_generate(args: argparse.Namespace) -> None:
     root = resolve_model(args.model, args.tiny)
     log.info("loading model", extra={"path": str(root), "device": device})
     pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype)
-    song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=True)
+    # Progress bars on a terminal only (a log file would get every redraw), and not when asked for quiet logs.
+    progress = sys.stderr.isatty() and logging.getLogger().isEnabledFor(logging.INFO)
+    song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=progress)
     waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
     path = write_audio(args.output, waveform, args.sample_rate)
     log.info(
@@ -192,6 +198,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from .serving.engine import Engine
 
     deploy = load_deploy_config(args.config)
+    check_port(args.host, args.port)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
@@ -202,6 +209,25 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(engine, args.host, args.port, args.log_level)
     finally:
         engine.close()
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before the engine loads (minutes for the real checkpoint) if the server could not listen there."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        raise Music3Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def run_make_tiny(args: argparse.Namespace) -> None:
+    from .pipeline import check_seed
+
+    check_seed(args.seed)
+    target = Path(args.directory)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not args.force:
+        raise Music3Error(f"{target} exists and is not an empty folder; pass --force to replace it")
+    write_tiny(target, seed=args.seed)
+    print(f"wrote a tiny random MiniMax-Music3 checkpoint to {target}")
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -235,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             run_bench(args)
         else:
-            from .tiny import write_tiny_checkpoint
-
-            write_tiny_checkpoint(Path(args.directory), seed=args.seed)
-            print(f"wrote a tiny random MiniMax-Music3 checkpoint to {args.directory}")
+            run_make_tiny(args)
     except (Music3Error, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
+import tempfile
 import wave
 from fractions import Fraction
 from pathlib import Path
@@ -49,28 +51,54 @@ def to_pcm16(waveform: np.ndarray) -> np.ndarray:
     return (np.clip(waveform, -1.0, 1.0).T * 32767.0).round().astype("<i2")
 
 
-def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Path:
-    """Write 16-bit PCM .wav (standard library) or .flac (soundfile) of a [channels, samples] waveform."""
+def check_output(path: Path | str) -> Path:
+    """Fail now, before any model work, if `path` cannot take the song: its suffix, the package .flac needs, and
+    a real file created (then removed) in its folder, which is made if missing."""
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in FORMATS:
-        raise InputError(f"output file must end in {' or '.join(FORMATS)}, got {path.name!r}")
+    if path.suffix.lower() not in FORMATS or not path.stem:
+        raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
+    if path.suffix.lower() == ".flac":
+        _soundfile()
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".part"):
+        pass
+    return path
+
+
+def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Path:
+    """Write 16-bit PCM .wav (standard library) or .flac (soundfile) of a [channels, samples] waveform, whole or
+    not at all: into a temporary file beside it, renamed over `path` once complete (a failed write, say a full
+    disk, leaves no partial file and keeps what was there)."""
+    path = check_output(path)
     pcm = to_pcm16(waveform)
-    if suffix == ".wav":
-        # open() first: wave.open(path) that cannot open the file also prints a stray AttributeError from __del__.
-        with open(path, "wb") as file, wave.open(file, "wb") as out:
-            out.setnchannels(pcm.shape[1])
-            out.setsampwidth(2)
-            out.setframerate(sample_rate)
-            out.writeframes(pcm.tobytes())
-        return path
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with open(handle, "wb") as file:
+            if path.suffix.lower() == ".wav":
+                with wave.open(file, "wb") as out:
+                    out.setnchannels(pcm.shape[1])
+                    out.setsampwidth(2)
+                    out.setframerate(sample_rate)
+                    out.writeframes(pcm.tobytes())
+            else:
+                _soundfile().write(file, pcm, sample_rate, subtype="PCM_16", format="FLAC")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _soundfile():
     try:
         import soundfile
     except ImportError as exc:
         raise InputError("writing .flac needs the soundfile package: pip install 'music3serve[audio]'") from exc
-    soundfile.write(str(path), pcm, sample_rate, subtype="PCM_16")
-    return path
+    return soundfile
 
 
 def wav_header(sample_rate: int, data_bytes: int | None = None, channels: int = CHANNELS) -> bytes:
