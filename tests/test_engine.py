@@ -22,7 +22,7 @@ import pytest
 from music3serve import contract
 from music3serve.acoustic.windows import song_samples, song_windows
 from music3serve.checkpoint import load_models
-from music3serve.errors import InputError
+from music3serve.errors import EngineBusy, InputError
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config
@@ -595,3 +595,26 @@ def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_
     assert isinstance(chunk, AudioChunk) and chunk.window == 0 and chunk.last
     assert windows_at_stage1 == [False, False]
     assert np.array_equal(chunk.pcm, pcm(solo(7)))
+
+
+def test_audio_callers_have_not_read_refuses_new_songs_until_they_do(engine, monkeypatch):
+    """Past max_unread_bytes of PCM written but not yet taken by its callers, a submit raises EngineBusy (HTTP 429):
+    a crowd of slow readers cannot fill the host's memory. Once read, songs are taken again."""
+    monkeypatch.setattr(engine, "max_unread_bytes", 100_000)
+
+    async def scenario() -> None:
+        slow = engine.submit(request(0, duration_s=4.0, id="slow-reader"))
+        try:
+            assert isinstance(await next_event(slow), Accepted)
+            key = engine._keys["slow-reader"]
+            await wait_until(lambda: engine._clients[key].unread_bytes > 100_000, "its audio waits unread")
+            with pytest.raises(EngineBusy, match="not yet read"):
+                await next_event(engine.submit(request(1, id="refused")))
+            while not isinstance(await next_event(slow), Done):  # the caller reads its song
+                pass
+        finally:
+            await close_stream(slow)
+        events = await collect(engine, request(1, duration_s=2.0, id="taken"))
+        assert isinstance(events[0], Accepted) and isinstance(events[-1], Done)
+
+    run(scenario())

@@ -44,6 +44,16 @@ log = logging.getLogger(__name__)
 # Songs one engine holds, running and waiting: beyond the talker's rows they queue, and past this many a submit
 # raises EngineBusy (HTTP 429) instead of growing the queue without bound.
 MAX_SONGS = 1024
+# Audio the engine has written and its callers have not read yet (a client playing a song in real time reads it
+# over minutes; a six-minute song is 127 MB of float32 PCM): past this, a submit raises EngineBusy until they read.
+MAX_UNREAD_BYTES = 4 << 30
+
+
+def _deliver(client: "_Client", event: Event) -> None:
+    """On the caller's loop: queue the event, counting its PCM as unread until the caller takes it."""
+    if isinstance(event, AudioChunk):
+        client.unread_bytes += event.pcm.nbytes
+    client.events.put_nowait(event)
 
 
 def caller_id(key: str) -> str:
@@ -66,6 +76,7 @@ class _Client:
     finished: SongFinished | None = None
     failed: bool = False
     cancelled: bool = False
+    unread_bytes: int = 0  # PCM queued on `events`, not yet taken by the caller (kept on the caller's loop)
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -91,7 +102,7 @@ class Engine:
             )
             self.renderer.warmup(range(1, stage1.render_batch + 1))
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
-        self.max_songs = MAX_SONGS
+        self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
         self._clients: dict[str, _Client] = {}  # by key
         self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
         self._submissions = itertools.count()
@@ -171,6 +182,10 @@ class Engine:
         client = _Client(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         if len(self._clients) >= self.max_songs:
             raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
+        unread = sum(held.unread_bytes for held in list(self._clients.values()))
+        if unread > self.max_unread_bytes:
+            raise EngineBusy(f"callers have {unread / 2**30:.1f} GiB of audio not yet read, over the engine's "
+                             f"{self.max_unread_bytes / 2**30:.1f} GiB; try again when they have read it")
         key = self._key(song)
         self._clients[key], self._keys[song] = client, key
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
@@ -181,6 +196,8 @@ class Engine:
         try:
             while not ended:
                 event = await client.events.get()
+                if isinstance(event, AudioChunk):
+                    client.unread_bytes -= event.pcm.nbytes
                 ended = isinstance(event, (Done, Failed))
                 yield event
         finally:
@@ -265,7 +282,7 @@ class Engine:
         client = self._clients.get(key)
         if client is not None:
             try:
-                client.loop.call_soon_threadsafe(client.events.put_nowait, event(client.song, *args))
+                client.loop.call_soon_threadsafe(_deliver, client, event(client.song, *args))
             except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
                 self._forget(key)
                 self._control.put(("cancel", key))
