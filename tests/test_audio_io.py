@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import wave
 from pathlib import Path
 
@@ -110,3 +111,14 @@ def test_write_flac_round_trip(tmp_path: Path):
     data, rate = soundfile.read(str(path), dtype="int16")
     assert rate == SOURCE
     np.testing.assert_array_equal(data, to_pcm16(waveform))
+
+
+def test_a_written_file_gets_the_permissions_open_would_give(tmp_path: Path):
+    """Written through a temporary file, but with the usual mode (0o666 less the umask), not a temp file's 0o600."""
+    umask = os.umask(0o022)
+    try:
+        path = write_audio(tmp_path / "song.wav", np.zeros((2, 10), dtype=np.float32), SOURCE)
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["song.wav"]

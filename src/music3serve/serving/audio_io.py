@@ -6,6 +6,7 @@ import math
 import os
 import struct
 import tempfile
+import uuid
 import wave
 from fractions import Fraction
 from pathlib import Path
@@ -73,7 +74,9 @@ def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Pat
     disk, leaves no partial file and keeps what was there)."""
     path = check_output(path)
     pcm = to_pcm16(waveform)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    # Created as open() would create `path` (mode 0o666 less the umask; mkstemp's files are 0o600).
+    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.part"
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with open(handle, "wb") as file:
             if path.suffix.lower() == ".wav":
