@@ -19,6 +19,7 @@ from .serving.audio_io import OUTPUT_RATES, check_output, resample, write_audio
 log = logging.getLogger("music3serve")
 
 REPO_ID = "MiniMaxAI/MiniMax-Music3"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 GET_MODEL = (
     "no MiniMax-Music3 checkpoint found. Download it (57 GB) with\n"
     f"  hf download {REPO_ID}\n"
@@ -108,7 +109,7 @@ def port_number(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="music3serve", description=__doc__)
     parser.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--force", action="store_true", help="replace a folder that is not empty")
     for sub in (gen, serve, bench, tiny):  # also accepted after the subcommand
         sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
-                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+                         choices=LOG_LEVELS)
     return parser
 
 

@@ -271,8 +271,9 @@ class SongService:
             await events.aclose()
             if isinstance(first, Failed) and first.refused:
                 return _error(400, first.message)
-            if self.engine.unavailable() is not None:  # closing, or a stage died: retry elsewhere or later
-                return _error(503, f"the engine cannot take songs: {self.engine.unavailable()}")
+            why = self.engine.unavailable()
+            if why is not None:  # closing, or a stage died: retry elsewhere or later
+                return _error(503, f"the engine cannot take songs: {why}")
             return _error(500, first.message if isinstance(first, Failed) else f"unexpected first event {first!r}")
         song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
         self.running[song.id] = song

@@ -53,8 +53,17 @@ def to_pcm16(waveform: np.ndarray) -> np.ndarray:
 
 
 def check_output(path: Path | str) -> Path:
-    """Fail now, before any model work, if `path` cannot take the song: its suffix, the package .flac needs, and
-    a real file created (then removed) in its folder, which is made if missing."""
+    """Fail now, before any model work, if `path` cannot take the song: its name (see `_output_path`) and a real
+    file created (then removed) in its folder."""
+    path = _output_path(path)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".part"):
+        pass
+    return path
+
+
+def _output_path(path: Path | str) -> Path:
+    """`path` checked as a song file: NAME.wav or NAME.flac (with the package .flac needs), not a folder; its
+    folder is made if missing."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS or not path.stem:
         raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
@@ -63,8 +72,6 @@ def check_output(path: Path | str) -> Path:
     if path.is_dir():
         raise InputError(f"cannot write {path}: it is a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".part"):
-        pass
     return path
 
 
@@ -72,7 +79,7 @@ def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Pat
     """Write 16-bit PCM .wav (standard library) or .flac (soundfile) of a [channels, samples] waveform, whole or
     not at all: into a temporary file beside it, renamed over `path` once complete (a failed write, say a full
     disk, leaves no partial file and keeps what was there)."""
-    path = check_output(path)
+    path = _output_path(path)  # the temporary file below proves the folder writable
     pcm = to_pcm16(waveform)
     # Created as open() would create `path` (mode 0o666 less the umask; mkstemp's files are 0o600).
     temporary = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.part"

@@ -27,8 +27,8 @@ class RenderLoop:
         rendering: Callable[[float | None], None] = lambda work: None,
     ):
         """`rendering(work)` is told when a render call starts, its work counted in windows of the contract's 30
-        Euler steps (windows x max(1, steps / 30) of its heaviest song), and `rendering(None)` when it ends (the
-        worker's heartbeat reports it)."""
+        Euler steps (windows x max(1, steps / 30): a call renders one step count), and `rendering(None)` when it
+        ends (the worker's heartbeat reports it)."""
         self.renderer, self.inbox, self.on_chunk, self.on_error = renderer, inbox, on_chunk, on_error
         self.rendering = rendering
         self.pending: dict[str, deque[WindowPayload]] = defaultdict(deque)
