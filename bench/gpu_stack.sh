@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Device calls (nvidia-h200, carry [".whl", "_stack"]) for branches exported by bench/export_stack.sh.
 #   bash bench/gpu_stack.sh steps   the talker step at 1 and 8 songs of each tree, one after another (~1.5 min each)
+#   bash bench/gpu_stack.sh dit     the fused bf16 DiT call (graph) at 1 and 8 windows of each tree (~1 min each)
 #   bash bench/gpu_stack.sh tests   the GPU tests of the last tree (the top of a stack holds every change below
 #                                   it), then the skinny GEMM's split-K sweep where the tree has one
 source bench/gpu_env.sh
 ROOT=$PWD
-mode=${1:?usage: gpu_stack.sh steps|tests}
+mode=${1:?usage: gpu_stack.sh steps|dit|tests}
 top=$(ls -d "$ROOT"/_stack/*/ | tail -1)
 if [ "$mode" = steps ]; then
   for dir in "$ROOT"/_stack/*/; do
@@ -14,6 +15,16 @@ if [ "$mode" = steps ]; then
     (cd "$dir" && PYTHONPATH=$dir/src:/tmp/site timeout 110 python3 -c 'from music3serve.bench.talker import run; print(run(peers=False, concurrency=(1, 8), depth_modes=(True,)).split("decode attention")[0])' \
       2>&1 | grep "|" | tee "$OUT/talker_$name.txt")
     echo "($((SECONDS - start)) s)"
+  done
+elif [ "$mode" = dit ]; then
+  for dir in "$ROOT"/_stack/*/; do
+    name=$(basename "$dir")
+    echo "== $name"
+    (cd "$dir" && PYTHONPATH=$dir/src:/tmp/site timeout 150 python3 -c 'from music3serve.acoustic.precision import BFLOAT16
+from music3serve.bench.acoustic import dit_rows
+from music3serve.bench.common import table
+print(table(["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"], dit_rows("cuda", BFLOAT16, (1, 8), fuse=True)))' \
+      2>&1 | grep "|" | tee "$OUT/dit_$name.txt")
   done
 else
   echo "== GPU tests of $(basename "$top")"
