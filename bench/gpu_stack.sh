@@ -2,11 +2,14 @@
 # Device calls (nvidia-h200, carry [".whl", "_stack"]) for branches exported by bench/export_stack.sh.
 #   bash bench/gpu_stack.sh steps   the talker step at 1 and 8 songs of each tree, one after another (~1.5 min each)
 #   bash bench/gpu_stack.sh dit     the fused bf16 DiT call (graph) at 1 and 8 windows of each tree (~1 min each)
-#   bash bench/gpu_stack.sh tests   the GPU tests of the last tree (the top of a stack holds every change below
-#                                   it), then the skinny GEMM's split-K sweep where the tree has one
+#   bash bench/gpu_stack.sh tests [FILE...]   the GPU tests of the last tree (the top of a stack holds every change
+#                                   below it; by default the talker's kernel tests), then the skinny GEMM's split-K
+#                                   sweep where the tree has one
 source bench/gpu_env.sh
 ROOT=$PWD
-mode=${1:?usage: gpu_stack.sh steps|dit|tests}
+mode=${1:?usage: gpu_stack.sh steps|dit|tests [FILE...]}
+shift
+files=${*:-tests/test_skinny_linear.py tests/test_decode_attention.py tests/test_talker_gpu.py tests/test_pdl.py}
 top=$(ls -d "$ROOT"/_stack/*/ | tail -1)
 if [ "$mode" = steps ]; then
   for dir in "$ROOT"/_stack/*/; do
@@ -29,7 +32,7 @@ print(table(["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"], 
 else
   echo "== GPU tests of $(basename "$top")"
   (cd "$top" && PYTHONPATH=$top/src:/tmp/site timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short \
-    -W ignore tests/test_skinny_linear.py tests/test_decode_attention.py tests/test_talker_gpu.py tests/test_pdl.py \
+    -W ignore $files \
     2>&1 | grep -v DEBUG | tail -12 | tee "$OUT/gpu_tests.txt")
   if grep -q split-sweep "$top/bench/skinny_linear.py"; then
     (cd "$top" && PYTHONPATH=$top/src:/tmp/site timeout 250 python3 bench/skinny_linear.py --split-sweep 2>&1 \
