@@ -1,5 +1,5 @@
-"""split_rope: the Triton kernel (GPU) gives the bits of the torch ops; the torch path equals an independent
-rotation written with complex numbers."""
+"""split_rope: q, k, v are views of qkv, rotated in place; the Triton kernel (GPU) stays within the rounding of
+the torch ops; the torch path equals an independent rotation written with complex numbers."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def inputs(batch, tokens, heads, head_dim, rot, dtype, device="cpu"):
 def test_reference_is_a_complex_rotation_of_the_first_dims(shape):
     batch, tokens, heads, head_dim, rot = shape
     qkv, cos, sin = inputs(*shape, torch.float64)
+    parts = qkv.clone().view(batch, tokens, 3, heads, head_dim)
     q, k, v = split_rope(qkv, cos.double(), sin.double(), heads)
-    parts = qkv.view(batch, tokens, 3, heads, head_dim)
+    assert_views_of(qkv, q, k, v)
     angle = torch.atan2(sin[:, : rot // 2], cos[:, : rot // 2]).double()[None, :, None]
     for got, x in ((q, parts[:, :, 0]), (k, parts[:, :, 1])):
         z = torch.complex(x[..., : rot // 2], x[..., rot // 2 : rot]) * torch.polar(torch.ones_like(angle), angle)
@@ -36,6 +37,15 @@ def test_reference_is_a_complex_rotation_of_the_first_dims(shape):
         torch.testing.assert_close(got[..., rot // 2 : rot], z.imag, rtol=1e-6, atol=1e-6)
         assert torch.equal(got[..., rot:], x[..., rot:])
     assert torch.equal(v, parts[:, :, 2])
+
+
+def assert_views_of(qkv, q, k, v):
+    """q, k, v are the three thirds of qkv's last dim, per head, sharing its memory."""
+    b, t, width3 = qkv.shape
+    thirds = qkv.view(b, t, 3, q.shape[2], q.shape[3])
+    for i, part in enumerate((q, k, v)):
+        assert part.data_ptr() == thirds[:, :, i].data_ptr() and part.stride() == thirds[:, :, i].stride()
+        assert torch.equal(part, thirds[:, :, i])
 
 
 def test_mismatched_shapes_are_refused():
@@ -47,6 +57,8 @@ def test_mismatched_shapes_are_refused():
     wide = rope_angles(torch.arange(5), 32, 10_000.0)
     with pytest.raises(ValueError, match="exceeds head dim"):
         split_rope(qkv, *wide, heads=2)
+    with pytest.raises(ValueError, match="contiguous"):
+        split_rope(torch.cat((qkv, qkv), dim=-1)[..., : qkv.shape[-1]], cos, sin, heads=2)
 
 
 def rounding_bound(qkv, cos, sin, heads, rot):
@@ -84,13 +96,15 @@ def test_kernel_equals_the_torch_ops_up_to_rounding(shape, dtype):
     elements, largest where the two products cancel); a wrong index or sign is off by O(1)."""
     heads, rot = shape[2], shape[4]
     qkv, cos, sin = inputs(*shape, dtype, device="cuda")
-    got = split_rope(qkv, cos, sin, heads)
     want = split_rope_reference(qkv, cos, sin, heads)
     exact = split_rope_reference(qkv.double(), cos.double(), sin.double(), heads)
+    bounds = rounding_bound(qkv, cos, sin, heads, rot)
+    got = split_rope(qkv, cos, sin, heads)
+    assert_views_of(qkv, *got)
     for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+        assert g.shape == w.shape and g.dtype == w.dtype
         assert torch.equal(g[..., rot:], w[..., rot:])
     assert torch.equal(got[2], want[2])
-    for g, w, e, bound in zip(got, want, exact, rounding_bound(qkv, cos, sin, heads, rot)):
+    for g, w, e, bound in zip(got, want, exact, bounds):
         for result in g, w:
             assert ((result[..., :rot].double() - e[..., :rot]).abs() <= bound + 1e-30).all()
