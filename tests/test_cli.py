@@ -306,6 +306,30 @@ def test_an_output_under_a_regular_file_is_refused_before_the_model_loads(tmp_pa
     assert recorder.calls == []  # no model loaded, no song generated
 
 
+def test_an_output_check_makes_no_folders_and_names_the_file_not_the_probe(tmp_path, capsys, recorder, monkeypatch):
+    """A run that fails after the check (here: the model does not load) leaves no folders behind; errors name the
+    song's path, not the hidden probe file."""
+
+    def broken(*args, **kwargs):
+        raise Music3Error("no model here")
+
+    monkeypatch.setattr(recorder, "from_pretrained", broken)
+    code, err = run_cli(generate_args(tmp_path / "new" / "deep" / "song.wav", "--model", "m"), capsys)
+    assert code != 0 and "no model here" in err and not (tmp_path / "new").exists()
+    (tmp_path / "afile").write_text("x")
+    code, err = run_cli(generate_args(tmp_path / "afile" / "song.wav", "--model", "m"), capsys)
+    assert code == 2 and f"{tmp_path / 'afile'} is not a folder" in err and ".part" not in err
+
+
+def test_every_output_name_the_file_system_takes_works_and_longer_ones_fail_first(tmp_path, capsys, recorder):
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    longest = tmp_path / ("b" * (limit - 4) + ".wav")
+    code, _ = run_cli(generate_args(longest, "--model", "m"), capsys)
+    assert code == 0 and longest.is_file()
+    code, err = run_cli(generate_args(tmp_path / ("c" * (limit - 3) + ".wav"), "--model", "m"), capsys)
+    assert code == 2 and "name is too long" in err and len(recorder.calls) == 2  # no second model load
+
+
 @pytest.mark.parametrize("name", [".wav", "song"])
 def test_an_output_name_without_a_stem_or_format_is_refused_before_the_model_loads(tmp_path, capsys, recorder, name):
     code, err = run_cli(generate_args(tmp_path / name, "--model", "m"), capsys)

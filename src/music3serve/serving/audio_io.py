@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import struct
-import tempfile
 import uuid
 import wave
 from fractions import Fraction
@@ -53,37 +52,72 @@ def to_pcm16(waveform: np.ndarray) -> np.ndarray:
 
 
 def check_output(path: Path | str) -> Path:
-    """Fail now, before any model work, if `path` cannot take the song: its name (see `_output_path`) and a real
-    file created (then removed) in its folder."""
-    path = _output_path(path)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".part"):
-        pass
+    """Fail now, before any model work, if `path` cannot take the song: its name (see `_song_name`), and a real
+    file created (then removed) in its folder, or, where the folder is still to be made, a writable folder to make
+    it in (made only when the song is written, so a failed run leaves no folders behind)."""
+    path = _song_name(path)
+    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists() or p == p.parent)
+    try:
+        _check_name_length(path, folder)
+        if not folder.is_dir():
+            raise InputError(f"cannot write {path}: {folder} is not a folder")
+        if folder == path.parent:
+            handle, temporary = _create_temporary(path)
+            os.close(handle)
+            temporary.unlink()
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            raise InputError(f"cannot write {path}: no permission to make folders in {folder}")
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
 
-def _output_path(path: Path | str) -> Path:
-    """`path` checked as a song file: NAME.wav or NAME.flac (with the package .flac needs), not a folder; its
-    folder is made if missing."""
+def _song_name(path: Path | str) -> Path:
+    """`path` checked as a song file: NAME.wav or NAME.flac (with the package .flac needs), not a folder."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS or not path.stem:
         raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
     if path.suffix.lower() == ".flac":
         _soundfile()
-    if path.is_dir():
+    try:
+        folder = path.is_dir()
+    except OSError:  # a name too long to look up: check_output and the write say so
+        folder = False
+    if folder:
         raise InputError(f"cannot write {path}: it is a folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _check_name_length(path: Path, folder: Path) -> None:
+    """The file system's limit on a name's bytes (NAME_MAX of `folder`, the nearest existing folder)."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        limit = 255
+    if len(os.fsencode(path.name)) > limit:
+        raise InputError(f"output file name is too long: {len(os.fsencode(path.name))} bytes, the limit is {limit}")
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new hidden file beside `path` (a fd open for writing), created as open() would create `path` (mode 0o666
+    less the umask; mkstemp's files are 0o600); its name keeps at most 200 bytes of path's name, so it fits
+    wherever path's does."""
+    stem = os.fsencode(path.name)[:200].decode(errors="ignore")
+    temporary = path.parent / f".{stem}.{uuid.uuid4().hex[:12]}.part"
+    return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary
 
 
 def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Path:
     """Write 16-bit PCM .wav (standard library) or .flac (soundfile) of a [channels, samples] waveform, whole or
     not at all: into a temporary file beside it, renamed over `path` once complete (a failed write, say a full
     disk, leaves no partial file and keeps what was there)."""
-    path = _output_path(path)  # the temporary file below proves the folder writable
+    path = _song_name(path)
     pcm = to_pcm16(waveform)
-    # Created as open() would create `path` (mode 0o666 less the umask; mkstemp's files are 0o600).
-    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.part"
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = _create_temporary(path)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with open(handle, "wb") as file:
             if path.suffix.lower() == ".wav":
