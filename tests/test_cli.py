@@ -395,6 +395,23 @@ def test_serve_on_a_busy_port_fails_before_the_engine_loads(tmp_path: Path, caps
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err
 
 
+def test_serve_leaves_placement_to_the_deploy_config_unless_a_device_is_given(tmp_path: Path, capsys, monkeypatch):
+    """Without --device each stage goes where its `devices` says (split when they differ); --device overrides."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    asked = []
+
+    def loads(root, deploy, device):
+        asked.append(device)
+        raise Music3Error("stop here")
+
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained", loads)
+    for extra in ([], ["--device", "cpu"]):
+        code, err = run_cli(["serve", "--model", str(tmp_path), "--port", "0", *extra], capsys)
+        assert "stop here" in err
+    assert asked == [None, "cpu"]
+
+
 def test_a_model_path_that_is_a_file_says_so(tmp_path: Path, capsys):
     (tmp_path / "weights").write_text("x")
     code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", str(tmp_path / "weights")), capsys)

@@ -18,11 +18,12 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import torch
 
 from music3serve import contract
 from music3serve.acoustic.windows import song_samples, song_windows
 from music3serve.checkpoint import load_models
-from music3serve.errors import EngineBusy, InputError
+from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config
@@ -618,3 +619,17 @@ def test_audio_callers_have_not_read_refuses_new_songs_until_they_do(engine, mon
         assert isinstance(events[0], Accepted) and isinstance(events[-1], Done)
 
     run(scenario())
+
+
+def test_a_stage_placed_on_a_gpu_the_machine_lacks_is_refused_before_loading(monkeypatch):
+    from music3serve.serving.deploy_config import parse_deploy_config
+    from music3serve.serving.deploy_yaml import read_deploy_yaml
+
+    data, source = read_deploy_yaml(None)
+    data["stages"][1]["devices"] = "7"
+    deploy = parse_deploy_config(data, source)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("music3serve.serving.engine.load_models", lambda *a, **k: pytest.fail("models loaded"))
+    with pytest.raises(Music3Error, match=r"stage 1 is placed on GPU 7 .* has 2 CUDA device\(s\): 0 to 1"):
+        Engine.from_pretrained("unused", deploy)

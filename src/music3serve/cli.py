@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--model", help="checkpoint folder (diffusers layout)")
     where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
     serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
-    serve.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    serve.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                       help="run both stages on this device (default: each stage on its deploy-config `devices` GPU, "
+                            "split into two processes when they differ; cpu when there is no GPU)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port_number, default=8000)
 
@@ -200,12 +202,12 @@ def run_serve(args: argparse.Namespace) -> None:
 
     deploy = load_deploy_config(args.config)
     check_port(args.host, args.port)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
     root = resolve_model(args.model, args.tiny)
-    log.info("loading engine", extra={"path": str(root), "device": device, "config": args.config or "default"})
-    engine = Engine.from_pretrained(root, deploy, device)
+    placement = args.device or "as the deploy config's devices"
+    log.info("loading engine", extra={"path": str(root), "device": placement, "config": args.config or "default"})
+    engine = Engine.from_pretrained(root, deploy, args.device)
     try:
         serve(engine, args.host, args.port, args.log_level)
     finally:

@@ -139,8 +139,15 @@ class Engine:
         devices (e.g. "cpu" for tests); `split` forces the placement either way."""
         deploy = deploy or load_deploy_config()
         s0, s1 = deploy.stages
-        if device is None:
-            device0, device1 = (f"cuda:{s.devices[0]}" for s in (s0, s1)) if torch.cuda.is_available() else ("cpu", "cpu")
+        if device is None and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            for name, stage in (("stage 0", s0), ("stage 1", s1)):
+                if stage.devices[0] >= count:
+                    raise Music3Error(f"{name} is placed on GPU {stage.devices[0]} (deploy config `devices`), but "
+                                      f"this machine has {count} CUDA device(s): 0 to {count - 1}")
+            device0, device1 = (f"cuda:{s.devices[0]}" for s in (s0, s1))
+        elif device is None:
+            device0 = device1 = "cpu"
         else:
             device0 = device1 = device
         split = (s0.devices != s1.devices and device is None) if split is None else split
