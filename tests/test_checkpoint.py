@@ -306,6 +306,16 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "depth_decoder", str(folder / "config.json"))
 
 
+@pytest.mark.parametrize("name,key,value", [("dit", "in_channels", "128"), ("depth_decoder", "num_layers", [4]),
+                                            ("vocoder", "upsampling_ratios", 8)])
+def test_a_config_value_of_the_wrong_type(tiny_dir: Path, tmp_path: Path, name: str, key: str, value) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, name)
+    config = json.loads((folder / "config.json").read_text())
+    config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    expect_error(root, name, str(folder / "config.json"), "wrong type")
+
+
 def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:
     root, folder = copy_component(tiny_dir, tmp_path, "condition_encoder")
     (folder / "diffusion_pytorch_model.safetensors").unlink()

@@ -19,6 +19,7 @@ from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
 from music3serve.pipeline import Pipeline, Song
+from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
 
 soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
 
@@ -410,6 +411,15 @@ def test_serve_leaves_placement_to_the_deploy_config_unless_a_device_is_given(tm
         code, err = run_cli(["serve", "--model", str(tmp_path), "--port", "0", *extra], capsys)
         assert "stop here" in err
     assert asked == [None, "cpu"]
+
+
+def test_a_text_file_is_read_only_as_far_as_the_longest_allowed_text(tmp_path: Path, capsys, recorder):
+    """--lyrics @FILE with a huge file (or /dev/zero) reads a bounded prefix and is refused as too long."""
+    big = tmp_path / "lyrics.txt"
+    big.write_text("la " * 1_000_000, encoding="utf-8")
+    assert len(cli.text_argument(f"@{big}")) == max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS) + 1
+    code, err = run_cli(generate_args(tmp_path / "out.wav", lyrics=f"@{big}"), capsys)
+    assert code == 2 and "lyrics" in err and recorder.calls == []
 
 
 def test_a_model_path_that_is_a_file_says_so(tmp_path: Path, capsys):

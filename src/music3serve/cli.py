@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import contract
 from .errors import Music3Error
+from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
 from .logs import setup_logging
 from .serving.audio_io import OUTPUT_RATES, check_output, resample, write_audio
 
@@ -90,7 +91,8 @@ def text_argument(value: str) -> str:
         return value
     path = Path(value[1:])
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as file:  # bounded: past the longest allowed text the rest is not needed
+            return file.read(max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS) + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
 
