@@ -204,6 +204,11 @@ def test_refusals_and_held_songs_are_exported(client):
 def test_malformed_json_and_unknown_routes(client):
     response = client.post("/v1/songs", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]
+    response = client.post("/v1/songs", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "the body is empty" in response.json()["error"]
+    huge = b'{"seed": ' + b"9" * 5000 + b"}"
+    response = client.post("/v1/songs", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "a number has more than 4300 digits" in response.json()["error"]
     assert client.get("/v1/nothing").status_code == 404
     assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
     assert client.post("/health").status_code == 405

@@ -422,6 +422,21 @@ def test_a_text_file_is_read_only_as_far_as_the_longest_allowed_text(tmp_path: P
     assert code == 2 and "lyrics" in err and recorder.calls == []
 
 
+def test_text_the_shell_could_not_decode_as_utf8_says_so(tmp_path: Path, capsys, recorder):
+    latin1 = os.fsdecode(b"caf\xe9")  # how Python hands over argv bytes that are not UTF-8
+    with pytest.raises(SystemExit) as info:  # argparse's usage error
+        cli.main(generate_args(tmp_path / "out.wav", lyrics=latin1))
+    assert info.value.code == 2 and "--lyrics: not valid UTF-8" in capsys.readouterr().err
+    assert recorder.calls == []
+
+
+def test_make_tiny_refuses_a_file_even_with_force(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", lambda *a, **k: pytest.fail("wrote a checkpoint"))
+    (tmp_path / "afile").write_text("x")
+    code, err = run_cli(["make-tiny", "--force", str(tmp_path / "afile")], capsys)
+    assert code == 2 and "is a file" in err and (tmp_path / "afile").read_text() == "x"
+
+
 def test_a_model_path_that_is_a_file_says_so(tmp_path: Path, capsys):
     (tmp_path / "weights").write_text("x")
     code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", str(tmp_path / "weights")), capsys)

@@ -374,7 +374,7 @@ def test_duplicate_id_is_refused_while_the_first_runs(engine, solo):
             assert isinstance(await next_event(first), Accepted)
             requests = samples(engine)["music3_requests_total"]
             second = engine.submit(request(0, id="twice"))
-            with pytest.raises(InputError, match="twice"):
+            with pytest.raises(InputError, match="'twice' is taken by a song still running"):
                 await next_event(second)
             await close_stream(second)
             assert samples(engine)["music3_requests_total"] == requests

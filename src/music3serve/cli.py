@@ -87,6 +87,9 @@ def resolve_model(model: str | None, tiny: bool) -> Path:
 
 def text_argument(value: str) -> str:
     """A literal text, or the contents of a file given as @path."""
+    if any("\udc80" <= c <= "\udcff" for c in value):  # bytes the command line could not decode as UTF-8
+        raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. Latin-1); "
+                                         "use UTF-8, or @FILE with UTF-8 text")
     if not value.startswith("@"):
         return value
     path = Path(value[1:])
@@ -229,7 +232,9 @@ def run_make_tiny(args: argparse.Namespace) -> None:
 
     check_seed(args.seed)
     target = Path(args.directory)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not args.force:
+    if target.exists() and not target.is_dir():
+        raise Music3Error(f"{target} is a file; make-tiny writes a folder (remove the file or pick another path)")
+    if target.exists() and any(target.iterdir()) and not args.force:
         raise Music3Error(f"{target} exists and is not an empty folder; pass --force to replace it")
     write_tiny(target, seed=args.seed)
     print(f"wrote a tiny random MiniMax-Music3 checkpoint to {target}")

@@ -8,6 +8,7 @@ headers and streaming semantics: docs/api.md.
 from __future__ import annotations
 
 import asyncio
+import sys
 import contextlib
 import logging
 from collections import OrderedDict
@@ -124,6 +125,9 @@ class BoundedBody:
 def _describe(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
+        if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing":
+            parts.append("the body is empty: send the song request as a JSON object")
+            continue
         if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
             parts.append("the body must be a JSON object, sent with Content-Type: application/json")
             continue
@@ -374,7 +378,10 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
-            return _error(400, f"the body is not valid JSON: {exc.__cause__}", exc.headers)
+            why = str(exc.__cause__)
+            if "integer string conversion" in why:  # Python's guard on decoding huge integers
+                why = f"a number has more than {sys.get_int_max_str_digits()} digits"
+            return _error(400, f"the body is not valid JSON: {why}", exc.headers)
         return _error(exc.status_code, str(exc.detail), exc.headers)
 
     @app.post(SONGS_PATH, response_model=None)

@@ -280,8 +280,10 @@ class Engine:
         seed = check_seed(secrets.randbits(63) if seed is None else seed)
         steps = check_steps(request.steps)
         song = uuid.uuid4().hex if request.id is None else request.id
-        if not isinstance(song, str) or not song or song in self._keys:
-            raise InputError(f"request id must be a new non-empty string, got {song!r:.80}")
+        if not isinstance(song, str) or not song:
+            raise InputError(f"request id must be a non-empty string, got {song!r:.80}")
+        if song in self._keys:
+            raise InputError(f"request id {song!r:.80} is taken by a song still running: wait for it or pick another")
         return song, requested, seed, steps
 
     def _emit(self, key: str, event: type[Event], *args) -> None:
