@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import Tensor
 
 from ..models.layers import apply_rope
