@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import math
 import re
 import struct
@@ -510,3 +511,20 @@ def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
     assert response.status_code == 200
     ended = [r for r in caplog.records if r.getMessage() == "song ended" and getattr(r, "song", None) == "logged-1"]
     assert len(ended) == 1 and ended[0].state == "done" and ended[0].frames == int(response.headers["x-frame-budget"])
+
+
+def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
+    from music3serve.serving.api import StreamsCutAtShutdown
+
+    def record(error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:
+            return logging.getLogger("uvicorn.error").makeRecord(
+                "uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application\n", (), sys.exc_info())
+
+    cut = record(asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded"))
+    assert StreamsCutAtShutdown().filter(cut) and cut.levelno == logging.WARNING and cut.exc_info is None
+    assert "cut at shutdown" in logging.Formatter().format(cut) and "Traceback" not in logging.Formatter().format(cut)
+    other = record(RuntimeError("a real bug"))
+    assert StreamsCutAtShutdown().filter(other) and other.levelno == logging.ERROR and other.exc_info is not None

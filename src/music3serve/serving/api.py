@@ -8,9 +8,9 @@ headers and streaming semantics: docs/api.md.
 from __future__ import annotations
 
 import asyncio
-import sys
 import contextlib
 import logging
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal
@@ -417,8 +417,22 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
 SHUTDOWN_GRACE_S = 10  # on SIGINT/SIGTERM, songs still streaming get this long, then they are cancelled
 
 
+class StreamsCutAtShutdown(logging.Filter):
+    """uvicorn logs each request task it cancels once the shutdown grace is over as "Exception in ASGI application"
+    with a CancelledError traceback; that cut is the documented shutdown, so it becomes one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError) and record.getMessage().startswith("Exception in ASGI"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a response was cut at shutdown (the grace period was over)", (), None, None)
+        return True
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
+    logging.getLogger("uvicorn.error").addFilter(StreamsCutAtShutdown())
     app = create_app(engine, close_engine=True)
     uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
