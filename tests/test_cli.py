@@ -320,6 +320,9 @@ def test_an_output_check_makes_no_folders_and_names_the_file_not_the_probe(tmp_p
     (tmp_path / "afile").write_text("x")
     code, err = run_cli(generate_args(tmp_path / "afile" / "song.wav", "--model", "m"), capsys)
     assert code == 2 and f"{tmp_path / 'afile'} is not a folder" in err and ".part" not in err
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    code, err = run_cli(generate_args(tmp_path / "dangling" / "song.wav", "--model", "m"), capsys)
+    assert code == 2 and f"{tmp_path / 'dangling'} is not a folder" in err
 
 
 def test_every_output_name_the_file_system_takes_works_and_longer_ones_fail_first(tmp_path, capsys, recorder):

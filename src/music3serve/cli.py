@@ -87,10 +87,10 @@ def resolve_model(model: str | None, tiny: bool) -> Path:
 
 def text_argument(value: str) -> str:
     """A literal text, or the contents of a file given as @path."""
-    if any("\udc80" <= c <= "\udcff" for c in value):  # bytes the command line could not decode as UTF-8
-        raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. Latin-1); "
-                                         "use UTF-8, or @FILE with UTF-8 text")
     if not value.startswith("@"):
+        if any("\udc80" <= c <= "\udcff" for c in value):  # bytes the command line could not decode as UTF-8
+            raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. "
+                                             "Latin-1); use UTF-8, or @FILE with UTF-8 text")
         return value
     path = Path(value[1:])
     try:
@@ -210,8 +210,8 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
     root = resolve_model(args.model, args.tiny)
-    placement = args.device or "as the deploy config's devices"
-    log.info("loading engine", extra={"path": str(root), "device": placement, "config": args.config or "default"})
+    log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
+                                      "config": args.config or "default"})
     engine = Engine.from_pretrained(root, deploy, args.device)
     try:
         serve(engine, args.host, args.port, args.log_level)

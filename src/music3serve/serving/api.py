@@ -423,7 +423,8 @@ class StreamsCutAtShutdown(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, asyncio.CancelledError) and record.getMessage().startswith("Exception in ASGI"):
+        if (isinstance(error, asyncio.CancelledError) and "graceful shutdown" in str(error)
+                and record.getMessage().startswith("Exception in ASGI")):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.msg, record.args, record.exc_info, record.exc_text = (
                 "a response was cut at shutdown (the grace period was over)", (), None, None)
@@ -432,7 +433,9 @@ class StreamsCutAtShutdown(logging.Filter):
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
-    logging.getLogger("uvicorn.error").addFilter(StreamsCutAtShutdown())
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, StreamsCutAtShutdown) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(StreamsCutAtShutdown())
     app = create_app(engine, close_engine=True)
     uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

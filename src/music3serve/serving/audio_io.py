@@ -56,8 +56,8 @@ def check_output(path: Path | str) -> Path:
     file created (then removed) in its folder, or, where the folder is still to be made, a writable folder to make
     it in (made only when the song is written, so a failed run leaves no folders behind)."""
     path = _song_name(path)
-    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists() or p == p.parent)
     try:
+        folder = next(p for p in (path.parent, *path.parent.parents) if os.path.lexists(p) or p == p.parent)
         _check_name_length(path, folder)
         if not folder.is_dir():
             raise InputError(f"cannot write {path}: {folder} is not a folder")
@@ -81,28 +81,34 @@ def _song_name(path: Path | str) -> Path:
         _soundfile()
     try:
         folder = path.is_dir()
-    except OSError:  # a name too long to look up: check_output and the write say so
+    except OSError:  # say a name too long to look up, or a folder we may not search: check_output and the write say so
         folder = False
     if folder:
         raise InputError(f"cannot write {path}: it is a folder")
     return path
 
 
-def _check_name_length(path: Path, folder: Path) -> None:
-    """The file system's limit on a name's bytes (NAME_MAX of `folder`, the nearest existing folder)."""
+def _name_max(folder: Path) -> int:
+    """The file system's limit on a name's bytes in `folder` (255 where it cannot be read)."""
     try:
-        limit = os.pathconf(folder, "PC_NAME_MAX")
+        return os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError, AttributeError):
-        limit = 255
+        return 255
+
+
+def _check_name_length(path: Path, folder: Path) -> None:
+    """path's name within NAME_MAX of `folder`, the nearest existing folder."""
+    limit = _name_max(folder)
     if len(os.fsencode(path.name)) > limit:
         raise InputError(f"output file name is too long: {len(os.fsencode(path.name))} bytes, the limit is {limit}")
 
 
 def _create_temporary(path: Path) -> tuple[int, Path]:
     """A new hidden file beside `path` (a fd open for writing), created as open() would create `path` (mode 0o666
-    less the umask; mkstemp's files are 0o600); its name keeps at most 200 bytes of path's name, so it fits
-    wherever path's does."""
-    stem = os.fsencode(path.name)[:200].decode(errors="ignore")
+    less the umask; mkstemp's files are 0o600); its name keeps as much of path's name as leaves room for its own
+    19 bytes, so it fits wherever path's does."""
+    keep = min(200, _name_max(path.parent) - 19)
+    stem = os.fsencode(path.name)[:keep].decode(errors="ignore")
     temporary = path.parent / f".{stem}.{uuid.uuid4().hex[:12]}.part"
     return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary
 
