@@ -104,7 +104,8 @@ BAD_BODIES = {
     "duration 1e-9": (raw(duration=1e-9), "duration 1e-09 s is shorter than one frame"),
     "seed 2**63": (raw(seed=2**63), "seed: Input should be less than 9223372036854775808"),
     "seed 1.5": (raw(seed=1.5), "seed: Input should be a valid integer"),
-    "seed of 5000 digits": (raw(seed="=" + "9" * 5000), "the body is not valid JSON: Exceeds the limit (4300 digits)"),
+    "seed of 5000 digits": (raw(seed="=" + "9" * 5000),
+                            "the body is not valid JSON: a number has more than 4300 digits"),
     "caption missing": ('{"lyrics": "la"}', "caption: Field required"),
     "caption 7": (raw(caption=7), "caption: Input should be a valid string"),
     "lyrics list": (raw(lyrics=["la"]), "lyrics: Input should be a valid string"),
@@ -120,7 +121,7 @@ BAD_BODIES = {
     "lyrics 0.6 MB": (raw(lyrics="la " * 200_000),
                       f"lyrics is 600000 characters long; the limit is {MAX_LYRICS_CHARS} characters"),
     "truncated JSON": ('{"caption": "pop", "lyrics": "la",', "the body is not valid JSON: Expecting property name"),
-    "empty body": ("", "body: Field required"),
+    "empty body": ("", "the body is empty: send the song request as a JSON object"),
     "null body": ("null", "the body must be a JSON object"),
     "list body": ("[1, 2]", "the body must be a JSON object"),
 }
