@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import logging
 import math
@@ -420,9 +421,15 @@ def test_a_text_file_is_read_only_as_far_as_the_longest_allowed_text(tmp_path: P
     """--lyrics @FILE with a huge file (or /dev/zero) reads a bounded prefix and is refused as too long."""
     big = tmp_path / "lyrics.txt"
     big.write_text("la " * 1_000_000, encoding="utf-8")
-    assert len(cli.text_argument(f"@{big}")) == max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS) + 1
-    code, err = run_cli(generate_args(tmp_path / "out.wav", lyrics=f"@{big}"), capsys)
-    assert code == 2 and "lyrics" in err and recorder.calls == []
+    longest = max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS)
+    with pytest.raises(argparse.ArgumentTypeError, match=f"holds more than {longest} characters"):
+        cli.text_argument(f"@{big}")
+    with pytest.raises(SystemExit) as info:  # argparse's usage error
+        cli.main(generate_args(tmp_path / "out.wav", lyrics=f"@{big}"))
+    assert info.value.code == 2 and "--lyrics" in capsys.readouterr().err and recorder.calls == []
+    exact = tmp_path / "exact.txt"
+    exact.write_text("a" * longest, encoding="utf-8")
+    assert cli.text_argument(f"@{exact}") == "a" * longest
 
 
 def test_text_the_shell_could_not_decode_as_utf8_says_so(tmp_path: Path, capsys, recorder):

@@ -93,11 +93,15 @@ def text_argument(value: str) -> str:
                                              "Latin-1); use UTF-8, or @FILE with UTF-8 text")
         return value
     path = Path(value[1:])
+    longest = max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS)
     try:
         with open(path, encoding="utf-8") as file:  # bounded: past the longest allowed text the rest is not needed
-            return file.read(max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS) + 1)
+            text = file.read(longest + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+    if len(text) > longest:
+        raise argparse.ArgumentTypeError(f"{path} holds more than {longest} characters, the longest text allowed")
+    return text
 
 
 def port_number(value: str) -> int:
