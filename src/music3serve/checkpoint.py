@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -77,19 +77,23 @@ def component_folder(root: Path, name: str) -> Path:
     return folder
 
 
-# What a config value of the wrong type or size raises as our configs and modules are built from it (e.g. "128"
-# where a number belongs, a number where a list does).
-CONFIG_VALUE_ERRORS = (TypeError, ValueError, ArithmeticError)
+@contextmanager
+def config_values(path: Path) -> Iterator[None]:
+    """What a config value of the wrong type or size raises as our configs and modules are built from it ("128"
+    where a number belongs, a number where a list does) becomes a CheckpointError naming the config file."""
+    try:
+        yield
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise CheckpointError(f"{path}: a value has the wrong type or size ({exc})") from exc
 
 
 def load_config(root: Path, name: str) -> Any:
     path = component_folder(root, name) / "config.json"
-    try:
-        return COMPONENTS[name].config(read_json(path))
-    except CheckpointError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
-    except CONFIG_VALUE_ERRORS as exc:
-        raise CheckpointError(f"{path}: a value has the wrong type or size ({exc})") from exc
+    with config_values(path):
+        try:
+            return COMPONENTS[name].config(read_json(path))
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
 
 
 def weight_files(folder: Path, stem: str) -> dict[str, Path]:
@@ -188,12 +192,9 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
     component = COMPONENTS[name]
     folder = component_folder(root, name)
     cfg = load_config(root, name)
-    try:
-        with torch.device("meta"):
-            module = component.model(cfg)
+    with config_values(folder / "config.json"), torch.device("meta"):
+        module = component.model(cfg)
         sources = component.model.checkpoint_sources(cfg)
-    except CONFIG_VALUE_ERRORS as exc:
-        raise CheckpointError(f"{folder / 'config.json'}: a value has the wrong type or size ({exc})") from exc
     module = module.to(dtype or component.disk_dtype).to_empty(device=device)
     params = dict(module.named_parameters())
     assert set(sources) == set(params), f"{name}: sources and parameters differ: {set(sources) ^ set(params)}"

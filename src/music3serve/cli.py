@@ -13,8 +13,8 @@ from pathlib import Path
 
 from . import contract
 from .errors import Music3Error
-from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
 from .logs import setup_logging
+from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
 from .serving.audio_io import OUTPUT_RATES, check_output, resample, write_audio
 
 log = logging.getLogger("music3serve")
@@ -117,9 +117,7 @@ def port_number(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="music3serve", description=__doc__)
-    parser.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS
-    )
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="write one song to a .wav or .flac file")
@@ -161,8 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="replace a folder that is not empty")
     for sub in (gen, serve, bench, tiny):  # also accepted after the subcommand
-        sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
-                         choices=LOG_LEVELS)
+        sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS)
     return parser
 
 
@@ -170,7 +167,7 @@ def run_generate(args: argparse.Namespace) -> None:
     import torch
 
     from .pipeline import Pipeline, check_seed, check_steps, frames_for_duration
-    from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, check_text
+    from .prompt import check_text
 
     check_output(args.output)
     # Bad values fail before the model loads (the pipeline checks them again).

@@ -80,10 +80,10 @@ def _song_name(path: Path | str) -> Path:
     if path.suffix.lower() == ".flac":
         _soundfile()
     try:
-        folder = path.is_dir()
-    except OSError:  # say a name too long to look up, or a folder we may not search: check_output and the write say so
-        folder = False
-    if folder:
+        is_folder = path.is_dir()
+    except OSError:  # a name too long to look up, a folder we may not search: check_output and the write say so
+        is_folder = False
+    if is_folder:
         raise InputError(f"cannot write {path}: it is a folder")
     return path
 
@@ -138,7 +138,7 @@ def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Pat
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
     return path
 

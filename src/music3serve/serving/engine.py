@@ -170,14 +170,9 @@ class Engine:
             async with contextlib.aclosing(self._submit(request)) as events:  # closing this closes that at once
                 async for event in events:
                     yield event
-        except InputError:
-            self.metrics.refusals.labels("invalid").inc()
-            raise
-        except EngineBusy:
-            self.metrics.refusals.labels("busy").inc()
-            raise
-        except Music3Error:
-            self.metrics.refusals.labels("unavailable").inc()
+        except Music3Error as exc:
+            refused = "invalid" if isinstance(exc, InputError) else "busy" if isinstance(exc, EngineBusy) else None
+            self.metrics.refusals.labels(refused or "unavailable").inc()
             raise
 
     async def _submit(self, request: SongRequest) -> AsyncIterator[Event]:
