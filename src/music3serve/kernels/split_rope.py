@@ -9,9 +9,9 @@ strided views as they are).
 
 On CUDA with Triton the rotation is one kernel (one program per token); it repeats the eager arithmetic rounding by
 rounding (cos and sin cast to the dtype, each product and the sum rounded to it), yet on the H200 1.7% of bf16
-elements differed from the torch ops (measured on session 4's copying kernel, same arithmetic), by an ulp of the products where they nearly cancel; both stay within the
-dtype's rounding of the exact rotation (tests/test_split_rope.py). Elsewhere the torch ops of
-``split_rope_reference`` are written back into qkv.
+elements differed from the torch ops (measured on the earlier copying kernel, same arithmetic), by an ulp of the
+products where they nearly cancel; both stay within the dtype's rounding of the exact rotation
+(tests/test_split_rope.py). Elsewhere the torch ops of ``split_rope_reference`` are written back into qkv.
 """
 
 from __future__ import annotations
