@@ -306,14 +306,24 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "depth_decoder", str(folder / "config.json"))
 
 
-@pytest.mark.parametrize("name,key,value", [("dit", "in_channels", "128"), ("depth_decoder", "num_layers", [4]),
-                                            ("vocoder", "upsampling_ratios", 8)])
-def test_a_config_value_of_the_wrong_type(tiny_dir: Path, tmp_path: Path, name: str, key: str, value) -> None:
+@pytest.mark.parametrize("name,key,value,fragment", [
+    ("dit", "in_channels", "128", "'channels' must be a positive int"),
+    ("depth_decoder", "num_layers", [4], "'layers' must be a positive int"),
+    ("vocoder", "upsampling_ratios", 8, "wrong type"),  # not a list: fails as the config is built
+    ("dit", "rotary_dim", "8", "'rotary_dim' must be a positive int"),  # used only when a window renders
+    ("dit", "fourier_embedding_dim", 0, "'fourier' must be a positive int"),
+    ("language_model", "rms_norm_eps", -1e-6, "'eps' must be a positive float"),
+    ("depth_decoder", "num_attention_heads", True, "'heads' must be a positive int"),
+    ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
+])
+def test_a_config_value_is_checked_at_load(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
+    """Every field of a component's config is a positive value of its type once loaded, also those the model reads
+    only when it generates: a bad one fails the load, naming the file and the field."""
     root, folder = copy_component(tiny_dir, tmp_path, name)
     config = json.loads((folder / "config.json").read_text())
     config[key] = value
     (folder / "config.json").write_text(json.dumps(config))
-    expect_error(root, name, str(folder / "config.json"), "wrong type")
+    expect_error(root, name, str(folder / "config.json"), fragment)
 
 
 def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:

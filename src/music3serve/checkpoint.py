@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +93,29 @@ def load_config(root: Path, name: str) -> Any:
     path = component_folder(root, name) / "config.json"
     with config_values(path):
         try:
-            return COMPONENTS[name].config(read_json(path))
+            return checked_fields(COMPONENTS[name].config(read_json(path)))
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def checked_fields(config: Any) -> Any:
+    """The config, once every field holds a positive value of its annotated type (int, float, or a tuple of ints):
+    a value the model uses only when it generates ("8" for a rotary width) fails here, at load, not in the first
+    song."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value, kind = getattr(config, field.name), hints[field.name]
+        items = value if kind == tuple[int, ...] and isinstance(value, tuple) and value else [value]
+        number = float if kind is float else int
+        if not all(_positive(item, number) for item in items):
+            wanted = f"a positive {number.__name__}" if kind is number else "a non-empty list of positive ints"
+            raise CheckpointError(f"'{field.name}' must be {wanted}, got {value!r}")
+    return config
+
+
+def _positive(value: Any, kind: type) -> bool:
+    allowed = (int, float) if kind is float else (int,)
+    return isinstance(value, allowed) and not isinstance(value, bool) and value > 0
 
 
 def weight_files(folder: Path, stem: str) -> dict[str, Path]:
