@@ -633,3 +633,27 @@ def test_a_stage_placed_on_a_gpu_the_machine_lacks_is_refused_before_loading(mon
     monkeypatch.setattr("music3serve.serving.engine.load_models", lambda *a, **k: pytest.fail("models loaded"))
     with pytest.raises(Music3Error, match=r"stage 1 is placed on GPU 7 .* has 2 CUDA device\(s\): 0 to 1"):
         Engine.from_pretrained("unused", deploy)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_stages_on_different_gpus_split_only_where_there_are_gpus(monkeypatch, cuda):
+    """The seed layout (stage 1 on another GPU) runs split on a machine with two GPUs; on a machine without CUDA both
+    stages run on the CPU in one process instead of two CPU processes."""
+    from music3serve.serving.deploy_config import parse_deploy_config
+    from music3serve.serving.deploy_yaml import read_deploy_yaml
+
+    data, source = read_deploy_yaml(None)
+    data["stages"][0]["devices"], data["stages"][1]["devices"] = "0", "1"
+    deploy = parse_deploy_config(data, source)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    loaded = {}
+
+    def fake_load_models(root, device, talker_dtype, acoustic):
+        loaded.update(device=device, acoustic=acoustic)
+        raise RuntimeError("stop before building the engine")
+
+    monkeypatch.setattr("music3serve.serving.engine.load_models", fake_load_models)
+    with pytest.raises(RuntimeError, match="stop before"):
+        Engine.from_pretrained("unused", deploy)
+    assert loaded == ({"device": "cuda:0", "acoustic": False} if cuda else {"device": "cpu", "acoustic": True})

@@ -136,7 +136,8 @@ class Engine:
         cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None, split: bool | None = None
     ) -> "Engine":
         """Stages whose `devices` differ run split (stage 1 in a worker process); `device` overrides both stages'
-        devices (e.g. "cpu" for tests); `split` forces the placement either way."""
+        devices (e.g. "cpu" for tests); `split` forces the placement either way. Without CUDA both stages run on the
+        CPU in this process, whatever `devices` say."""
         deploy = deploy or load_deploy_config()
         s0, s1 = deploy.stages
         if device is None and torch.cuda.is_available():
@@ -148,9 +149,10 @@ class Engine:
             device0, device1 = (f"cuda:{s.devices[0]}" for s in (s0, s1))
         elif device is None:
             device0 = device1 = "cpu"
+            log.warning("no CUDA device: both stages run on the CPU in this process (deploy `devices` ignored)")
         else:
             device0 = device1 = device
-        split = (s0.devices != s1.devices and device is None) if split is None else split
+        split = device0 != device1 if split is None else split
         talker_dtype = getattr(torch, s0.dtype) if device0 != "cpu" else torch.float32
         models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split)
         worker = RenderWorker(partial(load_acoustic, str(root)), device1, s1, deploy.connector) if split else None
