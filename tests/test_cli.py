@@ -400,6 +400,29 @@ def test_serve_on_a_busy_port_fails_before_the_engine_loads(tmp_path: Path, caps
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err
 
 
+def test_serve_checks_an_ipv6_host_as_uvicorn_binds_it(tmp_path: Path, capsys, monkeypatch):
+    """--host ::1 is checked on an IPv6 socket (it was refused as an unsupported address family); a busy IPv6 port
+    still fails before the engine loads."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        busy = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("cannot bind ::1 here")
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
+                        lambda *a, **k: pytest.fail("the engine loaded before the port was checked"))
+    with busy:
+        port = busy.getsockname()[1]
+        code, err = run_cli(["serve", "--model", str(tmp_path), "--device", "cpu", "--host", "::1", "--port", str(port)],
+                            capsys)
+    assert code == 2 and f"cannot listen on ::1:{port}: Address already in use" in err
+    assert cli.check_port("::1", port) is None  # free again: checked without an error
+
+
 def test_serve_leaves_placement_to_the_deploy_config_unless_a_device_is_given(tmp_path: Path, capsys, monkeypatch):
     """Without --device each stage goes where its `devices` says (split when they differ); --device overrides."""
     pytest.importorskip("fastapi")

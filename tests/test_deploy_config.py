@@ -289,6 +289,7 @@ def test_cross_checks_and_hints(changes, path, says):
         ("just text\n", "<top level>: got 'just text'"),
         ("", "<top level>: got None"),
         ("pipeline: !!python/object:os.system x\n", "not valid YAML"),
+        ("stages: [{stage_id: 0, max_num_seqs: 1" + "0" * 5000 + "}]\n", "a value cannot be read (Exceeds the limit"),
     ],
 )
 def test_file_errors_name_the_file(tmp_path, text, says):
@@ -312,3 +313,9 @@ def test_merge_keys_are_not_duplicates(tmp_path):
     path.write_text(text)
     cfg = load_deploy_config(path)
     assert (cfg.stages[0].max_num_seqs, cfg.stages[1].max_num_seqs) == (4, 2)
+
+
+def test_a_number_yaml_reads_as_text_says_how_to_write_it():
+    """YAML 1.1 reads 5e-1 (no dot) as a string: the error says so and gives the number to write."""
+    with pytest.raises(ConfigError, match=r"'5e-1' was read as text: write it with a dot, as 0\.5"):
+        parse_deploy_config(mutated((S1 + ("gpu_memory_utilization",), "5e-1")), SOURCE)

@@ -223,7 +223,8 @@ def run_serve(args: argparse.Namespace) -> None:
 def check_port(host: str, port: int) -> None:
     """Fail before the engine loads (minutes for the real checkpoint) if the server could not listen there."""
     try:
-        socket.create_server((host, port)).close()
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv6 hosts too, as uvicorn binds them
+        socket.create_server((host, port), family=family).close()
     except OSError as exc:
         raise Music3Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 

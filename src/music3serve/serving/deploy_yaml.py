@@ -38,6 +38,8 @@ def read_deploy_yaml(path: Path | str | None) -> tuple[Any, str]:
         return yaml.load(text, Loader=_Loader), source  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    except ValueError as exc:  # an integer past Python's digit limit for converting text
+        raise ConfigError(f"{source}: a value cannot be read ({exc})") from None
 
 
 class _Loader(yaml.SafeLoader):
@@ -119,6 +121,8 @@ class Section:
         """A finite number for which ``ok`` holds, as a float."""
         v = self.data.get(key, default)
         if not (is_number(v) and ok(v)):
+            if isinstance(v, str) and _reads_as_number(v):  # YAML 1.1 takes 5e-1 (no dot) for text
+                allowed += f"; {v!r} was read as text: write it with a dot, as {float(v)!r}"
             raise self.bad(key, v, allowed)
         return float(v)
 
@@ -137,3 +141,10 @@ class Section:
         if v is not None and not (is_int(v) and 0 <= v < SEED_LIMIT):
             raise self.bad(key, v, "null or an integer in [0, 2**63)")
         return v
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
