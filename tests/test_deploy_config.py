@@ -85,7 +85,7 @@ def test_seed_loads_as_written():
     assert s1.input_connectors == {"from_stage_0": "connector_of_shared_memory"}
     q = s1.default_sampling_params
     assert (q.temperature, q.max_tokens, q.seed) == (0.0, 4096, 0)
-    assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 4, 8)  # not in the seed: derived default
+    assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 3, 4, 5, 6, 7, 8)  # not in the seed: every size
 
 
 def test_seed_maps_to_the_talker_config():

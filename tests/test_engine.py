@@ -657,3 +657,16 @@ def test_stages_on_different_gpus_split_only_where_there_are_gpus(monkeypatch, c
     with pytest.raises(RuntimeError, match="stop before"):
         Engine.from_pretrained("unused", deploy)
     assert loaded == ({"device": "cuda:0", "acoustic": False} if cuda else {"device": "cpu", "acoustic": True})
+
+
+def test_the_renderer_captures_the_stage_1_sizes_the_deploy_config_names(models, deploy, monkeypatch):
+    """Stage 1's cudagraph_capture_sizes are the window batches captured at startup (they were ignored: every size
+    up to the render batch was captured); a batch of another size runs eagerly."""
+    from music3serve.acoustic.renderer import Renderer
+
+    stage1 = dataclasses.replace(deploy.stages[1], compilation_config=dataclasses.replace(
+        deploy.stages[1].compilation_config, cudagraph_capture_sizes=(8, 2)))
+    warmed = []
+    monkeypatch.setattr(Renderer, "warmup", lambda self, batches, *a, **k: warmed.append(tuple(batches)))
+    shut(Engine(models, dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))))
+    assert warmed == [(8, 2)]

@@ -180,10 +180,12 @@ def _compilation(m: Section, limit: int, limit_name: str, pairs: bool, enforce_e
         raise c.bad("mode", mode, "0 (no compilation)" + (f"; refused: {reason}" if reason else ""))
     if "cudagraph_capture_sizes" in c.data:
         sizes = c.data["cudagraph_capture_sizes"]
-    else:  # powers of two up to the limit (from 2 where rows come in pairs), and the limit
-        sizes = [2**k for k in range(1 if pairs else 0, limit.bit_length())]
+    elif pairs:  # row counts: powers of two from 2 up to the limit, and the limit (fewer rows replay the next size up)
+        sizes = [2**k for k in range(1, limit.bit_length())]
         if limit not in sizes:
             sizes.append(limit)
+    else:  # window batches: every size (a batch of a size without a graph runs eagerly)
+        sizes = list(range(1, limit + 1))
     allowed = f"a list of distinct integers in [1, {limit_name} = {limit}]"
     if not (isinstance(sizes, list) and all(is_int(s) and 1 <= s <= limit for s in sizes)
             and len(set(sizes)) == len(sizes)):

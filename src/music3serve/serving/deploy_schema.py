@@ -119,7 +119,7 @@ class Stage1Config(_Stage):
     max_num_batched_tokens: int = 8
     enforce_eager: bool = False
     compilation_config: CompilationConfig = field(
-        default_factory=lambda: CompilationConfig(cudagraph_capture_sizes=(1, 2, 4, 8))  # window batches, not rows
+        default_factory=lambda: CompilationConfig(cudagraph_capture_sizes=tuple(range(1, 9)))  # window batches, not rows
     )
     async_scheduling: bool = False
     enable_prefix_caching: bool = False

@@ -100,7 +100,7 @@ class Engine:
                 models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
                 fuse=stage1.graphs,
             )
-            self.renderer.warmup(range(1, stage1.render_batch + 1))
+            self.renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
         self._clients: dict[str, _Client] = {}  # by key

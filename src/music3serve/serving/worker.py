@@ -73,7 +73,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
         fuse=stage1.graphs,
     )
-    renderer.warmup(range(1, stage1.render_batch + 1))
+    renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)
     connector.put(PCM, Message("ready", {}, {}))
     heartbeat = Heartbeat(lambda message: connector.put(PCM, message))
     parent = multiprocessing.parent_process()
