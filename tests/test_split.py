@@ -90,6 +90,21 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
     assert not connector.segments()
 
 
+def test_a_stop_signal_to_the_process_group_leaves_the_worker_to_the_engine(tiny_dir):
+    """SIGTERM and SIGINT sent to the whole group (systemd's default stop) reach the worker too: it keeps serving, so
+    the engine's own graceful shutdown decides when it stops (it died at once, cutting every song)."""
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    try:
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):
+            os.kill(engine.worker.process.pid, stop_signal)
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 7, 2.0), 120))
+        assert isinstance(result, np.ndarray) and result.size, result
+        assert engine.worker.process.is_alive()
+    finally:
+        engine.close()
+    assert not engine.worker.process.is_alive()
+
+
 def test_stage1_silence_fails_the_song_after_the_connector_wait(tiny_dir):
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     engine.worker.deadlines.first_chunk_s = 0.3  # the seed's 30 s first-chunk wait, shortened for the test

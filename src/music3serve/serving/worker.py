@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from pathlib import Path
@@ -65,7 +66,13 @@ def load_acoustic(root: str, device: str) -> SimpleNamespace:
 
 def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector, slots) -> None:
     """The worker process: load(device) the acoustic stage, then render windows until told to stop; each window read
-    gives its slot back (serving/outbox.py)."""
+    gives its slot back (serving/outbox.py).
+
+    SIGTERM and SIGINT are ignored: a stop signal sent to the whole process group (systemd's default, `kill --
+    -PGID`, Ctrl-C) reaches the worker too, and the engine process stops it after its own graceful shutdown (songs
+    get their grace period). Orphaned, the worker stops by itself; `RenderWorker.kill` uses SIGKILL."""
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, signal.SIG_IGN)
     if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
         torch.cuda.set_device(torch.device(device).index or 0)
     models = load(device)
