@@ -272,6 +272,43 @@ def test_delete_cancels_a_non_streaming_song(base_url, client, engine):
     wait_until(lambda: engine_idle(engine, "whole-1"))
 
 
+def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
+    """A stream: false song still running when the shutdown grace is over is answered with a JSON 503 that says so
+    (uvicorn's cancel gave a plain-text 500)."""
+    import socket
+
+    import uvicorn
+
+    from music3serve.serving.api import create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_config=None, log_level="critical", lifespan="off",
+                                           timeout_graceful_shutdown=0.2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    url, outcome = f"http://127.0.0.1:{sock.getsockname()[1]}", {}
+
+    def post():
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as other:
+            outcome["response"] = other.post("/v1/songs", json={**SONG, "duration": 60, "stream": False, "id": "cut-1"})
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    try:
+        wait_until(lambda: "cut-1" in engine._keys)
+        server.should_exit = True
+        poster.join(timeout=30)
+        thread.join(timeout=30)
+    finally:
+        sock.close()
+    response = outcome["response"]
+    assert response.status_code == 503 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"].startswith("the server shut down before song cut-1 was finished")
+    wait_until(lambda: engine_idle(engine, "cut-1"))
+
+
 def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
     def broken(batch):
         raise RuntimeError("out of tiny memory")

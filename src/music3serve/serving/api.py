@@ -315,6 +315,10 @@ class SongService:
         try:
             async with contextlib.aclosing(self.audio(song, events, PcmEncoder(song.sample_rate))) as audio:
                 data = b"".join([piece async for piece in audio])
+        except asyncio.CancelledError:  # only uvicorn cancels a request task: its shutdown grace is over
+            asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
+            return _error(503, f"the server shut down before song {song.id} was finished (songs still running when "
+                               "its shutdown grace period is over are cut)", headers)
         finally:
             watcher.cancel()
             await events.aclose()
