@@ -243,3 +243,14 @@ def test_a_step_in_flight_for_a_cancelled_song_is_dropped_even_if_its_id_is_reus
             (windows if isinstance(event, WindowReady) else finished).append(event)
     assert len(finished) == 1 and torch.equal(finished[0].codes, solo[0].codes)
     assert torch.equal(mixed_song(windows), solo[1])
+
+
+def test_kv_slots_past_the_machine_memory_fail_at_startup_on_the_cpu(models, monkeypatch):
+    """The CPU has no gpu_memory_utilization, but KV slots larger than the machine's memory fail with the numbers
+    before anything is allocated (they failed with a bare allocator traceback)."""
+    from music3serve.errors import Music3Error
+
+    monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: 1 << 20)
+    with pytest.raises(Music3Error, match=r"talker needs .* GiB of KV for 16 rows of .* tokens, more than this "
+                                          r"machine's 0\.0 GiB of memory: lower max_num_seqs or max_model_len"):
+        Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -303,17 +304,26 @@ class Talker:
 
 
 def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: TalkerConfig) -> None:
-    """On CUDA: weights plus KV slots must fit in gpu_memory_utilization of the card, or startup fails."""
+    """Weights plus KV slots must fit in gpu_memory_utilization of the card on CUDA, and the KV slots in the
+    machine's memory on the CPU, or startup fails with the numbers."""
     device = lm.embed.weight.device
-    if device.type != "cuda":
-        return
     weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
-    allowed = config.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory
-    if weights + kv > allowed:
-        gib = 1 << 30
-        raise Music3Error(
-            f"talker needs {weights / gib:.1f} GiB of weights + {kv / gib:.1f} GiB of KV for {2 * pairs} rows of "
-            f"{config.max_model_len} tokens, more than gpu_memory_utilization {config.gpu_memory_utilization} "
-            f"of the card ({allowed / gib:.1f} GiB): lower max_num_seqs or max_model_len, or raise the fraction"
-        )
+    gib = 1 << 30
+    needs = f"{kv / gib:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens"
+    if device.type == "cuda":
+        allowed = config.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory
+        if weights + kv > allowed:
+            raise Music3Error(
+                f"talker needs {weights / gib:.1f} GiB of weights + {needs}, more than gpu_memory_utilization "
+                f"{config.gpu_memory_utilization} of the card ({allowed / gib:.1f} GiB): lower max_num_seqs or "
+                "max_model_len, or raise the fraction"
+            )
+    elif device.type == "cpu" and kv > (memory := host_memory()):
+        raise Music3Error(f"talker needs {needs}, more than this machine's {memory / gib:.1f} GiB of memory: lower "
+                          "max_num_seqs or max_model_len")
+
+
+def host_memory() -> int:
+    """Bytes of physical memory of this machine."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
