@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 from collections import OrderedDict
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
 import numpy as np
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -50,6 +51,13 @@ class SongBody(BaseModel):
     sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
     stream: bool = True
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")  # default: a fresh uuid4 hex
+
+    @field_validator("sample_rate", mode="before")
+    @classmethod
+    def _integer_rate(cls, value: Any) -> Any:
+        if type(value) is not int:  # a Literal takes 32000.0 as equal to 32000
+            raise ValueError(f"must be an integer, one of {', '.join(map(str, OUTPUT_RATES))}")
+        return value
 
     @field_validator("id")
     @classmethod
@@ -120,6 +128,33 @@ class BoundedBody:
                 message = f"the body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes"
                 return await _error(413, message)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
+async def plain_json_object(request: Request) -> None:
+    """The song body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
+    last value of a repeated key. (Bodies it cannot parse are its to report: it ran first.)"""
+    raw = await request.body()
+    try:
+        json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as exc:
+        raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
+    except _RepeatedKey as exc:
+        raise HTTPException(400, f"the body names {exc.args[0]!r} more than once") from None
+    except ValueError:
+        pass
 
 
 def _describe(exc: RequestValidationError) -> str:
@@ -388,7 +423,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
             return _error(400, f"the body is not valid JSON: {why}", exc.headers)
         return _error(exc.status_code, str(exc.detail), exc.headers)
 
-    @app.post(SONGS_PATH, response_model=None)
+    @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(plain_json_object)])
     async def create_song(body: SongBody, request: Request) -> Response:
         return await service.create(body, request)
 
