@@ -470,6 +470,22 @@ def test_make_tiny_refuses_a_file_even_with_force(tmp_path: Path, capsys, monkey
     assert code == 2 and "is a file" in err and (tmp_path / "afile").read_text() == "x"
 
 
+def test_make_tiny_under_a_file_or_an_unwritable_folder_names_the_target(tmp_path: Path, capsys, monkeypatch):
+    """A parent that is a file, and a folder where nothing can be written, give errors that name the target asked
+    for (they were a bare errno, or named the internal staging folder)."""
+    (tmp_path / "afile").write_text("x")
+    code, err = run_cli(["make-tiny", str(tmp_path / "afile" / "sub")], capsys)
+    assert code == 2 and f"cannot write a checkpoint to {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file" in err
+
+    def refused(directory, seed=0):
+        raise PermissionError(13, "Permission denied", str(directory / "transformer"))
+
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", refused)
+    code, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
+    assert code == 2 and f"cannot write a checkpoint to {tmp_path / 't'}: Permission denied" in err and ".tiny-" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no staging folder left
+
+
 def test_a_model_path_that_is_a_file_says_so(tmp_path: Path, capsys):
     (tmp_path / "weights").write_text("x")
     code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", str(tmp_path / "weights")), capsys)

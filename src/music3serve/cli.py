@@ -48,13 +48,21 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
     False: a complete checkpoint another process put there meanwhile stays (it may be loading from it)."""
     from .tiny import write_tiny_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+    blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise Music3Error(f"cannot write a checkpoint to {target}: {blocking} is a file, not a folder")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+    except OSError as exc:
+        raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     try:
         write_tiny_checkpoint(staging, seed=seed)
         if replace or not (target / "modular_model_index.json").is_file():
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
+    except OSError as exc:  # named by the target, not by the staging folder the user never asked for
+        raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; here on a failure or a lost race
 
