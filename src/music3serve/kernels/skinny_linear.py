@@ -129,8 +129,10 @@ def run_kernel(
 
 
 # Under PDL each program pulls the start of its weight rows into L2 before waiting for x: this many bytes per
-# program (per half when gated), in 128-byte lines along K. About what one SM streams in 2 us at copy bandwidth.
-PREFETCH_BYTES = 64 * 1024
+# program (per half when gated), in 128-byte lines along K. Measured on the H200 (docs/performance.md, session 9),
+# one-song talker step: 256 KB 8.44 ms, 128 KB 7.55, 64 KB 7.13, 32 KB 6.88, 16 KB 6.81, 8 KB 6.82, one line 6.85:
+# a large prefetch holds the program's loads before its real work starts.
+PREFETCH_BYTES = 16 * 1024
 _LINE_ELEMENTS = 64  # bf16 elements in a 128-byte line
 
 
