@@ -105,6 +105,26 @@ def test_a_stop_signal_to_the_process_group_leaves_the_worker_to_the_engine(tiny
     assert not engine.worker.process.is_alive()
 
 
+def test_a_process_that_never_closes_its_split_engine_still_exits(tiny_dir, tmp_path):
+    """The worker ignores SIGTERM, which multiprocessing sends its daemon children at interpreter exit before waiting
+    for them: an engine never closed is killed at exit instead of the process hanging there."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        "from music3serve.serving.engine import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    engine = Engine.from_pretrained({str(tiny_dir)!r}, device='cpu', split=True)\n"
+        "    print(engine.worker.process.pid, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    worker = int(done.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
+
+
 def test_stage1_silence_fails_the_song_after_the_connector_wait(tiny_dir):
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     engine.worker.deadlines.first_chunk_s = 0.3  # the seed's 30 s first-chunk wait, shortened for the test

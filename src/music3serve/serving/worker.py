@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -206,6 +207,7 @@ class RenderWorker:
         )
         self.process.start()
         self.outbox, self.watch = Outbox(self.connector, WINDOWS, slots), WorkerWatch()
+        atexit.register(self._kill_at_exit)  # runs before multiprocessing's exit hook, whose SIGTERM it ignores
         started = time.monotonic()
         while True:
             if not self.process.is_alive():
@@ -257,8 +259,15 @@ class RenderWorker:
         self.outbox.join(timeout_s=5)  # its pipe has no reader left: a write in progress fails now
         self.connector.cleanup()
 
+    def _kill_at_exit(self) -> None:
+        """An engine never closed: at interpreter exit the worker is killed here (multiprocessing would send it a
+        SIGTERM, which it ignores, and then wait for it forever)."""
+        if self.process.is_alive():
+            self.kill()
+
     def close(self) -> None:
         """Stop the worker (killing it if it does not stop) and remove every shared-memory segment."""
+        atexit.unregister(self._kill_at_exit)
         if self.process.is_alive():
             self.outbox.close(Message("stop", {}, {}))
             self.process.join(timeout=10)
