@@ -6,7 +6,7 @@ the same 2 rows alone (batch invariance).
 With --sweep it times every tile configuration and prints the best per shape (for the gated kernel, BLOCK_N is
 the columns of gate and of up each).
 
-    PYTHONPATH=src python3 bench/skinny_linear.py [--sweep]
+    PYTHONPATH=src python3 bench/skinny_linear.py [--sweep] [--rows 2 16]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def configs():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="time every tile configuration per shape")
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="row counts to time (default 2 16)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows_out, frame_ms, best = [], {"torch": 0.0, "skinny": 0.0}, {}
@@ -64,7 +65,7 @@ def main() -> None:
         floor_us = n * k * 2 / COPY_BW * 1e6
         x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
         invariant = torch.equal(ours(x16, weights[0])[:2], ours(x16[:2].clone(), weights[0]))
-        for rows in ROWS:
+        for rows in args.rows:
             x = x16[:rows].contiguous()
             ref = reference(x, weights[0]).float()
             err = ((ours(x, weights[0]).float() - ref).abs().max() / ref.abs().max()).item()
