@@ -2,12 +2,13 @@
 # Device calls (nvidia-h200, carry [".whl", "_stack"]) for branches exported by bench/export_stack.sh.
 #   bash bench/gpu_stack.sh steps   the talker step at 1 and 8 songs of each tree, one after another (~1.5 min each)
 #   bash bench/gpu_stack.sh dit     the fused bf16 DiT call (graph) at 1 and 8 windows of each tree (~1 min each)
+#   bash bench/gpu_stack.sh e2e     each tree's colocated end to end, `music3serve bench e2e` (~2 min each)
 #   bash bench/gpu_stack.sh tests [FILE...]   the GPU tests of the last tree (the top of a stack holds every change
 #                                   below it; by default the talker's kernel tests), then the skinny GEMM's split-K
 #                                   sweep where the tree has one
 source bench/gpu_env.sh
 ROOT=$PWD
-mode=${1:?usage: gpu_stack.sh steps|dit|tests [FILE...]}
+mode=${1:?usage: gpu_stack.sh steps|dit|e2e|tests [FILE...]}
 shift
 files=${*:-tests/test_skinny_linear.py tests/test_decode_attention.py tests/test_talker_gpu.py tests/test_pdl.py}
 top=$(ls -d "$ROOT"/_stack/*/ | tail -1)
@@ -28,6 +29,13 @@ from music3serve.bench.acoustic import dit_rows
 from music3serve.bench.common import table
 print(table(["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"], dit_rows("cuda", BFLOAT16, (1, 8), fuse=True)))' \
       2>&1 | grep "|" | tee "$OUT/dit_$name.txt")
+  done
+elif [ "$mode" = e2e ]; then
+  for dir in "$ROOT"/_stack/*/; do
+    name=$(basename "$dir")
+    echo "== $name"
+    (cd "$dir" && PYTHONPATH=$dir/src:/tmp/site timeout 150 python3 -m music3serve.cli --log-level WARNING bench e2e \
+      --no-peers --placement colocated 2>&1 | grep "|" | tee "$OUT/e2e_$name.txt")
   done
 else
   echo "== GPU tests of $(basename "$top")"
