@@ -16,6 +16,7 @@ from music3serve import checkpoint, contract
 from music3serve.checkpoint import COMPONENTS, load_component
 from music3serve.errors import CheckpointError
 from music3serve.models.language_model import KVCache
+from music3serve.tiny import TINY_CONFIGS, random_tensor
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -451,6 +452,27 @@ def test_broken_index(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "dit", str(index), "weight_map")
     index.write_text("[1, 2")
     expect_error(root, "dit", str(index))
+
+
+def consistent_component(tmp_path: Path, name: str, **changes) -> Path:
+    """A checkpoint root whose one component has a changed tiny config and random weights of the shapes it implies."""
+    component = COMPONENTS[name]
+    folder = tmp_path / "checkpoint" / component.folder
+    folder.mkdir(parents=True)
+    raw = {**TINY_CONFIGS[name], **changes}
+    (folder / "config.json").write_text(json.dumps(raw))
+    gen = torch.Generator().manual_seed(0)
+    shapes = checkpoint.checkpoint_tensors(name, component.config(raw))
+    save_file({key: random_tensor(key, shape, gen) for key, shape in shapes.items()},
+              folder / f"{component.weights}.safetensors")
+    return folder.parent
+
+
+def test_sizes_that_leave_a_parameter_empty(tmp_path: Path) -> None:
+    """Widths halved to nothing (decoder_hidden_dim 8 over four upsampling ratios) fail by name; folding the weight
+    norm of an empty conv used to kill the process with a floating point exception."""
+    root = consistent_component(tmp_path, "vocoder", decoder_hidden_dim=8)
+    expect_error(root, "vocoder", str(root / "vocoder" / "config.json"), "'blocks.3.up.weight'", "[1, 0, 4]")
 
 
 def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:

@@ -209,6 +209,14 @@ def source_keys(source: ParamSource, present: set[str]) -> set[str]:
     return {piece.key for piece in source}
 
 
+def check_nonempty(module: nn.Module, path: Path) -> None:
+    """Every parameter has elements: sizes that leave one empty (widths halved to 0) fail here, naming it; folding the
+    weight norm of an empty conv would kill the process with a floating point exception."""
+    for name, param in module.named_parameters():
+        if param.numel() == 0:
+            raise CheckpointError(f"{path}: the sizes give parameter '{name}' the empty shape {list(param.shape)}")
+
+
 def load_component(root: Path, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Build our module for one component and fill it from disk, tensor by tensor, on `device` in `dtype`."""
     component = COMPONENTS[name]
@@ -217,6 +225,7 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
     with config_values(folder / "config.json"), torch.device("meta"):
         module = component.model(cfg)
         sources = component.model.checkpoint_sources(cfg)
+    check_nonempty(module, folder / "config.json")
     module = module.to(dtype or component.disk_dtype).to_empty(device=device)
     params = dict(module.named_parameters())
     assert set(sources) == set(params), f"{name}: sources and parameters differ: {set(sources) ^ set(params)}"
