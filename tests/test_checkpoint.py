@@ -454,10 +454,11 @@ def test_broken_index(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "dit", str(index))
 
 
-def consistent_component(tmp_path: Path, name: str, **changes) -> Path:
-    """A checkpoint root whose one component has a changed tiny config and random weights of the shapes it implies."""
+def consistent_component(root: Path, name: str, **changes) -> Path:
+    """Write one component folder under root: the tiny config with changes, random weights of the shapes it implies;
+    returns root."""
     component = COMPONENTS[name]
-    folder = tmp_path / "checkpoint" / component.folder
+    folder = root / component.folder
     folder.mkdir(parents=True)
     raw = {**TINY_CONFIGS[name], **changes}
     (folder / "config.json").write_text(json.dumps(raw))
@@ -471,8 +472,41 @@ def consistent_component(tmp_path: Path, name: str, **changes) -> Path:
 def test_sizes_that_leave_a_parameter_empty(tmp_path: Path) -> None:
     """Widths halved to nothing (decoder_hidden_dim 8 over four upsampling ratios) fail by name; folding the weight
     norm of an empty conv used to kill the process with a floating point exception."""
-    root = consistent_component(tmp_path, "vocoder", decoder_hidden_dim=8)
+    root = consistent_component(tmp_path / "checkpoint", "vocoder", decoder_hidden_dim=8)
     expect_error(root, "vocoder", str(root / "vocoder" / "config.json"), "'blocks.3.up.weight'", "[1, 0, 4]")
+
+
+def checkpoint_with(tiny_dir: Path, tmp_path: Path, name: str, **changes) -> Path:
+    """The tiny checkpoint (linked) with one component rewritten by consistent_component."""
+    root = tmp_path / "checkpoint"
+    root.mkdir()
+    for entry in tiny_dir.iterdir():
+        if entry.name != COMPONENTS[name].folder:
+            (root / entry.name).symlink_to(entry)
+    return consistent_component(root, name, **changes)
+
+
+@pytest.mark.parametrize("name,key,value,fragment", [
+    ("depth_decoder", "hidden_size", 32, "hidden_size is 32, expected 64, the language model's hidden_size"),
+    ("depth_decoder", "num_codebooks", 4, "num_codebooks is 4, expected 8"),
+    ("depth_decoder", "max_position_embeddings", 7, "max_position_embeddings is 7, expected at least 8"),
+    ("condition_encoder", "condition_hidden_dim", 32, "condition_hidden_dim is 32, expected 64"),
+    ("condition_encoder", "num_condition_layers", 4, "num_condition_layers is 4, expected 8"),
+    ("condition_encoder", "out_dim", 16, "condition_dim is 32, expected 16, the condition encoder's out_dim"),
+    ("dit", "in_channels", 64, "in_channels is 64, expected 128"),
+    ("vocoder", "latent_channels", 64, "latent_channels is 64, expected 128"),
+    ("vocoder", "upsampling_ratios", [8, 4, 4, 2], "upsampling_ratios is [8, 4, 4, 2], expected ratios that multiply"),
+    ("vocoder", "sampling_rate", 32000, "sampling_rate is 32000, expected 44100"),
+    ("language_model", "vocab_size", 160_000, "vocab_size is 160000, expected at least 168059"),
+])
+def test_components_that_do_not_fit_together(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
+    """Each component loads on its own, but together they break the contract: the load fails naming the config and
+    the value, before any weights are read (these used to fail in the first song with a shape error from deep in the
+    model, or, for the vocoder's rate and ratios, to give audio of the wrong speed or length)."""
+    root = checkpoint_with(tiny_dir, tmp_path, name, **{key: value})
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_models(root, "cpu")
+    assert fragment in str(info.value) and "config.json" in str(info.value), str(info.value)
 
 
 def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
+from . import contract
 from .errors import CheckpointError
 from .tokenizer import load_tokenizer
 from .models.condition_encoder import ConditionEncoder, ConditionEncoderConfig
@@ -282,6 +284,39 @@ def check_layout(root: Path) -> None:
             raise CheckpointError(f"scheduler_config.json: {key} is {scheduler.get(key)!r}, this model needs {expected!r}")
 
 
+def check_fit(root: Path) -> None:
+    """The components' configs fit each other and the contract (each of them may load on its own and still not): a
+    mismatch fails the load, naming the config and the value, instead of the first song or the audio's speed."""
+    names = ("language_model", "depth_decoder", "condition_encoder", "dit", "vocoder")
+    lm, depth, encoder, dit, vocoder = (load_config(root, name) for name in names)
+    lm_hidden = f"{lm.hidden}, the language model's hidden_size"
+    codes = contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES
+    checks = [
+        ("language_model", "vocab_size", lm.vocab, lm.vocab >= codes, f"at least {codes}, the last audio code + 1"),
+        ("depth_decoder", "hidden_size", depth.hidden, depth.hidden == lm.hidden, lm_hidden),
+        ("depth_decoder", "num_codebooks", depth.codebooks, depth.codebooks == contract.NUM_CODEBOOKS,
+         f"{contract.NUM_CODEBOOKS}, the codebooks of a frame"),
+        ("depth_decoder", "max_position_embeddings", depth.positions, depth.positions >= contract.NUM_CODEBOOKS,
+         f"at least {contract.NUM_CODEBOOKS}, the positions of a frame"),
+        ("condition_encoder", "condition_hidden_dim", encoder.hidden, encoder.hidden == lm.hidden, lm_hidden),
+        ("condition_encoder", "num_condition_layers", encoder.streams, encoder.streams == contract.NUM_CODEBOOKS,
+         f"{contract.NUM_CODEBOOKS}, the hidden states of a frame"),
+        ("dit", "in_channels", dit.channels, dit.channels == contract.LATENT_CHANNELS,
+         f"{contract.LATENT_CHANNELS}, the latent channels"),
+        ("dit", "condition_dim", dit.condition, dit.condition == encoder.out_dim,
+         f"{encoder.out_dim}, the condition encoder's out_dim"),
+        ("vocoder", "latent_channels", vocoder.latent_channels, vocoder.latent_channels == contract.LATENT_CHANNELS,
+         f"{contract.LATENT_CHANNELS}, the latent channels"),
+        ("vocoder", "upsampling_ratios", list(vocoder.strides), math.prod(vocoder.strides) == contract.LATENT_HOP,
+         f"ratios that multiply to {contract.LATENT_HOP}, the samples of a latent column"),
+        ("vocoder", "sampling_rate", vocoder.sample_rate, vocoder.sample_rate == contract.SAMPLE_RATE,
+         f"{contract.SAMPLE_RATE}, the rate the model was trained at"),
+    ]
+    for name, key, found, fits, expected in checks:
+        if not fits:
+            raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {found!r}, expected {expected}")
+
+
 def load_models(
     root: Path,
     device: torch.device | str = "cpu",
@@ -293,6 +328,7 @@ def load_models(
     With acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process)."""
     root = Path(root)
     check_layout(root)
+    check_fit(root)
     if talker_dtype is None:
         talker_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return Music3Models(
