@@ -408,6 +408,15 @@ def test_misshaped_language_model_head(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "language_model", str(shard), "'lm_head.weight'")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_tensor_of_a_wrong_dtype(tiny_dir: Path, tmp_path: Path, dtype: torch.dtype) -> None:
+    """Integers, booleans or (unscaled) fp8 where weights belong are refused by name, not cast into wrong weights."""
+    root, folder = copy_component(tiny_dir, tmp_path, "condition_encoder")
+    path = folder / "diffusion_pytorch_model.safetensors"
+    rewrite(path, lambda t: t.update({"proj.weight": (t["proj.weight"] * 100).to(dtype)}))
+    expect_error(root, "condition_encoder", str(path), "'proj.weight'", "floating-point")
+
+
 @pytest.mark.parametrize("cut", ["data", "header", "empty"])
 def test_truncated_safetensors(tiny_dir: Path, tmp_path: Path, cut: str) -> None:
     root, folder = copy_component(tiny_dir, tmp_path, "dit")

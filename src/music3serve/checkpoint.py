@@ -143,6 +143,10 @@ def _open(path: Path, stack: ExitStack):
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
+# safetensors dtypes a weight may have on disk; integers, booleans and fp8 (which needs scales) would be cast wrongly.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
 class _TensorReader:
     """Memory-mapped access to the tensors of one component, with file-and-name errors."""
 
@@ -167,6 +171,11 @@ class _TensorReader:
         found = tuple(view.get_shape())
         if found != shape:
             raise CheckpointError(f"tensor '{key}' in {path} has shape {list(found)}, expected {list(shape)}")
+        if view.get_dtype() not in WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"tensor '{key}' in {path} has dtype {view.get_dtype()}, expected a floating-point one "
+                f"({', '.join(WEIGHT_DTYPES)})"
+            )
         try:
             return view[rows[0] : rows[1]] if rows else view[:]
         except Exception as exc:  # safetensors raises several types for truncated data
