@@ -315,6 +315,8 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("dit", "fourier_embedding_dim", 0, "'fourier' must be a positive int"),
     ("language_model", "rms_norm_eps", -1e-6, "'eps' must be a positive float"),
     ("depth_decoder", "num_attention_heads", True, "'heads' must be a positive int"),
+    ("language_model", "rms_norm_eps", float("inf"), "'eps' must be a positive float, got inf"),  # outputs all 0
+    ("language_model", "rope_theta", float("inf"), "'rope_theta' must be a positive float, got inf"),
     ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
 ])
 def test_a_config_value_is_checked_at_load(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:

@@ -117,7 +117,7 @@ def checked_fields(config: Any) -> Any:
 
 def _positive(value: Any, kind: type) -> bool:
     allowed = (int, float) if kind is float else (int,)
-    return isinstance(value, allowed) and not isinstance(value, bool) and value > 0
+    return isinstance(value, allowed) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def weight_files(folder: Path, stem: str) -> dict[str, Path]:
