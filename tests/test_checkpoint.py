@@ -465,6 +465,16 @@ def test_broken_index(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "dit", str(index))
 
 
+@pytest.mark.parametrize("file", [None, 2, ["diffusion_pytorch_model-00001-of-00002.safetensors"]])
+def test_index_maps_a_tensor_to_something_not_a_file_name(tiny_dir: Path, tmp_path: Path, file) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["proj_in.weight"] = file
+    index.write_text(json.dumps(data))
+    expect_error(root, "dit", str(index), "'proj_in.weight'", "a file name")
+
+
 def consistent_component(root: Path, name: str, **changes) -> Path:
     """Write one component folder under root: the tiny config with changes, random weights of the shapes it implies;
     returns root."""

@@ -127,6 +127,9 @@ def weight_files(folder: Path, stem: str) -> dict[str, Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map'")
+        for key, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(f"{index} maps tensor '{key}' to {file!r}, expected a file name")
         return {key: folder / file for key, file in weight_map.items()}
     if single.is_file():
         with ExitStack() as stack:
