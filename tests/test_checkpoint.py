@@ -317,6 +317,7 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("depth_decoder", "num_attention_heads", True, "'heads' must be a positive int"),
     ("language_model", "rms_norm_eps", float("inf"), "'eps' must be a positive float, got inf"),  # outputs all 0
     ("language_model", "rope_theta", float("inf"), "'rope_theta' must be a positive float, got inf"),
+    ("language_model", "rope_parameters", ["default"], "'rope_parameters' must be a JSON object"),
     ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
 ])
 def test_a_config_value_is_checked_at_load(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
