@@ -411,6 +411,17 @@ def test_misshaped_language_model_head(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "language_model", str(shard), "'lm_head.weight'")
 
 
+@pytest.mark.parametrize("hidden", [10**7, 10**12])
+def test_config_sizes_far_beyond_the_weights(tiny_dir: Path, tmp_path: Path, hidden: int) -> None:
+    """A config whose sizes do not match the weights fails on the shapes before the module takes its memory (hundreds
+    of terabytes here: the allocation raised a raw RuntimeError, and on a GPU an out-of-memory error), and sizes too
+    large to count fail naming the config."""
+    root, folder = copy_component(tiny_dir, tmp_path, "depth_decoder")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": hidden}))
+    expect_error(root, "depth_decoder", str(folder), str(hidden))
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
 def test_tensor_of_a_wrong_dtype(tiny_dir: Path, tmp_path: Path, dtype: torch.dtype) -> None:
     """Integers, booleans or (unscaled) fp8 where weights belong are refused by name, not cast into wrong weights."""

@@ -87,7 +87,7 @@ def config_values(path: Path) -> Iterator[None]:
     where a number belongs, a number where a list does) becomes a CheckpointError naming the config file."""
     try:
         yield
-    except (TypeError, ValueError, ArithmeticError) as exc:
+    except (TypeError, ValueError, ArithmeticError, RuntimeError) as exc:  # RuntimeError: sizes overflow int64
         raise CheckpointError(f"{path}: a value has the wrong type or size ({exc})") from exc
 
 
@@ -166,7 +166,8 @@ class _TensorReader:
             if key not in self.handles[path].keys():
                 raise CheckpointError(f"{path} lacks tensor '{key}' that its index lists")
 
-    def read(self, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def view(self, key: str, shape: tuple[int, ...]) -> Any:
+        """The tensor's unread slice, once it is there with the expected shape and a weight dtype."""
         if key not in self.files:
             raise CheckpointError(f"missing tensor '{key}' in {sorted(set(self.files.values()))[0].parent}")
         path = self.files[key]
@@ -179,16 +180,21 @@ class _TensorReader:
                 f"tensor '{key}' in {path} has dtype {view.get_dtype()}, expected a floating-point one "
                 f"({', '.join(WEIGHT_DTYPES)})"
             )
+        return view
+
+    def read(self, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        view = self.view(key, shape)
         try:
             return view[rows[0] : rows[1]] if rows else view[:]
         except Exception as exc:  # safetensors raises several types for truncated data
-            raise CheckpointError(f"cannot read tensor '{key}' from {path}: {exc}") from exc
+            raise CheckpointError(f"cannot read tensor '{key}' from {self.files[key]}: {exc}") from exc
 
 
 def _fill(param: torch.Tensor, source: ParamSource, reader: _TensorReader) -> None:
     with torch.no_grad():
         if isinstance(source, WeightNormSource):
-            g, v = _weight_norm_pair(source, reader)
+            (g_key, g_shape), (v_key, v_shape) = _tensors_of(source, reader)
+            g, v = reader.read(g_key, g_shape), reader.read(v_key, v_shape)
             param.copy_(torch._weight_norm(v.to(param.device, torch.float32), g.to(param.device, torch.float32), 0))
             return
         flat, offset = param.view(-1), 0
@@ -202,11 +208,14 @@ def _fill(param: torch.Tensor, source: ParamSource, reader: _TensorReader) -> No
             raise CheckpointError(f"tensors {[p.key for p in source]} do not fill shape {list(param.shape)}")
 
 
-def _weight_norm_pair(source: WeightNormSource, reader: _TensorReader) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors_of(source: ParamSource, reader: _TensorReader) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each checkpoint tensor a parameter reads; a weight norm's g and v in the naming on disk."""
+    if not isinstance(source, WeightNormSource):
+        return [(piece.key, piece.shape) for piece in source]
     g_shape = (source.shape[0],) + (1,) * (len(source.shape) - 1)
     for g_key, v_key in source.candidates():
         if g_key in reader.files:
-            return reader.read(g_key, g_shape), reader.read(v_key, source.shape)
+            return [(g_key, g_shape), (v_key, source.shape)]
     folder = sorted(set(reader.files.values()))[0].parent
     raise CheckpointError(
         f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v' in {folder}"
@@ -240,9 +249,8 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
         module = component.model(cfg)
         sources = component.model.checkpoint_sources(cfg)
     check_nonempty(module, folder / "config.json")
-    module = module.to(dtype or component.disk_dtype).to_empty(device=device)
-    params = dict(module.named_parameters())
-    assert set(sources) == set(params), f"{name}: sources and parameters differ: {set(sources) ^ set(params)}"
+    params = {param_name for param_name, _ in module.named_parameters()}
+    assert set(sources) == params, f"{name}: sources and parameters differ: {set(sources) ^ params}"
     files = weight_files(folder, component.weights)
     wanted = set().union(*(source_keys(s, set(files)) for s in sources.values()))
     unexpected = sorted(set(files) - wanted)
@@ -250,7 +258,11 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
         raise CheckpointError(f"unexpected tensors in {folder}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     with ExitStack() as stack:
         reader = _TensorReader(files, stack)
-        for param_name, param in params.items():
+        for source in sources.values():  # every name, shape and dtype, before the module takes its memory
+            for key, shape in _tensors_of(source, reader):
+                reader.view(key, shape)
+        module = module.to(dtype or component.disk_dtype).to_empty(device=device)
+        for param_name, param in module.named_parameters():
             _fill(param, sources[param_name], reader)
     return module.eval().requires_grad_(False)
 
