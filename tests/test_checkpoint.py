@@ -531,11 +531,18 @@ def checkpoint_with(tiny_dir: Path, tmp_path: Path, name: str, **changes) -> Pat
     ("vocoder", "upsampling_ratios", [8, 4, 4, 2], "upsampling_ratios is [8, 4, 4, 2], expected ratios that multiply"),
     ("vocoder", "sampling_rate", 32000, "sampling_rate is 32000, expected 44100"),
     ("language_model", "vocab_size", 160_000, "vocab_size is 160000, expected at least 168059"),
+    ("language_model", "num_attention_heads", 3, "num_key_value_heads is 2, expected a divisor of"),
+    ("language_model", "head_dim", 15, "head_dim is 15, expected an even number"),
+    ("depth_decoder", "num_attention_heads", 3, "num_attention_heads is 3, expected a divisor of hidden_size (64)"),
+    ("dit", "rotary_dim", 32, "rotary_dim is 32, expected an even number up to attention_head_dim (16)"),
+    ("dit", "rotary_dim", 7, "rotary_dim is 7, expected an even number"),
+    ("dit", "fourier_embedding_dim", 15, "fourier_embedding_dim is 15, expected an even number"),
 ])
 def test_components_that_do_not_fit_together(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
-    """Each component loads on its own, but together they break the contract: the load fails naming the config and
-    the value, before any weights are read (these used to fail in the first song with a shape error from deep in the
-    model, or, for the vocoder's rate and ratios, to give audio of the wrong speed or length)."""
+    """Each component loads on its own, but together (or with the shapes its attention and embeddings need) they break
+    the contract: the load fails naming the config and the value, before any weights are read (these used to fail in
+    the first song with a shape error from deep in the model, or, for the vocoder's rate and ratios and an odd DiT
+    rotary width, to give wrong audio without a word)."""
     root = checkpoint_with(tiny_dir, tmp_path, name, **{key: value})
     with pytest.raises(CheckpointError) as info:
         checkpoint.load_models(root, "cpu")

@@ -309,14 +309,20 @@ def check_layout(root: Path) -> None:
 
 
 def check_fit(root: Path) -> None:
-    """The components' configs fit each other and the contract (each of them may load on its own and still not): a
-    mismatch fails the load, naming the config and the value, instead of the first song or the audio's speed."""
+    """The components' configs fit each other, the contract and the shapes attention and rotary embeddings need (each
+    of them may load on its own and still not): a mismatch fails the load, naming the config and the value, instead of
+    the first song or the audio's speed."""
     names = ("language_model", "depth_decoder", "condition_encoder", "dit", "vocoder")
     lm, depth, encoder, dit, vocoder = (load_config(root, name) for name in names)
     lm_hidden = f"{lm.hidden}, the language model's hidden_size"
     codes = contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES
     checks = [
         ("language_model", "vocab_size", lm.vocab, lm.vocab >= codes, f"at least {codes}, the last audio code + 1"),
+        ("language_model", "num_key_value_heads", lm.kv_heads, lm.heads % lm.kv_heads == 0,
+         f"a divisor of num_attention_heads ({lm.heads})"),
+        ("language_model", "head_dim", lm.head_dim, lm.head_dim % 2 == 0, "an even number (rotary pairs)"),
+        ("depth_decoder", "num_attention_heads", depth.heads, depth.hidden % depth.heads == 0,
+         f"a divisor of hidden_size ({depth.hidden})"),
         ("depth_decoder", "hidden_size", depth.hidden, depth.hidden == lm.hidden, lm_hidden),
         ("depth_decoder", "num_codebooks", depth.codebooks, depth.codebooks == contract.NUM_CODEBOOKS,
          f"{contract.NUM_CODEBOOKS}, the codebooks of a frame"),
@@ -329,6 +335,9 @@ def check_fit(root: Path) -> None:
          f"{contract.LATENT_CHANNELS}, the latent channels"),
         ("dit", "condition_dim", dit.condition, dit.condition == encoder.out_dim,
          f"{encoder.out_dim}, the condition encoder's out_dim"),
+        ("dit", "rotary_dim", dit.rotary_dim, dit.rotary_dim % 2 == 0 and dit.rotary_dim <= dit.head_dim,
+         f"an even number up to attention_head_dim ({dit.head_dim})"),
+        ("dit", "fourier_embedding_dim", dit.fourier, dit.fourier % 2 == 0, "an even number (sines and cosines)"),
         ("vocoder", "latent_channels", vocoder.latent_channels, vocoder.latent_channels == contract.LATENT_CHANNELS,
          f"{contract.LATENT_CHANNELS}, the latent channels"),
         ("vocoder", "upsampling_ratios", list(vocoder.strides), math.prod(vocoder.strides) == contract.LATENT_HOP,
