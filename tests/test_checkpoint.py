@@ -16,6 +16,7 @@ from music3serve import checkpoint, contract
 from music3serve.checkpoint import COMPONENTS, load_component
 from music3serve.errors import CheckpointError
 from music3serve.models.language_model import KVCache
+from music3serve.tiny import TINY_CONFIGS, random_tensor
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -314,6 +315,9 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("dit", "fourier_embedding_dim", 0, "'fourier' must be a positive int"),
     ("language_model", "rms_norm_eps", -1e-6, "'eps' must be a positive float"),
     ("depth_decoder", "num_attention_heads", True, "'heads' must be a positive int"),
+    ("language_model", "rms_norm_eps", float("inf"), "'eps' must be a positive float, got inf"),  # outputs all 0
+    ("language_model", "rope_theta", float("inf"), "'rope_theta' must be a positive float, got inf"),
+    ("language_model", "rope_parameters", ["default"], "'rope_parameters' must be a JSON object"),
     ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
 ])
 def test_a_config_value_is_checked_at_load(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
@@ -407,6 +411,26 @@ def test_misshaped_language_model_head(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "language_model", str(shard), "'lm_head.weight'")
 
 
+@pytest.mark.parametrize("hidden", [10**7, 10**12])
+def test_config_sizes_far_beyond_the_weights(tiny_dir: Path, tmp_path: Path, hidden: int) -> None:
+    """A config whose sizes do not match the weights fails on the shapes before the module takes its memory (hundreds
+    of terabytes here: the allocation raised a raw RuntimeError, and on a GPU an out-of-memory error), and sizes too
+    large to count fail naming the config."""
+    root, folder = copy_component(tiny_dir, tmp_path, "depth_decoder")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": hidden}))
+    expect_error(root, "depth_decoder", str(folder), str(hidden))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_tensor_of_a_wrong_dtype(tiny_dir: Path, tmp_path: Path, dtype: torch.dtype) -> None:
+    """Integers, booleans or (unscaled) fp8 where weights belong are refused by name, not cast into wrong weights."""
+    root, folder = copy_component(tiny_dir, tmp_path, "condition_encoder")
+    path = folder / "diffusion_pytorch_model.safetensors"
+    rewrite(path, lambda t: t.update({"proj.weight": (t["proj.weight"] * 100).to(dtype)}))
+    expect_error(root, "condition_encoder", str(path), "'proj.weight'", "floating-point")
+
+
 @pytest.mark.parametrize("cut", ["data", "header", "empty"])
 def test_truncated_safetensors(tiny_dir: Path, tmp_path: Path, cut: str) -> None:
     root, folder = copy_component(tiny_dir, tmp_path, "dit")
@@ -451,6 +475,78 @@ def test_broken_index(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "dit", str(index), "weight_map")
     index.write_text("[1, 2")
     expect_error(root, "dit", str(index))
+
+
+@pytest.mark.parametrize("file", [None, 2, ["diffusion_pytorch_model-00001-of-00002.safetensors"]])
+def test_index_maps_a_tensor_to_something_not_a_file_name(tiny_dir: Path, tmp_path: Path, file) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["proj_in.weight"] = file
+    index.write_text(json.dumps(data))
+    expect_error(root, "dit", str(index), "'proj_in.weight'", "a file name")
+
+
+def consistent_component(root: Path, name: str, **changes) -> Path:
+    """Write one component folder under root: the tiny config with changes, random weights of the shapes it implies;
+    returns root."""
+    component = COMPONENTS[name]
+    folder = root / component.folder
+    folder.mkdir(parents=True)
+    raw = {**TINY_CONFIGS[name], **changes}
+    (folder / "config.json").write_text(json.dumps(raw))
+    gen = torch.Generator().manual_seed(0)
+    shapes = checkpoint.checkpoint_tensors(name, component.config(raw))
+    save_file({key: random_tensor(key, shape, gen) for key, shape in shapes.items()},
+              folder / f"{component.weights}.safetensors")
+    return folder.parent
+
+
+def test_sizes_that_leave_a_parameter_empty(tmp_path: Path) -> None:
+    """Widths halved to nothing (decoder_hidden_dim 8 over four upsampling ratios) fail by name; folding the weight
+    norm of an empty conv used to kill the process with a floating point exception."""
+    root = consistent_component(tmp_path / "checkpoint", "vocoder", decoder_hidden_dim=8)
+    expect_error(root, "vocoder", str(root / "vocoder" / "config.json"), "'blocks.3.up.weight'", "[1, 0, 4]")
+
+
+def checkpoint_with(tiny_dir: Path, tmp_path: Path, name: str, **changes) -> Path:
+    """The tiny checkpoint (linked) with one component rewritten by consistent_component."""
+    root = tmp_path / "checkpoint"
+    root.mkdir()
+    for entry in tiny_dir.iterdir():
+        if entry.name != COMPONENTS[name].folder:
+            (root / entry.name).symlink_to(entry)
+    return consistent_component(root, name, **changes)
+
+
+@pytest.mark.parametrize("name,key,value,fragment", [
+    ("depth_decoder", "hidden_size", 32, "hidden_size is 32, expected 64, the language model's hidden_size"),
+    ("depth_decoder", "num_codebooks", 4, "num_codebooks is 4, expected 8"),
+    ("depth_decoder", "max_position_embeddings", 7, "max_position_embeddings is 7, expected at least 8"),
+    ("condition_encoder", "condition_hidden_dim", 32, "condition_hidden_dim is 32, expected 64"),
+    ("condition_encoder", "num_condition_layers", 4, "num_condition_layers is 4, expected 8"),
+    ("condition_encoder", "out_dim", 16, "condition_dim is 32, expected 16, the condition encoder's out_dim"),
+    ("dit", "in_channels", 64, "in_channels is 64, expected 128"),
+    ("vocoder", "latent_channels", 64, "latent_channels is 64, expected 128"),
+    ("vocoder", "upsampling_ratios", [8, 4, 4, 2], "upsampling_ratios is [8, 4, 4, 2], expected ratios that multiply"),
+    ("vocoder", "sampling_rate", 32000, "sampling_rate is 32000, expected 44100"),
+    ("language_model", "vocab_size", 160_000, "vocab_size is 160000, expected at least 168059"),
+    ("language_model", "num_attention_heads", 3, "num_key_value_heads is 2, expected a divisor of"),
+    ("language_model", "head_dim", 15, "head_dim is 15, expected an even number"),
+    ("depth_decoder", "num_attention_heads", 3, "num_attention_heads is 3, expected a divisor of hidden_size (64)"),
+    ("dit", "rotary_dim", 32, "rotary_dim is 32, expected an even number up to attention_head_dim (16)"),
+    ("dit", "rotary_dim", 7, "rotary_dim is 7, expected an even number"),
+    ("dit", "fourier_embedding_dim", 15, "fourier_embedding_dim is 15, expected an even number"),
+])
+def test_components_that_do_not_fit_together(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
+    """Each component loads on its own, but together (or with the shapes its attention and embeddings need) they break
+    the contract: the load fails naming the config and the value, before any weights are read (these used to fail in
+    the first song with a shape error from deep in the model, or, for the vocoder's rate and ratios and an odd DiT
+    rotary width, to give wrong audio without a word)."""
+    root = checkpoint_with(tiny_dir, tmp_path, name, **{key: value})
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_models(root, "cpu")
+    assert fragment in str(info.value) and "config.json" in str(info.value), str(info.value)
 
 
 def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:

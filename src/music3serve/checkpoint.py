@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
+from . import contract
 from .errors import CheckpointError
 from .tokenizer import load_tokenizer
 from .models.condition_encoder import ConditionEncoder, ConditionEncoderConfig
@@ -85,7 +87,7 @@ def config_values(path: Path) -> Iterator[None]:
     where a number belongs, a number where a list does) becomes a CheckpointError naming the config file."""
     try:
         yield
-    except (TypeError, ValueError, ArithmeticError) as exc:
+    except (TypeError, ValueError, ArithmeticError, RuntimeError) as exc:  # RuntimeError: sizes overflow int64
         raise CheckpointError(f"{path}: a value has the wrong type or size ({exc})") from exc
 
 
@@ -115,7 +117,7 @@ def checked_fields(config: Any) -> Any:
 
 def _positive(value: Any, kind: type) -> bool:
     allowed = (int, float) if kind is float else (int,)
-    return isinstance(value, allowed) and not isinstance(value, bool) and value > 0
+    return isinstance(value, allowed) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def weight_files(folder: Path, stem: str) -> dict[str, Path]:
@@ -125,6 +127,9 @@ def weight_files(folder: Path, stem: str) -> dict[str, Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map'")
+        for key, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(f"{index} maps tensor '{key}' to {file!r}, expected a file name")
         return {key: folder / file for key, file in weight_map.items()}
     if single.is_file():
         with ExitStack() as stack:
@@ -139,6 +144,10 @@ def _open(path: Path, stack: ExitStack):
         return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+# safetensors dtypes a weight may have on disk; integers, booleans and fp8 (which needs scales) would be cast wrongly.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 class _TensorReader:
@@ -157,7 +166,8 @@ class _TensorReader:
             if key not in self.handles[path].keys():
                 raise CheckpointError(f"{path} lacks tensor '{key}' that its index lists")
 
-    def read(self, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def view(self, key: str, shape: tuple[int, ...]) -> Any:
+        """The tensor's unread slice, once it is there with the expected shape and a weight dtype."""
         if key not in self.files:
             raise CheckpointError(f"missing tensor '{key}' in {sorted(set(self.files.values()))[0].parent}")
         path = self.files[key]
@@ -165,16 +175,26 @@ class _TensorReader:
         found = tuple(view.get_shape())
         if found != shape:
             raise CheckpointError(f"tensor '{key}' in {path} has shape {list(found)}, expected {list(shape)}")
+        if view.get_dtype() not in WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"tensor '{key}' in {path} has dtype {view.get_dtype()}, expected a floating-point one "
+                f"({', '.join(WEIGHT_DTYPES)})"
+            )
+        return view
+
+    def read(self, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        view = self.view(key, shape)
         try:
             return view[rows[0] : rows[1]] if rows else view[:]
         except Exception as exc:  # safetensors raises several types for truncated data
-            raise CheckpointError(f"cannot read tensor '{key}' from {path}: {exc}") from exc
+            raise CheckpointError(f"cannot read tensor '{key}' from {self.files[key]}: {exc}") from exc
 
 
 def _fill(param: torch.Tensor, source: ParamSource, reader: _TensorReader) -> None:
     with torch.no_grad():
         if isinstance(source, WeightNormSource):
-            g, v = _weight_norm_pair(source, reader)
+            (g_key, g_shape), (v_key, v_shape) = _tensors_of(source, reader)
+            g, v = reader.read(g_key, g_shape), reader.read(v_key, v_shape)
             param.copy_(torch._weight_norm(v.to(param.device, torch.float32), g.to(param.device, torch.float32), 0))
             return
         flat, offset = param.view(-1), 0
@@ -188,11 +208,14 @@ def _fill(param: torch.Tensor, source: ParamSource, reader: _TensorReader) -> No
             raise CheckpointError(f"tensors {[p.key for p in source]} do not fill shape {list(param.shape)}")
 
 
-def _weight_norm_pair(source: WeightNormSource, reader: _TensorReader) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors_of(source: ParamSource, reader: _TensorReader) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each checkpoint tensor a parameter reads; a weight norm's g and v in the naming on disk."""
+    if not isinstance(source, WeightNormSource):
+        return [(piece.key, piece.shape) for piece in source]
     g_shape = (source.shape[0],) + (1,) * (len(source.shape) - 1)
     for g_key, v_key in source.candidates():
         if g_key in reader.files:
-            return reader.read(g_key, g_shape), reader.read(v_key, source.shape)
+            return [(g_key, g_shape), (v_key, source.shape)]
     folder = sorted(set(reader.files.values()))[0].parent
     raise CheckpointError(
         f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v' in {folder}"
@@ -209,6 +232,14 @@ def source_keys(source: ParamSource, present: set[str]) -> set[str]:
     return {piece.key for piece in source}
 
 
+def check_nonempty(module: nn.Module, path: Path) -> None:
+    """Every parameter has elements: sizes that leave one empty (widths halved to 0) fail here, naming it; folding the
+    weight norm of an empty conv would kill the process with a floating point exception."""
+    for name, param in module.named_parameters():
+        if param.numel() == 0:
+            raise CheckpointError(f"{path}: the sizes give parameter '{name}' the empty shape {list(param.shape)}")
+
+
 def load_component(root: Path, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Build our module for one component and fill it from disk, tensor by tensor, on `device` in `dtype`."""
     component = COMPONENTS[name]
@@ -217,9 +248,9 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
     with config_values(folder / "config.json"), torch.device("meta"):
         module = component.model(cfg)
         sources = component.model.checkpoint_sources(cfg)
-    module = module.to(dtype or component.disk_dtype).to_empty(device=device)
-    params = dict(module.named_parameters())
-    assert set(sources) == set(params), f"{name}: sources and parameters differ: {set(sources) ^ set(params)}"
+    check_nonempty(module, folder / "config.json")
+    params = {param_name for param_name, _ in module.named_parameters()}
+    assert set(sources) == params, f"{name}: sources and parameters differ: {set(sources) ^ params}"
     files = weight_files(folder, component.weights)
     wanted = set().union(*(source_keys(s, set(files)) for s in sources.values()))
     unexpected = sorted(set(files) - wanted)
@@ -227,7 +258,11 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
         raise CheckpointError(f"unexpected tensors in {folder}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     with ExitStack() as stack:
         reader = _TensorReader(files, stack)
-        for param_name, param in params.items():
+        for source in sources.values():  # every name, shape and dtype, before the module takes its memory
+            for key, shape in _tensors_of(source, reader):
+                reader.view(key, shape)
+        module = module.to(dtype or component.disk_dtype).to_empty(device=device)
+        for param_name, param in module.named_parameters():
             _fill(param, sources[param_name], reader)
     return module.eval().requires_grad_(False)
 
@@ -273,6 +308,48 @@ def check_layout(root: Path) -> None:
             raise CheckpointError(f"scheduler_config.json: {key} is {scheduler.get(key)!r}, this model needs {expected!r}")
 
 
+def check_fit(root: Path) -> None:
+    """The components' configs fit each other, the contract and the shapes attention and rotary embeddings need (each
+    of them may load on its own and still not): a mismatch fails the load, naming the config and the value, instead of
+    the first song or the audio's speed."""
+    names = ("language_model", "depth_decoder", "condition_encoder", "dit", "vocoder")
+    lm, depth, encoder, dit, vocoder = (load_config(root, name) for name in names)
+    lm_hidden = f"{lm.hidden}, the language model's hidden_size"
+    codes = contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES
+    checks = [
+        ("language_model", "vocab_size", lm.vocab, lm.vocab >= codes, f"at least {codes}, the last audio code + 1"),
+        ("language_model", "num_key_value_heads", lm.kv_heads, lm.heads % lm.kv_heads == 0,
+         f"a divisor of num_attention_heads ({lm.heads})"),
+        ("language_model", "head_dim", lm.head_dim, lm.head_dim % 2 == 0, "an even number (rotary pairs)"),
+        ("depth_decoder", "num_attention_heads", depth.heads, depth.hidden % depth.heads == 0,
+         f"a divisor of hidden_size ({depth.hidden})"),
+        ("depth_decoder", "hidden_size", depth.hidden, depth.hidden == lm.hidden, lm_hidden),
+        ("depth_decoder", "num_codebooks", depth.codebooks, depth.codebooks == contract.NUM_CODEBOOKS,
+         f"{contract.NUM_CODEBOOKS}, the codebooks of a frame"),
+        ("depth_decoder", "max_position_embeddings", depth.positions, depth.positions >= contract.NUM_CODEBOOKS,
+         f"at least {contract.NUM_CODEBOOKS}, the positions of a frame"),
+        ("condition_encoder", "condition_hidden_dim", encoder.hidden, encoder.hidden == lm.hidden, lm_hidden),
+        ("condition_encoder", "num_condition_layers", encoder.streams, encoder.streams == contract.NUM_CODEBOOKS,
+         f"{contract.NUM_CODEBOOKS}, the hidden states of a frame"),
+        ("dit", "in_channels", dit.channels, dit.channels == contract.LATENT_CHANNELS,
+         f"{contract.LATENT_CHANNELS}, the latent channels"),
+        ("dit", "condition_dim", dit.condition, dit.condition == encoder.out_dim,
+         f"{encoder.out_dim}, the condition encoder's out_dim"),
+        ("dit", "rotary_dim", dit.rotary_dim, dit.rotary_dim % 2 == 0 and dit.rotary_dim <= dit.head_dim,
+         f"an even number up to attention_head_dim ({dit.head_dim})"),
+        ("dit", "fourier_embedding_dim", dit.fourier, dit.fourier % 2 == 0, "an even number (sines and cosines)"),
+        ("vocoder", "latent_channels", vocoder.latent_channels, vocoder.latent_channels == contract.LATENT_CHANNELS,
+         f"{contract.LATENT_CHANNELS}, the latent channels"),
+        ("vocoder", "upsampling_ratios", list(vocoder.strides), math.prod(vocoder.strides) == contract.LATENT_HOP,
+         f"ratios that multiply to {contract.LATENT_HOP}, the samples of a latent column"),
+        ("vocoder", "sampling_rate", vocoder.sample_rate, vocoder.sample_rate == contract.SAMPLE_RATE,
+         f"{contract.SAMPLE_RATE}, the rate the model was trained at"),
+    ]
+    for name, key, found, fits, expected in checks:
+        if not fits:
+            raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {found!r}, expected {expected}")
+
+
 def load_models(
     root: Path,
     device: torch.device | str = "cpu",
@@ -284,6 +361,7 @@ def load_models(
     With acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process)."""
     root = Path(root)
     check_layout(root)
+    check_fit(root)
     if talker_dtype is None:
         talker_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return Music3Models(

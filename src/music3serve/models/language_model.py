@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import contract
+from ..errors import CheckpointError
 from .fusion import hot
 from .layers import GatedMLP, RMSNorm, apply_rope, linear, normed, residual_mlp, rms_norm, rope_angles
 from .weights import Source, require
@@ -31,6 +32,8 @@ class LanguageModelConfig:
     @classmethod
     def from_json(cls, cfg: dict[str, Any]) -> "LanguageModelConfig":
         rope = cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"'rope_parameters' must be a JSON object, got {rope!r:.80}")
         theta = cfg.get("rope_theta", rope.get("rope_theta"))
         return cls(
             hidden=require(cfg, "hidden_size"),
