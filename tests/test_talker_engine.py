@@ -254,3 +254,13 @@ def test_kv_slots_past_the_machine_memory_fail_at_startup_on_the_cpu(models, mon
     with pytest.raises(Music3Error, match=r"talker needs .* GiB of KV for 16 rows of .* tokens, more than this "
                                           r"machine's 0\.0 GiB of memory: lower max_num_seqs or max_model_len"):
         Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))
+
+
+@pytest.mark.parametrize("frames", [0, -3])
+def test_a_budget_below_one_frame_is_refused_at_admission(models, frames):
+    """A song asking for no frames is an input error at submit; admitted, its conditioning buffer had budget + 1 rows
+    and a later step raised for every song in the batch."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    with pytest.raises(InputError, match="at least one frame"):
+        talker.submit("a", *prompt(models, 0), 1, frames)
+    assert not talker.busy and not talker.songs
