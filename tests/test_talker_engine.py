@@ -264,3 +264,13 @@ def test_a_budget_below_one_frame_is_refused_at_admission(models, frames):
     with pytest.raises(InputError, match="at least one frame"):
         talker.submit("a", *prompt(models, 0), 1, frames)
     assert not talker.busy and not talker.songs
+
+
+def test_a_prefill_budget_below_one_pair_token_fails_at_startup(models):
+    """max_num_batched_tokens counts both rows of a pair: below 2 no prompt token could ever be prefilled and every
+    song would wait forever, so the talker refuses the config at startup."""
+    from music3serve.errors import Music3Error
+
+    with pytest.raises(Music3Error, match="max_num_batched_tokens"):
+        Talker(models.language_model, models.depth_decoder, models.condition_encoder,
+               TalkerConfig(max_num_batched_tokens=1))

@@ -100,6 +100,9 @@ class Talker:
     def __init__(self, lm: LanguageModel, depth: DepthDecoder, encoder: ConditionEncoder, config: TalkerConfig):
         if config.max_num_seqs < 2 or config.max_num_seqs % 2:
             raise Music3Error(f"max_num_seqs counts cond/uncond rows and must be even and >= 2, got {config.max_num_seqs}")
+        if config.max_num_batched_tokens < 2:
+            raise Music3Error("max_num_batched_tokens counts both rows of a pair and must be >= 2 (else no prompt is "
+                              f"ever prefilled), got {config.max_num_batched_tokens}")
         pdl_mode()  # a bad MUSIC3SERVE_PDL fails here, at startup, not at the first kernel launch
         self.lm, self.depth, self.encoder, self.config = lm, depth, encoder, config
         self.device = lm.embed.weight.device
