@@ -274,3 +274,40 @@ def test_a_prefill_budget_below_one_pair_token_fails_at_startup(models):
     with pytest.raises(Music3Error, match="max_num_batched_tokens"):
         Talker(models.language_model, models.depth_decoder, models.condition_encoder,
                TalkerConfig(max_num_batched_tokens=1))
+
+
+class FailingPrefill:
+    """The language model, except that a prefill chunk of `tokens` tokens runs out of memory."""
+
+    def __init__(self, lm, tokens: int):
+        self.lm, self.tokens = lm, tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self.lm, name)
+
+    def __call__(self, x, positions, attend):
+        if x.shape[1] == self.tokens:
+            raise torch.OutOfMemoryError("out of memory for this prompt (test)")
+        return self.lm(x, positions, attend)
+
+
+def test_a_failed_prefill_fails_only_its_song(models, solo):
+    """Song 1's prompt (33 tokens, prefilled at once) runs out of memory while song 0 decodes and song 5 waits
+    behind it: song 1 alone fails, with the reason, and the others finish as if it had never come."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=4))
+    talker.lm = FailingPrefill(models.language_model, len(prompt(models, 1)[0]))
+    finished, failed, events = {}, {}, []
+    for index in (0, 1, 5):
+        _, _, frames, seed = SONGS[index]
+        talker.submit(str(index), *prompt(models, index), seed, frames)
+        events += talker.step()
+    while talker.busy:
+        events += talker.step()
+    for event in events:
+        if isinstance(event, SongFinished):
+            finished[event.song] = event
+        elif isinstance(event, SongFailed):
+            failed[event.song] = event
+    assert set(failed) == {"1"} and "out of memory for this prompt" in failed["1"].message
+    assert set(finished) == {"0", "5"} and torch.equal(finished["0"].codes, solo[0].codes)
+    assert not talker.songs and not talker.active
