@@ -26,7 +26,7 @@ from music3serve.checkpoint import load_models
 from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
-from music3serve.serving.deploy_config import load_deploy_config
+from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
 
 
@@ -569,6 +569,64 @@ def test_a_failed_render_fails_only_its_song_also_with_its_next_window_queued(en
     # It ran in the talker beside the doomed song: not bit-exact on the CPU (see the eight-song test).
     assert max(differences(pcm(events), pcm(expected))) < 1e-3
     assert failures() == before + 1  # one failed song, counted once
+
+
+class FailingStep:
+    """The talker's frame step, except that it raises once, at the first call made while `when()` holds."""
+
+    def __init__(self, step, when: Callable[[], bool]):
+        self.step, self.when, self.failed = step, when, False
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+    def __call__(self, rows: int) -> None:
+        if not self.failed and self.when():
+            self.failed = True
+            raise RuntimeError("injected step failure")
+        self.step(rows)
+
+
+def test_a_failed_frame_step_fails_the_songs_in_it_not_those_queued(models):
+    """One pair of rows: song "running" decodes while song "queued" waits for its rows. A frame step raises: the
+    song in it fails with the reason, the queued song (accepted, not yet started) takes the rows and finishes."""
+    deploy = parse_deploy_config({"stages": [{"stage_id": 0, "max_num_seqs": 2}, {"stage_id": 1, "max_num_seqs": 1}]},
+                                 "one-pair test deploy")
+    engine = Engine(models, deploy)
+    queued_in_talker = lambda: "queued" in callers(s.id for s in engine.talker.waiting)  # noqa: E731
+    engine.talker.step_fn = FailingStep(engine.talker.step_fn, queued_in_talker)
+
+    async def scenario():
+        running = asyncio.ensure_future(collect(engine, SongRequest("pop", "[verse]\nfirst", 8.0, 1, 1, id="running")))
+        await wait_until(lambda: "running" in callers(s.id for s in list(engine.talker.active)),
+                         "the first song decodes")
+        queued = await collect(engine, SongRequest("pop", "[verse]\nsecond", 1.0, 2, 1, id="queued"))
+        return await running, queued
+
+    try:
+        running, queued = run(scenario())
+    finally:
+        shut(engine)
+    assert engine.talker.step_fn.failed
+    assert isinstance(running[-1], Failed) and "injected step failure" in running[-1].message
+    assert isinstance(queued[0], Accepted) and isinstance(queued[-1], Done), queued
+    assert queued[-1].frames == 25
+
+
+def test_a_step_that_fails_with_no_song_decoding_fails_the_queue_instead_of_repeating(models, deploy):
+    """A step that raises before any song decodes (say the device is gone) fails the songs waiting for it; failing
+    only the decoding songs (none) would meet the same failure at every step while the queue waits forever."""
+    engine = make_engine(models, deploy)
+
+    def gone():
+        raise RuntimeError("injected device loss")
+
+    engine.talker._on_stream = gone
+    try:
+        events = run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, 1, 1, id="stuck")))
+    finally:
+        shut(engine)
+    assert isinstance(events[-1], Failed) and "injected device loss" in events[-1].message
 
 
 def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_last_frame(models, deploy, solo):

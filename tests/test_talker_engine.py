@@ -254,3 +254,60 @@ def test_kv_slots_past_the_machine_memory_fail_at_startup_on_the_cpu(models, mon
     with pytest.raises(Music3Error, match=r"talker needs .* GiB of KV for 16 rows of .* tokens, more than this "
                                           r"machine's 0\.0 GiB of memory: lower max_num_seqs or max_model_len"):
         Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))
+
+
+@pytest.mark.parametrize("frames", [0, -3])
+def test_a_budget_below_one_frame_is_refused_at_admission(models, frames):
+    """A song asking for no frames is an input error at submit; admitted, its conditioning buffer had budget + 1 rows
+    and a later step raised for every song in the batch."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    with pytest.raises(InputError, match="at least one frame"):
+        talker.submit("a", *prompt(models, 0), 1, frames)
+    assert not talker.busy and not talker.songs
+
+
+def test_a_prefill_budget_below_one_pair_token_fails_at_startup(models):
+    """max_num_batched_tokens counts both rows of a pair: below 2 no prompt token could ever be prefilled and every
+    song would wait forever, so the talker refuses the config at startup."""
+    from music3serve.errors import Music3Error
+
+    with pytest.raises(Music3Error, match="max_num_batched_tokens"):
+        Talker(models.language_model, models.depth_decoder, models.condition_encoder,
+               TalkerConfig(max_num_batched_tokens=1))
+
+
+class FailingPrefill:
+    """The language model, except that a prefill chunk of `tokens` tokens runs out of memory."""
+
+    def __init__(self, lm, tokens: int):
+        self.lm, self.tokens = lm, tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self.lm, name)
+
+    def __call__(self, x, positions, attend):
+        if x.shape[1] == self.tokens:
+            raise torch.OutOfMemoryError("out of memory for this prompt (test)")
+        return self.lm(x, positions, attend)
+
+
+def test_a_failed_prefill_fails_only_its_song(models, solo):
+    """Song 1's prompt (33 tokens, prefilled at once) runs out of memory while song 0 decodes and song 5 waits
+    behind it: song 1 alone fails, with the reason, and the others finish as if it had never come."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=4))
+    talker.lm = FailingPrefill(models.language_model, len(prompt(models, 1)[0]))
+    finished, failed, events = {}, {}, []
+    for index in (0, 1, 5):
+        _, _, frames, seed = SONGS[index]
+        talker.submit(str(index), *prompt(models, index), seed, frames)
+        events += talker.step()
+    while talker.busy:
+        events += talker.step()
+    for event in events:
+        if isinstance(event, SongFinished):
+            finished[event.song] = event
+        elif isinstance(event, SongFailed):
+            failed[event.song] = event
+    assert set(failed) == {"1"} and "out of memory for this prompt" in failed["1"].message
+    assert set(finished) == {"0", "5"} and torch.equal(finished["0"].codes, solo[0].codes)
+    assert not talker.songs and not talker.active

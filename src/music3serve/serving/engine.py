@@ -319,9 +319,11 @@ class Engine:
                 written = self.talker.frames_written
                 try:
                     events = self.talker.step()
-                except Exception as exc:  # a failed step fails its songs, never the engine
+                except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
                     log.exception("talker step failed")
-                    for song in list(self.talker.songs):
+                    # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
+                    # which would otherwise meet the same failure at every step, forever.
+                    for song in [s.id for s in self.talker.active] or list(self.talker.songs):
                         self.talker.cancel(song)
                         self._fail(song, f"stage 0 failed: {exc}")
                     continue

@@ -100,6 +100,9 @@ class Talker:
     def __init__(self, lm: LanguageModel, depth: DepthDecoder, encoder: ConditionEncoder, config: TalkerConfig):
         if config.max_num_seqs < 2 or config.max_num_seqs % 2:
             raise Music3Error(f"max_num_seqs counts cond/uncond rows and must be even and >= 2, got {config.max_num_seqs}")
+        if config.max_num_batched_tokens < 2:
+            raise Music3Error("max_num_batched_tokens counts both rows of a pair and must be >= 2 (else no prompt is "
+                              f"ever prefilled), got {config.max_num_batched_tokens}")
         pdl_mode()  # a bad MUSIC3SERVE_PDL fails here, at startup, not at the first kernel launch
         self.lm, self.depth, self.encoder, self.config = lm, depth, encoder, config
         self.device = lm.embed.weight.device
@@ -148,6 +151,8 @@ class Talker:
             raise InputError(f"song id {song!r} is already in use")
         if len(cond_ids) != len(uncond_ids) or not cond_ids:
             raise InputError("cond and uncond prompts must be non-empty and of the same length")
+        if requested_frames < 1:
+            raise InputError(f"a song needs at least one frame, got {requested_frames} requested")
         room = self.config.max_model_len - len(cond_ids)
         if room < 1:
             raise InputError(
@@ -205,26 +210,38 @@ class Talker:
         tokens = self.config.max_num_batched_tokens
         while self.waiting and tokens >= 2 and len(self.active) < self.slots.pairs:
             song = self.waiting[0]
-            if song.pair is not None and song.pair != len(self.active):  # pairs were packed since its last chunk
-                self.slots.move_pair(song.pair, len(self.active), song.prefilled)
-            song.pair = len(self.active)
-            total = song.ids.shape[1]
-            chunk = min(total - song.prefilled, tokens // 2)
-            ids = song.ids[:, song.prefilled : song.prefilled + chunk]
-            positions = torch.arange(song.prefilled, song.prefilled + chunk, device=self.device)
-            hidden = self.lm(self.lm.embed(ids), positions, self.slots.prefill(song.pair, song.prefilled))
-            song.prefilled += chunk
-            tokens -= 2 * chunk
-            if song.prefilled == total:
+            try:
+                tokens -= 2 * self._prefill_chunk(song, tokens // 2)
+            except Exception as exc:  # say out of memory for its prompt: this song fails, the others go on
+                log.exception("talker prefill failed", extra={"song": song.id})
                 self.waiting.popleft()
-                self._activate(song, hidden[:, -1])
+                del self.songs[song.id]
+                events.append(SongFailed(song.id, f"stage 0 could not prefill the song: {exc}"))
+
+    def _prefill_chunk(self, song: _Song, limit: int) -> int:
+        """Prefill up to `limit` more prompt tokens of the song at the head of the queue, in both rows; once its
+        whole prompt is in, it leaves the queue and decodes. Returns the tokens prefilled per row."""
+        if song.pair is not None and song.pair != len(self.active):  # pairs were packed since its last chunk
+            self.slots.move_pair(song.pair, len(self.active), song.prefilled)
+        song.pair = len(self.active)
+        total = song.ids.shape[1]
+        chunk = min(total - song.prefilled, limit)
+        ids = song.ids[:, song.prefilled : song.prefilled + chunk]
+        positions = torch.arange(song.prefilled, song.prefilled + chunk, device=self.device)
+        hidden = self.lm(self.lm.embed(ids), positions, self.slots.prefill(song.pair, song.prefilled))
+        song.prefilled += chunk
+        if song.prefilled == total:
+            self._activate(song, hidden[:, -1])
+            self.waiting.popleft()
+        return chunk
 
     def _activate(self, song: _Song, hidden: torch.Tensor) -> None:
         p, step = song.pair, self.step_fn
+        # First the allocation that can fail: the pair's step buffers are left idle if it does.
+        song.conditioning = torch.empty(song.budget + 1, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
         step.hidden[2 * p : 2 * p + 2] = hidden
         step.positions[2 * p : 2 * p + 2] = song.ids.shape[1]
         step.seeds[p], step.frames[p] = song.seed, 0
-        song.conditioning = torch.empty(song.budget + 1, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
         self.active.append(song)
 
     def _launch(self) -> _InFlight:
