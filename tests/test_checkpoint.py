@@ -487,6 +487,20 @@ def test_index_maps_a_tensor_to_something_not_a_file_name(tiny_dir: Path, tmp_pa
     expect_error(root, "dit", str(index), "'proj_in.weight'", "a file name")
 
 
+@pytest.mark.parametrize("outside", ["../{}", "{root}/{}", "sub/{}"])
+def test_index_maps_a_tensor_to_a_file_outside_its_folder(tiny_dir: Path, tmp_path: Path, outside: str) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = data["weight_map"]["proj_in.weight"]
+    for copy in (folder.parent / name, folder / "sub" / name):  # a real shard there: the old code loaded it silently
+        copy.parent.mkdir(exist_ok=True)
+        shutil.copy(folder / name, copy)
+    data["weight_map"]["proj_in.weight"] = outside.format(name, root=folder.parent)
+    index.write_text(json.dumps(data))
+    expect_error(root, "dit", str(index), "'proj_in.weight'", "a file name in")
+
+
 def consistent_component(root: Path, name: str, **changes) -> Path:
     """Write one component folder under root: the tiny config with changes, random weights of the shapes it implies;
     returns root."""

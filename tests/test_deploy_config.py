@@ -209,6 +209,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (C0 + ("cudagraph_num_of_warmups",), 0), (C0 + ("cudagraph_num_of_warmups",), 2),
     (C0 + ("cudagraph_num_of_warmups",), True),
     (C0 + ("custom_ops",), ["none"]), (C0 + ("custom_ops",), ["+rms_norm"]), (C0 + ("custom_ops",), "all"),
+    (C0 + ("custom_ops",), ["all", "all"]),
     (S0 + ("async_scheduling",), True), (S1 + ("async_scheduling",), True), (S0 + ("async_scheduling",), "no"),
     (S0 + ("enable_prefix_caching",), True), (S1 + ("enable_prefix_caching",), True),
     (S0 + ("devices",), "0,1"), (S0 + ("devices",), "a"), (S0 + ("devices",), -1), (S0 + ("devices",), "-1"),

@@ -128,8 +128,8 @@ def weight_files(folder: Path, stem: str) -> dict[str, Path]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map'")
         for key, file in weight_map.items():
-            if not isinstance(file, str):
-                raise CheckpointError(f"{index} maps tensor '{key}' to {file!r}, expected a file name")
+            if not isinstance(file, str) or Path(file).name != file:  # shards sit beside their index
+                raise CheckpointError(f"{index} maps tensor '{key}' to {file!r}, expected a file name in {folder}")
         return {key: folder / file for key, file in weight_map.items()}
     if single.is_file():
         with ExitStack() as stack:

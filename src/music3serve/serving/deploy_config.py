@@ -197,7 +197,7 @@ def _compilation(m: Section, limit: int, limit_name: str, pairs: bool, enforce_e
     warmups = c.int("cudagraph_num_of_warmups", 1, 1, 1, "1 (each capture size runs eagerly once before capture: "
                     "kernel choice and Triton builds must not land inside a graph; the graph builders run exactly one)")
     ops = c.data.get("custom_ops", ["all"])
-    if not (isinstance(ops, list) and all(op == "all" for op in ops)):
+    if ops not in ([], ["all"]):
         raise c.bad("custom_ops", ops, '["all"] or [] (this engine\'s own kernels are always used where they exist; '
                     '"none" and per-op "+name"/"-name" switches cannot be honored)')
     return CompilationConfig(mode, tuple(sizes), graph_mode, warmups, tuple(ops))
