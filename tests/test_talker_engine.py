@@ -251,9 +251,26 @@ def test_kv_slots_past_the_machine_memory_fail_at_startup_on_the_cpu(models, mon
     from music3serve.errors import Music3Error
 
     monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: 1 << 20)
-    with pytest.raises(Music3Error, match=r"talker needs .* GiB of KV for 16 rows of .* tokens, more than this "
-                                          r"machine's 0\.0 GiB of memory: lower max_num_seqs or max_model_len"):
+    with pytest.raises(Music3Error, match=r"talker needs .* GiB of KV for 16 rows of .* tokens \+ .* GiB of frame "
+                                          r"conditioning for 8 songs, more than this machine's 0\.0 GiB of memory: "
+                                          r"lower max_num_seqs or max_model_len"):
         Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))
+
+
+def test_frame_conditioning_is_counted_in_the_memory_check(models, monkeypatch):
+    """Each decoding song holds a float32 buffer of its budget + 1 mixed frames (~147 MB at full size); slots whose
+    KV fits but whose conditioning does not fail at startup (they ran out of memory at admission)."""
+    from music3serve.errors import Music3Error
+    from music3serve.talker.slots import SlotCache
+
+    lm, config = models.language_model, TalkerConfig(max_num_seqs=16, max_model_len=256)
+    kv = SlotCache.bytes_needed(lm.cfg, 8, 256, lm.embed.weight.dtype)
+    conditioning = 8 * 256 * lm.cfg.hidden * 4
+    monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: kv + conditioning - 1)
+    with pytest.raises(Music3Error, match=r"GiB of frame conditioning for 8 songs, more than this machine's"):
+        Talker(lm, models.depth_decoder, models.condition_encoder, config)
+    monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: kv + conditioning)
+    Talker(lm, models.depth_decoder, models.condition_encoder, config)
 
 
 @pytest.mark.parametrize("frames", [0, -3])

@@ -321,22 +321,26 @@ class Talker:
 
 
 def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: TalkerConfig) -> None:
-    """Weights plus KV slots must fit in gpu_memory_utilization of the card on CUDA, and the KV slots in the
-    machine's memory on the CPU, or startup fails with the numbers."""
+    """Weights, KV slots and the decoding songs' frame conditioning must fit in gpu_memory_utilization of the card on
+    CUDA, and the KV slots and conditioning in the machine's memory on the CPU, or startup fails with the numbers."""
     device = lm.embed.weight.device
     weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
+    frames = min(contract.MAX_FRAMES, config.max_model_len - 1) + 1  # a song's longest budget + 1 (see _activate)
+    conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song
     gib = 1 << 30
-    needs = f"{kv / gib:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens"
+    needs = (f"{kv / gib:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens + "
+             f"{conditioning / gib:.1f} GiB of frame conditioning for {pairs} songs")
+    rows = kv + conditioning
     if device.type == "cuda":
         allowed = config.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory
-        if weights + kv > allowed:
+        if weights + rows > allowed:
             raise Music3Error(
                 f"talker needs {weights / gib:.1f} GiB of weights + {needs}, more than gpu_memory_utilization "
                 f"{config.gpu_memory_utilization} of the card ({allowed / gib:.1f} GiB): lower max_num_seqs or "
                 "max_model_len, or raise the fraction"
             )
-    elif device.type == "cpu" and kv > (memory := host_memory()):
+    elif device.type == "cpu" and rows > (memory := host_memory()):
         raise Music3Error(f"talker needs {needs}, more than this machine's {memory / gib:.1f} GiB of memory: lower "
                           "max_num_seqs or max_model_len")
 
