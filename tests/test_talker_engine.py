@@ -273,6 +273,19 @@ def test_frame_conditioning_is_counted_in_the_memory_check(models, monkeypatch):
     Talker(lm, models.depth_decoder, models.condition_encoder, config)
 
 
+@pytest.mark.parametrize("bad_id", [-1, "vocab"])
+def test_a_prompt_token_outside_the_vocabulary_is_refused_at_admission(models, bad_id):
+    """An id past the embedding table (on CUDA a device-side assert that ends the process's CUDA context) or a
+    negative one is an input error at submit."""
+    from music3serve.errors import InputError
+
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    bad = models.language_model.cfg.vocab if bad_id == "vocab" else bad_id
+    with pytest.raises(InputError, match="prompt token ids must lie in"):
+        talker.submit("s", [1, bad, 2], [1, 3, 2], seed=0, requested_frames=4)
+    assert not talker.busy and not talker.songs
+
+
 @pytest.mark.parametrize("frames", [0, -3])
 def test_a_budget_below_one_frame_is_refused_at_admission(models, frames):
     """A song asking for no frames is an input error at submit; admitted, its conditioning buffer had budget + 1 rows

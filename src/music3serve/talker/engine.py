@@ -151,6 +151,8 @@ class Talker:
             raise InputError(f"song id {song!r} is already in use")
         if len(cond_ids) != len(uncond_ids) or not cond_ids:
             raise InputError("cond and uncond prompts must be non-empty and of the same length")
+        if not all(0 <= i < self.lm.cfg.vocab for i in (*cond_ids, *uncond_ids)):  # on CUDA: a device assert
+            raise InputError(f"prompt token ids must lie in [0, {self.lm.cfg.vocab}) of the language model's vocabulary")
         if requested_frames < 1:
             raise InputError(f"a song needs at least one frame, got {requested_frames} requested")
         room = self.config.max_model_len - len(cond_ids)
