@@ -153,6 +153,16 @@ def test_out_of_order_and_malformed_payloads_raise(renderer):
     renderer.finish("never-seen")  # forgetting an unknown song is harmless
 
 
+def test_a_last_window_no_song_has_is_refused(renderer):
+    """Window 1 of 100 frames, last, would end a song of 200 frames, whose only window is window 0: it rendered a
+    song longer and other than the offline one (86 columns of PCM) instead of failing."""
+    mixed = renderer.mix(conditioning(300, 4))
+    renderer.render(renderer.payloads("x", 5, mixed, 1)[:1])
+    with pytest.raises(ValueError, match="contract geometry"):
+        renderer.render([WindowPayload("x", 5, Window(1, 100, 100, last=True), mixed[100:200], 1)])
+    assert renderer.next_index("x") == 1
+
+
 def test_masked_loop_of_the_graph_path_equals_solve(models):
     dit, encoder = models.dit, models.condition_encoder
     length, ov = 689, 172

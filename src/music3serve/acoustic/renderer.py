@@ -21,7 +21,7 @@ from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
 from .solver import Carry, noise, solve, time_grid
-from .windows import Window, carry_span, crop_waveform, song_windows
+from .windows import Window, carry_span, crop_waveform, is_song_window, song_windows
 
 FULL_LENGTH = contract.latent_length(contract.WINDOW_FRAMES)  # 689: every window but a song's last
 
@@ -183,9 +183,7 @@ class Renderer:
                                  + (" (the renderer holds no state for this song)" if state is None else ""))
             if state is not None and p.seed != state.seed:
                 raise ValueError(f"{name}: seed {p.seed} differs from the seed {state.seed} of its earlier windows")
-            if w.start != w.index * contract.WINDOW_HOP or not 1 <= w.frames <= contract.WINDOW_FRAMES or (
-                w.frames != contract.WINDOW_FRAMES and not w.last
-            ):
+            if not is_song_window(w):
                 raise ValueError(f"{name}: {w} is not a window of the contract geometry")
             if tuple(p.mixed.shape) != (w.frames, self.encoder.cfg.hidden):
                 raise ValueError(f"{name}: mixed conditioning is {tuple(p.mixed.shape)}, "
