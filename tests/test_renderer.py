@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -161,6 +162,16 @@ def test_a_last_window_no_song_has_is_refused(renderer):
     with pytest.raises(ValueError, match="contract geometry"):
         renderer.render([WindowPayload("x", 5, Window(1, 100, 100, last=True), mixed[100:200], 1)])
     assert renderer.next_index("x") == 1
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 - 1, np.int64(5), 1.0, True], ids=repr)
+def test_a_seed_outside_the_engines_range_is_refused(renderer, seed):
+    """The noise key is taken modulo 2**63: -1, 2**63 - 1 and 2**64 - 1 drew the same noise, as did s and s + 2**63;
+    a numpy integer failed the whole call in noise() (OverflowError) after its checks."""
+    mixed = renderer.mix(conditioning(200, 4))
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        renderer.render(renderer.payloads("x", seed, mixed, 1))
+    assert renderer.songs == []
 
 
 def test_masked_loop_of_the_graph_path_equals_solve(models):
