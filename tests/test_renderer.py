@@ -174,6 +174,30 @@ def test_a_seed_outside_the_engines_range_is_refused(renderer, seed):
     assert renderer.songs == []
 
 
+def test_a_failed_call_leaves_every_songs_state_as_it_was(renderer, monkeypatch):
+    """A failure after the songs' windows rendered (here cropping the second one's waveform) used to leave the songs
+    before it advanced with their window's PCM lost: the same call again was refused as out of order."""
+    from music3serve.acoustic import renderer as module
+
+    mixed = renderer.mix(conditioning(450, 4))
+    batch = [renderer.payloads(song, 5, mixed, 1)[0] for song in ("x", "y")]
+    calls = []
+
+    def crop_failing_second(waveform, window):
+        calls.append(window)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return waveform
+
+    monkeypatch.setattr(module, "crop_waveform", crop_failing_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        renderer.render(batch)
+    assert renderer.songs == [] and renderer.next_index("x") == renderer.next_index("y") == 0
+    monkeypatch.undo()
+    assert [out.song for out in renderer.render(batch)] == ["x", "y"]
+    assert renderer.next_index("x") == renderer.next_index("y") == 1
+
+
 def test_masked_loop_of_the_graph_path_equals_solve(models):
     dit, encoder = models.dit, models.condition_encoder
     length, ov = 689, 172

@@ -196,7 +196,8 @@ class Renderer:
     # Rendering.
     @torch.inference_mode()
     def render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
-        """Render ready windows (at most one per song, each the song's next); results in the payloads' order."""
+        """Render ready windows (at most one per song, each the song's next); results in the payloads' order. A call
+        that raises leaves every song as it was: the same windows may be rendered again."""
         if self.stream is None:
             return self._render(payloads)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs the caller's stream produced
@@ -222,16 +223,17 @@ class Renderer:
                     for i, latent in zip(chunk, out):
                         latents[i] = latent
         waves = self.vocode(latents)
-        results = []
-        for p, latent, condition, wave in zip(payloads, latents, conditions, waves):
-            if p.window.last:
+        results = [
+            RenderedWindow(p.song, p.window, crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu(), latent.float().cpu())
+            for p, latent, wave in zip(payloads, latents, waves)
+        ]
+        # The songs move on only once every window of the call is done.
+        states = [_next_state(p, latent, condition) for p, latent, condition in zip(payloads, latents, conditions)]
+        for p, state in zip(payloads, states):
+            if state is None:
                 self._songs.pop(p.song, None)
             else:
-                start, end = carry_span(latent.shape[-1])
-                carry = Carry(latent[:, start:end].clone(), condition[start:end].clone())
-                self._songs[p.song] = _SongState(p.seed, p.window.index + 1, carry)
-            pcm = crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu()
-            results.append(RenderedWindow(p.song, p.window, pcm, latent.float().cpu()))
+                self._songs[p.song] = state
         return results
 
     def _condition(self, payload: WindowPayload, carry: Carry | None) -> torch.Tensor:
@@ -290,6 +292,15 @@ class Renderer:
         finally:
             self.cancel(song)
         return torch.cat(pieces, dim=-1), latents
+
+
+def _next_state(payload: WindowPayload, latent: torch.Tensor, condition: torch.Tensor) -> _SongState | None:
+    """The song's state after this window: the carry for its next one, None after its last."""
+    if payload.window.last:
+        return None
+    start, end = carry_span(latent.shape[-1])
+    carry = Carry(latent[:, start:end].clone(), condition[start:end].clone())
+    return _SongState(payload.seed, payload.window.index + 1, carry)
 
 
 def _chunks(items: list[int], size: int) -> Iterable[list[int]]:
