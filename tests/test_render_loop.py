@@ -72,6 +72,16 @@ def test_a_failed_render_drops_the_songs_next_windows_until_its_cancel():
     assert chunks == [("b", 0), ("b", 1)]
 
 
+def test_a_window_that_cannot_render_fails_its_song_alone():
+    """a's window makes the render raise; b and c were batched with it and failed with it. The call is made again a
+    window at a time: a fails, b and c render and go on."""
+    renderer = StandIn(fail_seed=7)
+    chunks, errors = run_loop(renderer, [[window("a", 0, seed=7), window("b", 0), window("c", 0)], [window("b", 1)]])
+    assert [song for song, _ in errors] == ["a"] and "injected" in errors[0][1]
+    assert chunks == [("b", 0), ("c", 0), ("b", 1)]
+    assert renderer.batches == [[("a", 0), ("b", 0), ("c", 0)], [("a", 0)], [("b", 0)], [("c", 0)], [("b", 1)]]
+
+
 def test_each_render_call_is_reported_with_its_work():
     """What the worker's heartbeat says while a call runs: its windows times steps / 30, the scale never below 1
     (a few-step song renders faster than the contract's 30 steps); windows of other step counts are other calls."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,6 +152,50 @@ def test_out_of_order_and_malformed_payloads_raise(renderer):
     renderer.cancel("x")
     assert renderer.next_index("x") == 0 and renderer.songs == []
     renderer.finish("never-seen")  # forgetting an unknown song is harmless
+
+
+def test_a_last_window_no_song_has_is_refused(renderer):
+    """Window 1 of 100 frames, last, would end a song of 200 frames, whose only window is window 0: it rendered a
+    song longer and other than the offline one (86 columns of PCM) instead of failing."""
+    mixed = renderer.mix(conditioning(300, 4))
+    renderer.render(renderer.payloads("x", 5, mixed, 1)[:1])
+    with pytest.raises(ValueError, match="contract geometry"):
+        renderer.render([WindowPayload("x", 5, Window(1, 100, 100, last=True), mixed[100:200], 1)])
+    assert renderer.next_index("x") == 1
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 - 1, np.int64(5), 1.0, True], ids=repr)
+def test_a_seed_outside_the_engines_range_is_refused(renderer, seed):
+    """The noise key is taken modulo 2**63: -1, 2**63 - 1 and 2**64 - 1 drew the same noise, as did s and s + 2**63;
+    a numpy integer failed the whole call in noise() (OverflowError) after its checks."""
+    mixed = renderer.mix(conditioning(200, 4))
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        renderer.render(renderer.payloads("x", seed, mixed, 1))
+    assert renderer.songs == []
+
+
+def test_a_failed_call_leaves_every_songs_state_as_it_was(renderer, monkeypatch):
+    """A failure after the songs' windows rendered (here cropping the second one's waveform) used to leave the songs
+    before it advanced with their window's PCM lost: the same call again was refused as out of order."""
+    from music3serve.acoustic import renderer as module
+
+    mixed = renderer.mix(conditioning(450, 4))
+    batch = [renderer.payloads(song, 5, mixed, 1)[0] for song in ("x", "y")]
+    calls = []
+
+    def crop_failing_second(waveform, window):
+        calls.append(window)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return waveform
+
+    monkeypatch.setattr(module, "crop_waveform", crop_failing_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        renderer.render(batch)
+    assert renderer.songs == [] and renderer.next_index("x") == renderer.next_index("y") == 0
+    monkeypatch.undo()
+    assert [out.song for out in renderer.render(batch)] == ["x", "y"]
+    assert renderer.next_index("x") == renderer.next_index("y") == 1
 
 
 def test_masked_loop_of_the_graph_path_equals_solve(models):

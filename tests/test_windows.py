@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from music3serve.acoustic.windows import carry_span, crop_waveform, song_samples, song_windows
+from music3serve.acoustic.windows import Window, carry_span, crop_waveform, is_song_window, song_samples, song_windows
 
 HOP = 512  # waveform samples per latent column
 
@@ -111,3 +111,11 @@ def test_crop_waveform_keeps_the_right_samples(frames):
         assert kept[0, 0] == left and kept[1, -1] == n - right - 1
         total.append(kept.shape[-1])
     assert sum(total) == song_samples(frames)
+
+
+def test_is_song_window_knows_the_windows_of_every_song():
+    ours = {w for frames in range(1, 1201) for w in song_windows(frames)}  # every window of index < 10
+    assert all(is_song_window(w) for w in ours)
+    candidates = {Window(i, s, f, last) for i in range(-1, 10) for s in (100 * i, 100 * i + 1) for f in range(0, 202)
+                  for last in (False, True)}
+    assert {w for w in candidates if is_song_window(w)} == {w for w in candidates if w in ours}

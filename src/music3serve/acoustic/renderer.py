@@ -21,7 +21,7 @@ from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
 from .solver import Carry, noise, solve, time_grid
-from .windows import Window, carry_span, crop_waveform, song_windows
+from .windows import Window, carry_span, crop_waveform, is_song_window, song_windows
 
 FULL_LENGTH = contract.latent_length(contract.WINDOW_FRAMES)  # 689: every window but a song's last
 
@@ -181,11 +181,11 @@ class Renderer:
             if w.index != expected:
                 raise ValueError(f"{name}: window {w.index} arrived out of order, window {expected} is next"
                                  + (" (the renderer holds no state for this song)" if state is None else ""))
+            if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed < 2**63:  # noise(): mod 2**63
+                raise ValueError(f"{name}: seed must be an integer in [0, 2**63), got {p.seed!r}")
             if state is not None and p.seed != state.seed:
                 raise ValueError(f"{name}: seed {p.seed} differs from the seed {state.seed} of its earlier windows")
-            if w.start != w.index * contract.WINDOW_HOP or not 1 <= w.frames <= contract.WINDOW_FRAMES or (
-                w.frames != contract.WINDOW_FRAMES and not w.last
-            ):
+            if not is_song_window(w):
                 raise ValueError(f"{name}: {w} is not a window of the contract geometry")
             if tuple(p.mixed.shape) != (w.frames, self.encoder.cfg.hidden):
                 raise ValueError(f"{name}: mixed conditioning is {tuple(p.mixed.shape)}, "
@@ -196,7 +196,8 @@ class Renderer:
     # Rendering.
     @torch.inference_mode()
     def render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
-        """Render ready windows (at most one per song, each the song's next); results in the payloads' order."""
+        """Render ready windows (at most one per song, each the song's next); results in the payloads' order. A call
+        that raises leaves every song as it was: the same windows may be rendered again."""
         if self.stream is None:
             return self._render(payloads)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs the caller's stream produced
@@ -222,16 +223,17 @@ class Renderer:
                     for i, latent in zip(chunk, out):
                         latents[i] = latent
         waves = self.vocode(latents)
-        results = []
-        for p, latent, condition, wave in zip(payloads, latents, conditions, waves):
-            if p.window.last:
+        results = [
+            RenderedWindow(p.song, p.window, crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu(), latent.float().cpu())
+            for p, latent, wave in zip(payloads, latents, waves)
+        ]
+        # The songs move on only once every window of the call is done.
+        states = [_next_state(p, latent, condition) for p, latent, condition in zip(payloads, latents, conditions)]
+        for p, state in zip(payloads, states):
+            if state is None:
                 self._songs.pop(p.song, None)
             else:
-                start, end = carry_span(latent.shape[-1])
-                carry = Carry(latent[:, start:end].clone(), condition[start:end].clone())
-                self._songs[p.song] = _SongState(p.seed, p.window.index + 1, carry)
-            pcm = crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu()
-            results.append(RenderedWindow(p.song, p.window, pcm, latent.float().cpu()))
+                self._songs[p.song] = state
         return results
 
     def _condition(self, payload: WindowPayload, carry: Carry | None) -> torch.Tensor:
@@ -290,6 +292,15 @@ class Renderer:
         finally:
             self.cancel(song)
         return torch.cat(pieces, dim=-1), latents
+
+
+def _next_state(payload: WindowPayload, latent: torch.Tensor, condition: torch.Tensor) -> _SongState | None:
+    """The song's state after this window: the carry for its next one, None after its last."""
+    if payload.window.last:
+        return None
+    start, end = carry_span(latent.shape[-1])
+    carry = Carry(latent[:, start:end].clone(), condition[start:end].clone())
+    return _SongState(payload.seed, payload.window.index + 1, carry)
 
 
 def _chunks(items: list[int], size: int) -> Iterable[list[int]]:

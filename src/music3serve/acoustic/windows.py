@@ -36,6 +36,16 @@ def song_windows(frames: int) -> list[Window]:
     ]
 
 
+def is_song_window(window: Window) -> bool:
+    """Whether `window` is one that song_windows gives for some song: full unless it is the last, and a last one as
+    its song's length lays it out (past window 0, more than 100 frames)."""
+    if window.index < 0 or window.frames < 1 or window.start != window.index * contract.WINDOW_HOP:
+        return False
+    if window.last:
+        return song_windows(window.start + window.frames)[-1] == window
+    return window.frames == contract.WINDOW_FRAMES
+
+
 def carry_span(latent_length: int) -> tuple[int, int]:
     """Latent columns [start, end) handed to the next window as its overlap prompt."""
     start = max(0, latent_length - 2 * contract.OVERLAP_LATENT)

@@ -79,23 +79,36 @@ class RenderLoop:
             self.render_group(by_steps[steps])
 
     def render_group(self, batch: list[WindowPayload]) -> None:
-        """Render windows of one step count and hand each on; a failure fails these songs only."""
-        self.rendering(len(batch) * max(1.0, batch[0].steps / contract.DIT_STEPS))
+        """Render windows of one step count and hand each on. A failed call of several windows is made again one
+        window at a time (a failed call leaves the renderer's songs as they were), so that a window that cannot
+        render fails its song alone, never the loop."""
         try:
-            rendered = self.renderer.render(batch)
-        except Exception as exc:  # a failed render fails its songs, never the loop
-            log.exception("render failed")
+            rendered = self.render_call(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                log.exception("render failed")
+                self.fail(batch[0].song, f"stage 1 failed: {exc}")
+                return
+            log.warning("a render of %d windows failed (%r); rendering them one at a time", len(batch), exc)
+            rendered = None
+        if rendered is None:  # out of the except block: the failed call's tensors are freed first
             for payload in batch:
-                self.fail(payload.song, f"stage 1 failed: {exc}")
+                self.render_group([payload])
             return
-        finally:
-            self.rendering(None)
         for out in rendered:
             try:
                 self.on_chunk(out)
             except Exception as exc:  # say the connector could not take it: this song only
                 log.exception("delivering window %d of %s failed", out.window.index, out.song)
                 self.fail(out.song, f"stage 1 could not deliver window {out.window.index}: {exc}")
+
+    def render_call(self, batch: list[WindowPayload]) -> list[RenderedWindow]:
+        """One render call, reported to `rendering` while it runs."""
+        self.rendering(len(batch) * max(1.0, batch[0].steps / contract.DIT_STEPS))
+        try:
+            return self.renderer.render(batch)
+        finally:
+            self.rendering(None)
 
     def fail(self, song: str, message: str) -> None:
         self.failed.add(song)
