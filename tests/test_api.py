@@ -1,7 +1,7 @@
 """The HTTP API on the CPU: a real uvicorn server in a thread over an Engine on the tiny checkpoint.
 
 Streams are compared sample for sample (int16, +-1 LSB) with the engine's own events, which match the offline
-pipeline to 1e-3; cancellation by DELETE,
+pipeline to 1.5e-4; cancellation by DELETE,
 by a client that goes away and by a failing stage is checked against the engine's state and its metrics."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def songs(engine: Engine) -> dict[int, np.ndarray]:
     """The song per duration as the engine's own events carry it (float32, 44.1 kHz), checked against the
     offline pipeline. Those two differ by rounding (decode attention vs SDPA in the talker, amplified by the
     tiny random DiT; tests/test_engine.py measured 5.6e-5, about 2 LSB), so the API is held to the engine's
-    events to +-1 LSB and to the offline pipeline to the engine tests' 1e-3."""
+    events to +-1 LSB and to the offline pipeline to the engine tests' 1.5e-4."""
 
     async def collect(duration: float) -> np.ndarray:
         request = SongRequest(SONG["caption"], SONG["lyrics"], duration, SONG["seed"], SONG["steps"])
@@ -61,7 +61,8 @@ def songs(engine: Engine) -> dict[int, np.ndarray]:
         out[duration] = asyncio.run(asyncio.wait_for(collect(duration), 60))
         offline = pipe.generate(SONG["caption"], SONG["lyrics"], duration, SONG["seed"], steps=SONG["steps"]).waveform
         assert out[duration].shape == offline.shape
-        assert np.abs(np.clip(out[duration], -1, 1) - offline).max() < 1e-3
+        # Measured at worst 7.4e-5 in tests/test_engine.py; its bound (float16 rounding, 2.4e-4, fails it).
+        assert np.abs(np.clip(out[duration], -1, 1) - offline).max() < 1.5e-4
     return out
 
 

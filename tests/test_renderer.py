@@ -18,7 +18,6 @@ from music3serve.acoustic.renderer import Renderer, WindowPayload, euler_masked
 from music3serve.acoustic.solver import Carry, noise, solve, time_grid
 from music3serve.acoustic.windows import Window, song_samples, song_windows
 from music3serve.checkpoint import load_component, load_models
-from music3serve.pipeline import Pipeline
 
 STEPS = 2  # nothing below but the precision test depends on the step count
 IEEE_ISLANDS = replace(BFLOAT16, name="bfloat16, IEEE islands", dit_island_matmuls="ieee")
@@ -65,10 +64,43 @@ def renderer(models) -> Renderer:
     return Renderer.from_models(models)  # float32 casts nothing and hooks nothing: the models stay shared
 
 
-def test_streamed_windows_equal_the_offline_render(models, renderer):
+@pytest.fixture(scope="module")
+def reference_stage1(tiny_dir: Path):
+    """The diffusers 0.42.1 pipeline without its semantic generator: prepare_chunks, the chunk denoise loop and the
+    vocoder decode, run on frame_hiddens given to it (the offline render as the reference wrote it)."""
+    diffusers = pytest.importorskip("diffusers")
+    blocks = diffusers.modular_pipelines.MiniMaxMusic3Blocks()
+    blocks.sub_blocks.pop("semantic_generator")
+    pipe = blocks.init_pipeline(str(tiny_dir))
+    pipe.load_components(torch_dtype=torch.float32)
+    return pipe
+
+
+def reference_render(pipe, monkeypatch, raw: torch.Tensor, seed: int, steps: int) -> tuple[torch.Tensor, list]:
+    """The reference's whole-song render of raw conditioning [frames, 8 * hidden], its per-window noise replaced by
+    ours (window k of the song draws noise(seed, k, length)); waveform [2, samples] and each window's latent."""
+    import diffusers.modular_pipelines.minimax_music3.denoise as ref_denoise
+
+    windows = []
+
+    def randn_tensor(shape, generator=None, device=None, dtype=None):
+        windows.append(shape[2])
+        return noise(seed, len(windows) - 1, shape[2])[None].to(device=device, dtype=dtype)
+
+    monkeypatch.setattr(ref_denoise, "randn_tensor", randn_tensor)
+    with torch.no_grad():
+        out = pipe(frame_hiddens=raw[None], num_inference_steps=steps, output=["audios", "latent_chunks"])
+    audios, chunks = (out["audios"], out["latent_chunks"]) if isinstance(out, dict) else out
+    assert len(windows) == len(chunks)
+    return torch.as_tensor(audios[0]), [chunk[0] for chunk in chunks]
+
+
+def test_streamed_windows_equal_the_offline_render(renderer, reference_stage1, monkeypatch):
+    """Window by window through the renderer, one call each as the talker emits them, against the reference's
+    offline render of the whole song (an independent implementation of the carry, the splice and the crops)."""
     raw = conditioning(450, 0)  # windows of 200, 200, 200 and 150 frames
     seed, steps = 11, 3
-    waveform, latents = Pipeline(models).render(raw, seed, steps)
+    waveform, latents = reference_render(reference_stage1, monkeypatch, raw, seed, steps)
     mixed = renderer.mix(raw)
     pieces = []
     for payload in renderer.payloads("song", seed, mixed, steps):  # one payload per call, as the talker emits them
@@ -76,13 +108,16 @@ def test_streamed_windows_equal_the_offline_render(models, renderer):
         (out,) = renderer.render([payload])
         assert out.song == "song" and out.window == payload.window
         assert out.pcm.dtype == torch.float32 and out.pcm.device.type == "cpu" and out.pcm.abs().max() <= 1.0
-        assert torch.equal(out.latent, latents[payload.window.index])
+        # float32 on both sides, summed in other orders: measured 4.5e-7 per window (CPU, torch 2.13); 10x margin.
+        assert rel_err(latents[payload.window.index], out.latent) <= 5e-6
         pieces.append(out.pcm)
     assert renderer.songs == []  # the last window dropped the song's state
+    assert len(pieces) == len(latents) == 4
     assert [p.shape[-1] for p in pieces][-1] == 516 * 512 - 86 * 512
     streamed = torch.cat(pieces, dim=-1)
     assert streamed.shape == waveform.shape == (2, song_samples(450))
-    assert rel_err(waveform, streamed) <= 1e-6
+    # The tiny random vocoder amplifies the latents' rounding (see the batched test): measured 2.5e-5, 4x margin.
+    assert rel_err(waveform, streamed) <= 1e-4
 
 
 def test_batched_windows_equal_windows_rendered_alone(models):
