@@ -233,6 +233,17 @@ def test_a_failed_call_leaves_every_songs_state_as_it_was(renderer, monkeypatch)
     assert renderer.next_index("x") == renderer.next_index("y") == 1
 
 
+def test_an_offline_song_under_the_id_of_a_streaming_one_is_refused(renderer):
+    """render_song with the id of a song still streaming failed out of order and its cleanup dropped the streaming
+    song's carry, so that song's next window failed too."""
+    mixed = renderer.mix(conditioning(300, 4))
+    streaming = renderer.payloads("x", 5, mixed, 1)
+    renderer.render(streaming[:1])
+    with pytest.raises(ValueError, match="'x' is streaming on this renderer"):
+        renderer.render_song(mixed, 5, 1, song="x")
+    assert [out.window.index for out in renderer.render(streaming[1:2])] == [1]
+
+
 def test_masked_loop_of_the_graph_path_equals_solve(models):
     dit, encoder = models.dit, models.condition_encoder
     length, ov = 689, 172

@@ -282,6 +282,8 @@ class Renderer:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A whole song offline, window after window: waveform [2, samples] on the CPU and each window's latent."""
         song = object() if song is None else song
+        if song in self._songs:  # its windows would be refused as out of order, and the cancel below drop its state
+            raise ValueError(f"song {song!r} is streaming on this renderer: render it offline under another id")
         pieces, latents = [], []
         try:
             for payload in tqdm(self.payloads(song, seed, mixed, steps), desc="windows", unit="window",
