@@ -106,3 +106,13 @@ def test_windows_with_fewer_steps_are_rendered_and_delivered_first():
                lambda song, message: None).run()
     assert order == [("render", ["c", "d"]), ("delivered", "c"), ("delivered", "d"), ("render", ["b"]),
                      ("delivered", "b")]
+
+
+def test_a_window_after_a_songs_queued_last_window_fails_that_song_at_once():
+    """It used to queue, fail at render time as out of order (after the song's Done could have gone out) and blame
+    a lost window."""
+    renderer = StandIn()
+    last = ("window", WindowPayload("a", 0, Window(0, 0, 150, True), torch.zeros(1), 2))
+    chunks, errors = run_loop(renderer, [[window("b", 0), last, window("a", 1)], [window("b", 1)]])
+    assert errors == [("a", "stage 1 got window 1 of song 'a' after its last window 0")]
+    assert chunks == [("b", 0), ("b", 1)]

@@ -61,6 +61,10 @@ class RenderLoop:
         """Queue a window after its song's last one; a window out of order fails its song alone (batched, the
         renderer would refuse the whole call)."""
         queued = self.pending.get(payload.song)
+        if queued and queued[-1].window.last:
+            self.fail(payload.song, f"stage 1 got window {payload.window.index} of song {payload.song!r} after its "
+                                    f"last window {queued[-1].window.index}")
+            return
         expected = queued[-1].window.index + 1 if queued else self.renderer.next_index(payload.song)
         if payload.window.index != expected:
             self.fail(payload.song, f"stage 1 got window {payload.window.index} of song {payload.song!r} where "
