@@ -4,11 +4,14 @@ Both sides draw with the same rule: the reference's `_sample_top_k` (its final t
 is replaced by our counter-based Gumbel top-k, keyed by its call order (8 draws per frame); the reference
 keeps its own logits, guidance and top-50 conditional restriction. Its per-window noise is replaced by ours.
 Everything else runs as diffusers wrote it. tests/test_sampling.py covers the draws themselves.
+The last tests hold the Euler schedule, the seconds-to-frames conversion and the window layout exactly to the
+reference's own blocks, for every step count and song length they can be checked at in a fraction of a second.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,10 +20,13 @@ import torch
 import diffusers.modular_pipelines.minimax_music3.denoise as ref_denoise
 import diffusers.modular_pipelines.minimax_music3.encoders as ref_encoders
 from diffusers.modular_pipelines import MiniMaxMusic3Blocks
+from diffusers.modular_pipelines.minimax_music3.before_denoise import MiniMaxMusic3PrepareChunksStep
+from diffusers.modular_pipelines.minimax_music3.denoise import MiniMaxMusic3ChunkSetTimestepsStep
 from music3serve import contract
-from music3serve.acoustic.solver import noise
+from music3serve.acoustic.solver import noise, time_grid
 from music3serve.acoustic.windows import song_windows
-from music3serve.pipeline import Pipeline
+from music3serve.pipeline import MAX_STEPS, Pipeline, frames_for_duration
+from music3serve.talker.windows import WindowTracker
 from music3serve.talker.sampling import sample_top_k
 
 CAPTION = "## Upbeat synth-pop\n- **female** vocals, 120 bpm"
@@ -85,11 +91,14 @@ def assert_same_song(ours_song, ref: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("duration", "windows", "steps"),
-    [(5.0, 1, 30), (10.0, 2, 30), (22.0, 5, 8)],  # 125, 250 and 550 frames; the 5th window is 150 frames
+    ("duration", "windows", "steps", "seed"),
+    [
+        (5.0, 1, 30, 1234), (10.0, 2, 30, 1234), (22.0, 5, 8, 1234),  # 125, 250, 550 frames; the 5th window 150
+        (0.04, 1, 1, 0),  # the shortest song: 1 frame (a 3-column window), 1 Euler step, seed 0
+        (2.0, 1, 2, 2**63 - 1),  # 50 frames with the largest seed
+    ],
 )
-def test_song_equals_reference(ours, reference, monkeypatch, duration, windows, steps):
-    seed = 1234
+def test_song_equals_reference(ours, reference, monkeypatch, duration, windows, steps, seed):
     song = ours.generate(CAPTION, LYRICS, duration, seed, steps=steps, trace=True)
     assert song.ended_by == "budget" and song.frames == int(duration * contract.FRAME_RATE)
     assert len(song_windows(song.frames)) == windows
@@ -117,3 +126,44 @@ def test_same_seed_same_song_and_other_seed_differs(ours):
     other = ours.generate(CAPTION, LYRICS, 2.0, 8, steps=2)
     assert torch.equal(first.codes, again.codes) and np.array_equal(first.waveform, again.waveform)
     assert not torch.equal(first.codes, other.codes)
+
+
+def test_time_grid_is_the_reference_schedule_for_every_step_count(reference):
+    """Exact: for every step count a request may ask for, our float32 times are the timesteps the reference's
+    set_timesteps block gives its scheduler, and its sigmas (whose differences are the Euler dt) with the final 1."""
+    block = MiniMaxMusic3ChunkSetTimestepsStep()
+    for steps in range(1, MAX_STEPS + 1):
+        _, state = block(reference, SimpleNamespace(num_inference_steps=steps), 0)
+        grid = time_grid(steps)
+        assert torch.equal(state.timesteps, grid[:-1]), steps
+        assert torch.equal(reference.scheduler.sigmas, grid), steps
+
+
+@pytest.mark.parametrize(
+    ("duration", "frames"),
+    [(0.04, 1), (0.07, 1), (4.0, 100), (7.96, 199), (8.0, 200), (8.04, 200), (8.05, 201), (12.0, 300), (12.04, 301),
+     (1.16, 28), (359.99, 8999), (360, 9000)],
+)
+def test_duration_to_frames_as_the_reference_converts(reference, duration, frames):
+    """Exact: seconds -> frames with the reference's float arithmetic (int(duration * frame_rate), its frame_rate
+    read from the condition encoder's config as 24000 / 960). 8.04 s is 200.99999999999997 frames, so 200 frames and
+    one window, not 201 and two (1.16 s: 28 frames, not 29); 12.04 s is 301.0 frames, three windows."""
+    assert frames_for_duration(duration) == min(int(duration * reference.frame_rate), contract.MAX_FRAMES) == frames
+
+
+def test_streamed_windows_are_the_reference_chunks_for_every_length():
+    """Exact, for every song length up to 1000 frames and the longest: the windows the talker hands on frame by frame
+    (WindowTracker.ready, then .finish at the song's end) and song_windows are the reference's chunk starts, each
+    covering frames [start, min(start + 200, frames)) (the reference's chunk_end), only the final one uncropped on
+    the right."""
+    chunk_starts = MiniMaxMusic3PrepareChunksStep().init_pipeline()
+    for frames in [*range(1, 1001), contract.MAX_FRAMES]:
+        starts = chunk_starts(frame_hiddens=torch.empty(1, frames, 0), output="chunk_starts")
+        expected = [(s, min(s + 200, frames) - s, i == len(starts) - 1) for i, s in enumerate(starts)]
+        tracker, streamed = WindowTracker(), []
+        for count in range(1, frames + 1):
+            streamed += tracker.ready(count)
+        streamed += tracker.finish(frames)
+        for windows in (streamed, song_windows(frames)):
+            assert [(w.start, w.frames, w.last) for w in windows] == expected, frames
+            assert [w.index for w in windows] == list(range(len(starts)))

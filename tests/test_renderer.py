@@ -18,6 +18,7 @@ from music3serve.acoustic.renderer import Renderer, WindowPayload, euler_masked
 from music3serve.acoustic.solver import Carry, noise, solve, time_grid
 from music3serve.acoustic.windows import Window, song_samples, song_windows
 from music3serve.checkpoint import load_component, load_models
+from music3serve.talker.windows import WindowTracker
 
 STEPS = 2  # nothing below but the precision test depends on the step count
 IEEE_ISLANDS = replace(BFLOAT16, name="bfloat16, IEEE islands", dit_island_matmuls="ieee")
@@ -117,6 +118,38 @@ def test_streamed_windows_equal_the_offline_render(renderer, reference_stage1, m
     streamed = torch.cat(pieces, dim=-1)
     assert streamed.shape == waveform.shape == (2, song_samples(450))
     # The tiny random vocoder amplifies the latents' rounding (see the batched test): measured 2.5e-5, 4x margin.
+    assert rel_err(waveform, streamed) <= 1e-4
+
+
+@pytest.mark.parametrize("frames", [1, 200, 201, 300, 301])  # 1, 1, 2, 2 and 3 windows
+def test_windows_at_the_boundaries_as_the_talker_streams_them_equal_the_reference(
+    renderer, reference_stage1, monkeypatch, frames
+):
+    """Song lengths at the window edges, one Euler step (the fewest a request may ask for): the windows the talker's
+    tracker hands on as frames arrive (then at the song's end) are the reference's chunks, and rendering them one by
+    one gives the reference's latents and waveform. 1 frame is a 3-column window; 200 the longest single window;
+    201 adds a 101-frame (347-column) last window; 300 a full last window; 301 a third one of 101 frames."""
+    raw = conditioning(frames, frames)
+    seed, steps = 5, 1
+    waveform, latents = reference_render(reference_stage1, monkeypatch, raw, seed, steps)
+    mixed = renderer.mix(raw)
+    tracker, windows = WindowTracker(), []
+    for count in range(1, frames + 1):
+        windows += tracker.ready(count)
+    windows += tracker.finish(frames)
+    assert len(windows) == len(latents)
+    pieces = []
+    for window, theirs in zip(windows, latents):
+        payload = WindowPayload("song", seed, window, mixed[window.start : window.start + window.frames], steps)
+        (out,) = renderer.render([payload])
+        assert out.latent.shape == theirs.shape
+        # The bounds of test_streamed_windows_equal_the_offline_render, for its reasons (measured here: at most
+        # 9.1e-7 per window, on the 3-column one; 2.4e-5 for the waveform).
+        assert rel_err(theirs, out.latent) <= 5e-6
+        pieces.append(out.pcm)
+    assert renderer.songs == []
+    streamed = torch.cat(pieces, dim=-1)
+    assert streamed.shape == waveform.shape == (2, song_samples(frames))
     assert rel_err(waveform, streamed) <= 1e-4
 
 

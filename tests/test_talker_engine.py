@@ -130,6 +130,26 @@ def test_budget_is_capped_by_the_context(models):
         talker.submit("b", cond * 40, uncond * 40, 1, 10)
 
 
+@pytest.mark.parametrize("room", [1, 3])
+def test_a_song_that_fills_the_context_equals_the_offline_pipeline(models, room):
+    """A budget capped by max_model_len runs to its last position (the step queued after the song's last frame
+    lands on the scratch position) and gives the offline pipeline's song of that budget."""
+    cond, uncond = prompt(models, 0)
+    config = TalkerConfig(max_model_len=len(cond) + room)
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, config)
+    assert talker.submit("a", cond, uncond, 11, 9000) == room
+    events = []
+    while talker.busy:
+        events += talker.step()
+    (finished,) = [e for e in events if isinstance(e, SongFinished)]
+    windows = [e for e in events if isinstance(e, WindowReady)]
+    codes, conditioning, ended_by = Pipeline(models).talk(cond, uncond, room, 11)
+    assert finished.ended_by == ended_by == "budget" and finished.frames == room
+    assert torch.equal(finished.codes, codes)
+    assert [w.window for w in windows] == song_windows(room)
+    torch.testing.assert_close(mixed_song(windows), models.condition_encoder.mix(conditioning), rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def ending_models(ending_dir: Path):
     return load_models(ending_dir, talker_dtype=torch.float32)
