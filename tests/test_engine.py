@@ -234,6 +234,17 @@ def test_seed_yaml_engine_equals_offline_pipeline(engine, seed_song):
     assert max_abs < PCM_MAX_ABS and rel < PCM_REL, (max_abs, rel)
 
 
+def test_stage1_weights_past_their_memory_share_fail_at_startup(models, deploy, monkeypatch):
+    """Stage 1's gpu_memory_utilization was only summed with stage 0's: its weights must now fit in it (on the CPU,
+    in the machine's memory), or the engine refuses to start with the numbers."""
+    monkeypatch.setattr("music3serve.serving.render_loop.host_memory", lambda: 1 << 10)
+    policy = deploy.stages[1].dtype
+    advice = ": run stage 1 in bfloat16" if policy == "float32" else ""
+    with pytest.raises(Music3Error, match=rf"stage 1 needs 0\.0 GiB of {policy} weights, more than this machine's "
+                                          rf"0\.0 GiB of memory{advice}$"):
+        Engine(models, deploy)
+
+
 def test_events_come_in_order(engine, seed_song):
     req, events, _ = seed_song
     check_stream(events, req, prompt_tokens(engine, req))

@@ -25,8 +25,7 @@ from typing import AsyncIterator, NoReturn
 import numpy as np
 import torch
 
-from ..acoustic.precision import PrecisionPolicy
-from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..acoustic.renderer import RenderedWindow, WindowPayload
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
@@ -37,7 +36,7 @@ from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import PAUSE_S
 from .metrics import EngineMetrics
-from .render_loop import RenderLoop
+from .render_loop import RenderLoop, stage1_renderer
 from .worker import RenderWorker, chunk_window, load_acoustic
 
 log = logging.getLogger(__name__)
@@ -96,11 +95,7 @@ class Engine:
         split_on_cuda = worker is not None and self.device.type == "cuda"
         self._window_copies = torch.cuda.Stream(self.device) if split_on_cuda else None
         if worker is None:
-            self.renderer = Renderer.from_models(
-                models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
-                fuse=stage1.graphs,
-            )
-            self.renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)
+            self.renderer = stage1_renderer(models, stage1)
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
         self._clients: dict[str, _Client] = {}  # by key

@@ -2,14 +2,51 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import defaultdict, deque
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
+
+import torch
 
 from .. import contract
+from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..errors import Music3Error
+from ..talker.engine import host_memory
+from .deploy_schema import Stage1Config
 
 log = logging.getLogger(__name__)
+
+
+def stage1_renderer(models: Any, stage1: Stage1Config) -> Renderer:
+    """Stage 1's renderer as the deploy config describes it (models: its three components, loaded in float32), its
+    weights checked against its memory share, its graphs captured."""
+    renderer = Renderer.from_models(
+        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
+        fuse=stage1.graphs,
+    )
+    check_weights_fit(renderer, stage1.gpu_memory_utilization)
+    renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)
+    return renderer
+
+
+def check_weights_fit(renderer: Renderer, share: float) -> None:
+    """Stage 1's weights, in the dtypes of its precision policy, must fit in its gpu_memory_utilization of the card
+    (on the CPU: in the machine's memory), or startup fails with the numbers. The activations of a render batch and
+    the graphs' memory come on top and are not measured."""
+    modules = (renderer.encoder, renderer.dit, renderer.vocoder)
+    weights = sum(t.numel() * t.element_size() for m in modules for t in itertools.chain(m.parameters(), m.buffers()))
+    gib, advice = 1 << 30, ["run stage 1 in bfloat16"] if renderer.policy.name == "float32" else []
+    if renderer.device.type == "cuda":
+        allowed = share * torch.cuda.get_device_properties(renderer.device).total_memory
+        where, advice = f"gpu_memory_utilization {share} of the card ({allowed / gib:.1f} GiB)", ["raise it", *advice]
+    else:
+        allowed = host_memory()
+        where = f"this machine's {allowed / gib:.1f} GiB of memory"
+    if weights > allowed:
+        raise Music3Error(f"stage 1 needs {weights / gib:.1f} GiB of {renderer.policy.name} weights, more than "
+                          f"{where}" + (f": {' or '.join(advice)}" if advice else ""))
 
 # An inbox item: ("window", WindowPayload) | ("cancel", song) | ("stop",)
 Inbox = Callable[[bool], Iterable[tuple]]

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from .. import contract
-from ..acoustic.precision import PrecisionPolicy
-from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..acoustic.renderer import RenderedWindow, WindowPayload
 from ..acoustic.windows import Window
 from ..checkpoint import load_component
 from ..errors import Music3Error
@@ -25,7 +24,7 @@ from .connectors import ConnectorTimeout, LostMessage, Message, make_connector, 
 from .deploy_config import ConnectorConfig, Stage1Config
 from .heartbeat import Heartbeat, WorkerWatch
 from .outbox import Outbox
-from .render_loop import RenderLoop
+from .render_loop import RenderLoop, stage1_renderer
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +75,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         signal.signal(stop_signal, signal.SIG_IGN)
     if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
         torch.cuda.set_device(torch.device(device).index or 0)
-    models = load(device)
-    renderer = Renderer.from_models(
-        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
-        fuse=stage1.graphs,
-    )
-    renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)
+    renderer = stage1_renderer(load(device), stage1)
     connector.put(PCM, Message("ready", {}, {}))
     heartbeat = Heartbeat(lambda message: connector.put(PCM, message))
     parent = multiprocessing.parent_process()
