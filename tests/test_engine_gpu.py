@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ import torch
 
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
+from music3serve.errors import Music3Error
+from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.engine import AudioChunk, Done, Engine, Failed, SongRequest
 
 pytestmark = pytest.mark.gpu
@@ -49,3 +52,13 @@ def test_concurrent_songs_complete(tiny_dir, split):
         torch.cuda.synchronize()
     if split:
         assert not engine.worker.connector.segments()
+
+
+def test_stage1_weights_past_their_share_of_the_card_fail_at_startup(tiny_dir):
+    """The CUDA branch of stage 1's memory check: a share of the card smaller than the tiny model's weights."""
+    deploy = load_deploy_config()
+    stage1 = dataclasses.replace(deploy.stages[1], gpu_memory_utilization=1e-9)
+    with pytest.raises(Music3Error, match=r"stage 1 needs .* GiB of .* weights, more than gpu_memory_utilization 1e-09 "
+                                          r"of the card \(0\.0 GiB\): raise it"):
+        Engine(load_models(tiny_dir, device="cuda"), dataclasses.replace(deploy, stages=(deploy.stages[0], stage1)))
+    torch.cuda.synchronize()
