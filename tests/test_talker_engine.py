@@ -177,10 +177,10 @@ def test_a_song_mid_prefill_moves_with_the_packing_and_stays_the_same(models, so
     relocations, in_prefill = [], [False]
     move_pair, prefill = SlotCache.move_pair, Talker._prefill
 
-    def spy_prefill(self, events):
+    def spy_prefill(self):
         in_prefill[0] = True
         try:
-            return prefill(self, events)
+            return prefill(self)
         finally:
             in_prefill[0] = False
 
@@ -361,3 +361,28 @@ def test_a_failed_prefill_fails_only_its_song(models, solo):
     assert set(failed) == {"1"} and "out of memory for this prompt" in failed["1"].message
     assert set(finished) == {"0", "5"} and torch.equal(finished["0"].codes, solo[0].codes)
     assert not talker.songs and not talker.active
+
+
+def test_a_failed_prefill_is_reported_even_when_its_step_then_fails(models):
+    """Song 1's prefill fails, then the frame launch of the same step raises (say a sticky device error): the step's
+    SongFailed for song 1 was lost with it, and song 1, gone from the talker, was never failed (its client waited
+    forever). It now comes with the next step."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=4))
+    talker.submit("0", *prompt(models, 0), SONGS[0][3], SONGS[0][2])
+    talker.step()
+    talker.lm = FailingPrefill(models.language_model, len(prompt(models, 1)[0]))
+    talker.submit("1", *prompt(models, 1), SONGS[1][3], SONGS[1][2])
+    launch = talker._launch
+
+    def failing_launch():
+        talker._launch = launch
+        raise RuntimeError("injected launch failure")
+
+    talker._launch = failing_launch
+    with pytest.raises(RuntimeError, match="injected launch failure"):
+        talker.step()
+    talker.cancel("0")  # what the serving engine does with the songs decoding in a failed step
+    assert talker.busy
+    events = talker.step()
+    assert [(type(e), e.song) for e in events] == [(SongFailed, "1")] and "out of memory" in events[0].message
+    assert not talker.busy and not talker.songs

@@ -124,6 +124,8 @@ class Talker:
         self._host_codes = torch.empty((2, pairs, contract.NUM_CODEBOOKS), dtype=torch.int64, pin_memory=pinned)
         self._host_ended = torch.empty((2, pairs), dtype=torch.bool, pin_memory=pinned)
         self._in_flight: _InFlight | None = None
+        # Songs whose prefill failed, until step() returns them (kept here: the same step may raise afterwards).
+        self._failed: list[SongFailed] = []
         self.waiting: deque[_Song] = deque()
         self.active: list[_Song] = []  # song in pair p is active[p]
         self.songs: dict[str, _Song] = {}
@@ -168,7 +170,7 @@ class Talker:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active or self._in_flight)
+        return bool(self.waiting or self.active or self._in_flight or self._failed)
 
     def cancel(self, song: str) -> bool:
         """Drop a song wherever it is; its rows are free for the next step. False if unknown."""
@@ -200,15 +202,14 @@ class Talker:
         read back the previous iteration's frame while the device computes this one. Events therefore trail the
         device by one step; a song that ends has had one more step queued, whose results are dropped. Each
         WindowReady's `ready` event marks when its conditioning is written."""
-        events: list[Event] = []
         with self._on_stream():  # prompts the caller queued on its own stream come first
-            self._prefill(events)
+            self._prefill()
             previous, self._in_flight = self._in_flight, self._launch() if self.active else None
-            if previous is not None:
-                events += self._collect(previous)
+            collected = self._collect(previous) if previous is not None else []
+        events, self._failed = [*self._failed, *collected], []
         return events
 
-    def _prefill(self, events: list[Event]) -> None:
+    def _prefill(self) -> None:
         tokens = self.config.max_num_batched_tokens
         while self.waiting and tokens >= 2 and len(self.active) < self.slots.pairs:
             song = self.waiting[0]
@@ -218,7 +219,7 @@ class Talker:
                 log.exception("talker prefill failed", extra={"song": song.id})
                 self.waiting.popleft()
                 del self.songs[song.id]
-                events.append(SongFailed(song.id, f"stage 0 could not prefill the song: {exc}"))
+                self._failed.append(SongFailed(song.id, f"stage 0 could not prefill the song: {exc}"))
 
     def _prefill_chunk(self, song: _Song, limit: int) -> int:
         """Prefill up to `limit` more prompt tokens of the song at the head of the queue, in both rows; once its
