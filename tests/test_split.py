@@ -282,6 +282,25 @@ def assert_that_song_alone_fails(engine: Engine, reason: str) -> None:
     assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
 
 
+def test_a_worker_that_cannot_start_says_why(tiny_dir):
+    """Stage 1's startup checks run in the worker: the engine said only that the worker exited with code 1, the
+    reason (here its memory check's numbers) went to the worker's stderr."""
+    deploy = load_deploy_config()
+    stage1 = replace(deploy.stages[1], dtype="bfloat16")
+    loader = partial(load_acoustic, str(tiny_dir))
+    with pytest.raises(Music3Error, match=r"the stage-1 worker could not start: Music3Error: stage 1 needs .* GiB of "
+                                          r"bfloat16 weights, more than this machine's"):
+        RenderWorker(partial(small_machine_loader, loader), "cpu", stage1, deploy.connector)
+
+
+def small_machine_loader(loader, device: str) -> SimpleNamespace:
+    """`loader`'s models in a worker whose machine has 1 KB of memory (as stage 1's memory check sees it)."""
+    from music3serve.serving import render_loop
+
+    render_loop.host_memory = lambda: 1 << 10
+    return loader(device)
+
+
 def test_a_render_call_that_never_ends_is_stopped_as_hung(tiny_dir, tmp_path):
     flag = tmp_path / "stall"
     flag.touch()

@@ -75,7 +75,11 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         signal.signal(stop_signal, signal.SIG_IGN)
     if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
         torch.cuda.set_device(torch.device(device).index or 0)
-    renderer = stage1_renderer(load(device), stage1)
+    try:
+        renderer = stage1_renderer(load(device), stage1)
+    except Exception as exc:  # the engine process says why, not only that the worker exited
+        connector.put(PCM, Message("failed", {"error": f"{type(exc).__name__}: {exc}"}, {}))
+        raise
     connector.put(PCM, Message("ready", {}, {}))
     heartbeat = Heartbeat(lambda message: connector.put(PCM, message))
     parent = multiprocessing.parent_process()
@@ -204,16 +208,22 @@ class RenderWorker:
         atexit.register(self._kill_at_exit)  # runs before multiprocessing's exit hook, whose SIGTERM it ignores
         started = time.monotonic()
         while True:
-            if not self.process.is_alive():
-                self.close()
-                raise Music3Error(f"the stage-1 worker exited with code {self.process.exitcode} while starting")
             try:
-                self.connector.get(PCM, 1.0)
-                break
+                started_message = self.connector.get(PCM, 1.0)
             except ConnectorTimeout:
+                if not self.process.is_alive():
+                    self.close()
+                    raise Music3Error(
+                        f"the stage-1 worker exited with code {self.process.exitcode} while starting"
+                    ) from None
                 if time.monotonic() - started > STARTUP_TIMEOUT_S:
                     self.close()
                     raise Music3Error(f"the stage-1 worker was not ready after {STARTUP_TIMEOUT_S:.0f} s") from None
+                continue
+            if started_message.key == "failed":
+                self.close()
+                raise Music3Error(f"the stage-1 worker could not start: {started_message.meta['error']}")
+            break
         # The worker holds its own ends now. Without this process's copies of the ends it never uses, the worker's
         # death reaches it at once (end of file on PCM, broken pipe on WINDOWS) instead of a read that never ends.
         self.connector.release(PCM, "writer")
