@@ -38,6 +38,7 @@ MAX_PROMPT_TOKENS = 5_000
 MAX_FRAMES = 9_000
 MAX_CONTEXT = 10_240
 MAX_DURATION_S = 360.0
+SEED_LIMIT = 2**63  # seeds key the sampler's and the DiT noise's counter-based draws modulo this
 
 # Stage 0 sampling recipe.
 AR_CFG_SCALE = 1.5
@@ -59,6 +60,11 @@ CROP_RIGHT_LATENT = 2 * OVERLAP_LATENT - CROP_LEFT_LATENT  # 258
 DIT_STEPS = 30
 DIT_CFG_SCALE = 1.7
 NOISE_PROMPT_EPS = 1e-6
+
+
+def is_seed(value: object) -> bool:
+    """A Python int in [0, SEED_LIMIT) (not a bool, float or numpy integer): two different ones draw different songs."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < SEED_LIMIT
 
 
 def latent_length(frames: int) -> int:

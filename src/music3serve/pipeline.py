@@ -63,7 +63,7 @@ def frames_for_duration(duration: object) -> int:
 
 
 def check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    if not contract.is_seed(seed):
         raise InputError(f"seed must be an integer in [0, 2**63), got {_shown(seed)}")
     return seed
 

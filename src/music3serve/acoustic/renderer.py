@@ -181,7 +181,7 @@ class Renderer:
             if w.index != expected:
                 raise ValueError(f"{name}: window {w.index} arrived out of order, window {expected} is next"
                                  + (" (the renderer holds no state for this song)" if state is None else ""))
-            if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed < 2**63:  # noise(): mod 2**63
+            if not contract.is_seed(p.seed):
                 raise ValueError(f"{name}: seed must be an integer in [0, 2**63), got {p.seed!r}")
             if state is not None and p.seed != state.seed:
                 raise ValueError(f"{name}: seed {p.seed} differs from the seed {state.seed} of its earlier windows")

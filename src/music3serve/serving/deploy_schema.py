@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 PIPELINE = "minimax_music3"
 CONNECTOR = "connector_of_shared_memory"  # the default connector's name
 MIN_STAGE0_MAX_TOKENS = contract.MAX_FRAMES + 1  # steps of the longest song: the first sampled frame is not emitted
-SEED_LIMIT = 2**63
+SEED_LIMIT = contract.SEED_LIMIT
 MAX_WINDOWS = len(contract.window_starts(contract.MAX_FRAMES))  # windows of the longest song: 89
 
 

@@ -7,13 +7,11 @@ import logging
 from collections import defaultdict, deque
 from typing import Any, Callable, Iterable
 
-import torch
-
 from .. import contract
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
 from ..errors import Music3Error
-from ..talker.engine import host_memory
+from ..memory import GIB, card_share, host_memory
 from .deploy_schema import Stage1Config
 
 log = logging.getLogger(__name__)
@@ -37,15 +35,14 @@ def check_weights_fit(renderer: Renderer, share: float) -> None:
     the graphs' memory come on top and are not measured."""
     modules = (renderer.encoder, renderer.dit, renderer.vocoder)
     weights = sum(t.numel() * t.element_size() for m in modules for t in itertools.chain(m.parameters(), m.buffers()))
-    gib, advice = 1 << 30, ["run stage 1 in bfloat16"] if renderer.policy.name == "float32" else []
+    advice = ["run stage 1 in bfloat16"] if renderer.policy.name == "float32" else []
     if renderer.device.type == "cuda":
-        allowed = share * torch.cuda.get_device_properties(renderer.device).total_memory
-        where, advice = f"gpu_memory_utilization {share} of the card ({allowed / gib:.1f} GiB)", ["raise it", *advice]
+        (allowed, where), advice = card_share(renderer.device, share), ["raise it", *advice]
     else:
         allowed = host_memory()
-        where = f"this machine's {allowed / gib:.1f} GiB of memory"
+        where = f"this machine's {allowed / GIB:.1f} GiB of memory"
     if weights > allowed:
-        raise Music3Error(f"stage 1 needs {weights / gib:.1f} GiB of {renderer.policy.name} weights, more than "
+        raise Music3Error(f"stage 1 needs {weights / GIB:.1f} GiB of {renderer.policy.name} weights, more than "
                           f"{where}" + (f": {' or '.join(advice)}" if advice else ""))
 
 # An inbox item: ("window", WindowPayload) | ("cancel", song) | ("stop",)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from .. import contract
 from ..acoustic.windows import Window
 from ..errors import InputError, Music3Error
 from ..kernels.pdl import pdl_mode
+from ..memory import GIB, card_share, host_memory
 from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import enable_fusion
@@ -205,8 +205,9 @@ class Talker:
         with self._on_stream():  # prompts the caller queued on its own stream come first
             self._prefill()
             previous, self._in_flight = self._in_flight, self._launch() if self.active else None
-            collected = self._collect(previous) if previous is not None else []
-        events, self._failed = [*self._failed, *collected], []
+            events = self._collect(previous) if previous is not None else []
+        if self._failed:  # prefill failures first, as they happened first
+            events, self._failed = [*self._failed, *events], []
         return events
 
     def _prefill(self) -> None:
@@ -331,23 +332,14 @@ def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: Tal
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
     frames = min(contract.MAX_FRAMES, config.max_model_len - 1) + 1  # a song's longest budget + 1 (see _activate)
     conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song
-    gib = 1 << 30
-    needs = (f"{kv / gib:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens + "
-             f"{conditioning / gib:.1f} GiB of frame conditioning for {pairs} songs")
+    needs = (f"{kv / GIB:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens + "
+             f"{conditioning / GIB:.1f} GiB of frame conditioning for {pairs} songs")
     rows = kv + conditioning
     if device.type == "cuda":
-        allowed = config.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory
+        allowed, share = card_share(device, config.gpu_memory_utilization)
         if weights + rows > allowed:
-            raise Music3Error(
-                f"talker needs {weights / gib:.1f} GiB of weights + {needs}, more than gpu_memory_utilization "
-                f"{config.gpu_memory_utilization} of the card ({allowed / gib:.1f} GiB): lower max_num_seqs or "
-                "max_model_len, or raise the fraction"
-            )
+            raise Music3Error(f"talker needs {weights / GIB:.1f} GiB of weights + {needs}, more than {share}: lower "
+                              "max_num_seqs or max_model_len, or raise the fraction")
     elif device.type == "cpu" and rows > (memory := host_memory()):
-        raise Music3Error(f"talker needs {needs}, more than this machine's {memory / gib:.1f} GiB of memory: lower "
+        raise Music3Error(f"talker needs {needs}, more than this machine's {memory / GIB:.1f} GiB of memory: lower "
                           "max_num_seqs or max_model_len")
-
-
-def host_memory() -> int:
-    """Bytes of physical memory of this machine."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
