@@ -165,9 +165,13 @@ class DepthDecoder(nn.Module):
         """The input projection of a depth position (backbone hidden state or code embedding)."""
         return linear(x, self.projection.weight)
 
+    def code_row(self, codebook: int) -> int:
+        """The embedding table's row of code 0 of residual codebook `codebook` (1..7)."""
+        return (codebook - 1) * self.cfg.codes
+
     def embed_residual(self, codes: torch.Tensor, codebook: int) -> torch.Tensor:
         """Embedding of residual codes of codebook `codebook` (1..7)."""
-        return self.embed(codes + (codebook - 1) * self.cfg.codes)
+        return self.embed(codes + self.code_row(codebook))
 
     @staticmethod
     def checkpoint_sources(cfg: DepthDecoderConfig) -> dict[str, list[Source]]:

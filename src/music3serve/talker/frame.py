@@ -8,10 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .. import contract
 from ..models.depth_decoder import DepthDecoder, DepthKV
+from ..models.fusion import hot
 from ..models.language_model import LanguageModel
+from ..models.layers import linear
 from .sampling import guided_draw
 
 
@@ -34,6 +37,43 @@ def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor
                        cond_top_k=contract.AR_CFG_TOP_K)
 
 
+@hot
+def embed_codes(
+    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each song's code embedded for both its rows (row first_row + code of `table`), and that embedding's depth
+    projection if a projection weight is given; one fused gather instead of three small kernels."""
+    embedded = F.embedding(both_rows(codes) + first_row, table)
+    return embedded, None if projection is None else linear(embedded, projection)
+
+
+@hot
+def first_depth_positions(
+    column: torch.Tensor, hidden: torch.Tensor, table: torch.Tensor, projection: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the drawn legal columns: audio_end flags, semantic codes, their embedding (both rows) and the depth
+    decoder's first two positions [rows, 2, hidden], the backbone hidden and that embedding projected in one GEMM
+    (one read of the projection weight)."""
+    ended = column == 0
+    semantic = (column - 1).clamp_min(0)
+    embedded = F.embedding(both_rows(semantic) + contract.AUDIO_CODE_OFFSET, table)
+    return ended, semantic, embedded, linear(torch.stack((hidden, embedded), dim=1), projection)
+
+
+@hot
+def frame_outputs(
+    codes: list[torch.Tensor], ended: torch.Tensor, semantic_embed: torch.Tensor, residual_embeds: list[torch.Tensor],
+    hidden: torch.Tensor, depth_hiddens: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The frame's codes (c0 = -1 where the song ended), conditioning and feedback embedding."""
+    residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
+    feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
+    conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)
+    codes_t = torch.stack(codes, dim=1)
+    codes_t[:, 0] = torch.where(ended, -1, codes_t[:, 0])
+    return codes_t, conditioning, feedback
+
+
 def talker_frame(
     lm: LanguageModel,
     depth: DepthDecoder,
@@ -45,25 +85,24 @@ def talker_frame(
     """Everything one frame step does after the backbone, for songs keyed by (seed, frame index). The 7 depth
     calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys."""
     column = sample_semantic(lm, hidden, seeds, frames)
-    ended = column == 0
-    semantic = (column - 1).clamp_min(0)
-    semantic_embed = lm.embed_codes(both_rows(semantic))
-    sequence = [depth.project(hidden), depth.project(semantic_embed)]
+    ended, semantic, semantic_embed, positions = first_depth_positions(
+        column, hidden, lm.embed.weight, depth.projection.weight
+    )
     cache = DepthKV(in_buffers=hidden.is_cuda) if depth_cache else None
     codes, depth_hiddens, residual_embeds = [semantic], [], []
     for codebook in range(1, contract.NUM_CODEBOOKS):
-        new = sequence[cache.length :] if cache is not None else sequence
-        out = depth(torch.stack(new, dim=1), cache)[:, -1]
+        out = depth(positions, cache)[:, -1]  # positions: those the cache lacks (all of them without one)
         depth_hiddens.append(out[0::2])
         code = guided_draw(depth.head_logits(out, codebook), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames,
                            codebook)
         codes.append(code)
-        residual_embeds.append(depth.embed_residual(both_rows(code), codebook))
-        if codebook < contract.NUM_CODEBOOKS - 1:
-            sequence.append(depth.project(residual_embeds[-1]))
-    residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
-    feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
-    conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)
-    codes_t = torch.stack(codes, dim=1)
-    codes_t[:, 0] = torch.where(ended, -1, codes_t[:, 0])
+        last = codebook == contract.NUM_CODEBOOKS - 1
+        embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
+                                          None if last else depth.projection.weight)
+        residual_embeds.append(embedded)
+        if not last:
+            new = projected[:, None]
+            positions = new if cache is not None else torch.cat((positions, new), dim=1)
+    codes_t, conditioning, feedback = frame_outputs(codes, ended, semantic_embed, residual_embeds, hidden,
+                                                    depth_hiddens)
     return Frame(codes_t, ended, conditioning, feedback)
