@@ -17,6 +17,7 @@ import threading
 import time
 import wave
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ pytest.importorskip("fastapi")
 from music3serve import cli, contract
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import AudioChunk, Engine, SongRequest
+from music3serve.serving.engine import MAX_SONGS, AudioChunk, Engine, SongRequest
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
@@ -379,6 +380,8 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     calls = {}
 
     class FakeEngine:
+        max_songs = 1024
+
         def close(self):
             calls["closed"] = True
 
@@ -395,6 +398,40 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     assert any(isinstance(f, StreamsCutAtShutdown) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
     assert {r.path for r in calls["app"].routes} >= {"/v1/songs", "/v1/songs/{song_id}", "/health", "/metrics"}
+
+
+def test_serve_lifts_the_soft_limit_on_open_files_so_every_songs_connection_fits(monkeypatch):
+    """A systemd service gets a soft limit of 1024 open files: short of 1024 songs' connections, so a flood of
+    clients found the server out of files before its 429s (clients waited unanswered, EMFILE logged in a loop)."""
+    resource = pytest.importorskip("resource")
+    from music3serve.serving import api
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 2 * MAX_SONGS:
+        pytest.skip(f"needs a finite hard limit on open files of at least {2 * MAX_SONGS}")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    engine = SimpleNamespace(max_songs=MAX_SONGS)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        api.serve(engine)  # type: ignore[arg-type]
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert engine.max_songs == MAX_SONGS
+
+
+def test_serve_holds_fewer_songs_when_the_hard_limit_on_open_files_is_too_low(monkeypatch, caplog):
+    resource = pytest.importorskip("resource")
+    from music3serve.serving import api
+
+    limits = [(300, 600)]
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits[-1])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.append(value))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    engine = SimpleNamespace(max_songs=MAX_SONGS)
+    api.serve(engine)  # type: ignore[arg-type]
+    assert limits[-1] == (600, 600) and engine.max_songs == 600 - api.FILES_RESERVE  # past them: 429, not a hang
+    assert "too few open files" in caplog.text
 
 
 def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, root_logger):

@@ -470,8 +470,38 @@ class StreamsCutAtShutdown(logging.Filter):
         return True
 
 
+# Open files kept beside one connection per song held: the engine's own (weights, pipes, shared memory) and the
+# connections of clients being answered or refused meanwhile.
+FILES_RESERVE = 256
+
+
+def fit_open_files(engine: Engine) -> None:
+    """Every song held keeps its client's connection, an open file, until it ends, and a server out of files
+    accepts no one (clients wait unanswered while the event loop logs EMFILE in a loop). So where the soft limit on
+    open files has no room for engine.max_songs connections beside FILES_RESERVE (systemd services get a soft
+    1024), raise it to the hard one; where even that is short, hold fewer songs: past them a client gets 429."""
+    try:
+        import resource
+    except ImportError:  # not Unix: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = engine.max_songs + FILES_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else hard
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < needed:
+        songs = max(1, soft - FILES_RESERVE)
+        log.warning("too few open files allowed for the engine's songs: it holds fewer (raise the hard limit, "
+                    "e.g. systemd LimitNOFILE or ulimit -Hn)", extra={"open_files": soft, "max_songs": songs})
+        engine.max_songs = songs
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
+    fit_open_files(engine)
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, StreamsCutAtShutdown) for f in uvicorn_log.filters):
         uvicorn_log.addFilter(StreamsCutAtShutdown())
