@@ -152,7 +152,7 @@ async def plain_json_object(request: Request) -> None:
     except UnicodeDecodeError as exc:
         raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
     except _RepeatedKey as exc:
-        raise HTTPException(400, f"the body names {exc.args[0]!r} more than once") from None
+        raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
     except ValueError:
         pass
 
@@ -170,7 +170,7 @@ def _describe(exc: RequestValidationError) -> str:
             why = err.get("ctx", {}).get("error", "malformed")
             parts.append(f"the body is not valid JSON: {why} at character {err['loc'][-1]}")
             continue
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
 
