@@ -29,7 +29,7 @@ pytest.importorskip("fastapi")
 from music3serve import cli, contract
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import MAX_SONGS, AudioChunk, Engine, SongRequest
+from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Engine, SongRequest
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
@@ -253,6 +253,62 @@ def test_client_disconnect_cancels_the_song(client, engine):
     # Leaving the block closes the connection with the body unread.
     wait_until(lambda: client.get(f"/v1/songs/{song}").json()["state"] == "cancelled")
     wait_until(lambda: engine_idle(engine, song))
+
+
+def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, engine, monkeypatch):
+    """A DELETE that lands while the song's last audio is still on its way to the client (the engine has finished
+    it and its Done waits to be read) stopped nothing in the engine, yet counted as a cancel and cut the stream short
+    of its end ('cancelled'): the song counted as finished and as cancelled."""
+    from music3serve.serving import api
+
+    def finished() -> float:
+        return engine.metrics.registry.get_sample_value("music3_song_seconds_count")
+
+    encode, busy, release = api.PcmEncoder.feed, threading.Event(), threading.Event()
+
+    def slow_feed(self, pcm, last):  # the server still busy with the last window when the DELETE comes
+        busy.set()
+        assert release.wait(30)
+        return encode(self, pcm, last)
+
+    monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
+    before, cancels = finished(), metric(client, "music3_cancels")
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "id": "late-delete"}) as response:
+        wait_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
+        assert client.delete("/v1/songs/late-delete").status_code == 204
+        release.set()
+        body = response.read()
+    status = client.get("/v1/songs/late-delete").json()
+    assert (status["state"], status["frames"]) == ("done", 50) and len(body) == 44 + 4 * status["samples_sent"]
+    assert metric(client, "music3_cancels") == cancels
+
+
+def test_a_song_cancelled_while_its_last_window_renders_does_not_count_as_finished(engine, monkeypatch):
+    """The window rendered after the cancel still reached a caller that had not closed its stream (say one that
+    broke out of its loop on Failed): its audio and Done were sent and the song counted as finished too."""
+    render, rendering, release = engine.renderer.render, threading.Event(), threading.Event()
+
+    def held(batch):
+        rendering.set()
+        assert release.wait(30)
+        return render(batch)
+
+    monkeypatch.setattr(engine.renderer, "render", held)
+    sample = engine.metrics.registry.get_sample_value
+    finished, windows = sample("music3_song_seconds_count"), sample("music3_windows_total")
+
+    async def scenario() -> None:
+        events = engine.submit(SongRequest(SONG["caption"], SONG["lyrics"], SHORT, 0, SONG["steps"], id="cut-late"))
+        assert isinstance(await anext(events), Accepted)
+        assert await asyncio.to_thread(rendering.wait, 30)
+        engine.cancel("cut-late")
+        assert (await anext(events)).message == "cancelled"
+        release.set()
+        await asyncio.to_thread(wait_until, lambda: sample("music3_windows_total") == windows + 1)
+        await events.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert sample("music3_song_seconds_count") == finished
 
 
 def test_delete_cancels_a_non_streaming_song(base_url, client, engine):
@@ -534,8 +590,6 @@ class HeldSong:
         self.closed = False
 
     async def submit(self, request):
-        from music3serve.serving.engine import Accepted
-
         try:
             yield Accepted(request.id, 1, 100, 10)
             await asyncio.Event().wait()

@@ -274,11 +274,12 @@ class SongService:
             self.finished.popitem(last=False)
 
     def cancel(self, song_id: str) -> None:
-        song = self.running.get(song_id)
-        stop = song.stop if song is not None else self.pending.get(song_id)
+        """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
+        to its end (its last audio, or its failure, is on its way to the client)."""
+        song, cancelled = self.running.get(song_id), self.engine.cancel(song_id)
+        stop = self.pending.get(song_id) if song is None else song.stop if cancelled else None
         if stop is not None:
-            stop.set()  # ends the client's response; closing the engine generator cancels it there too
-        self.engine.cancel(song_id)
+            stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
 
     async def create(self, body: SongBody, request: Request) -> Response:
         song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
