@@ -29,7 +29,7 @@ pytest.importorskip("fastapi")
 from music3serve import cli, contract
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Engine, SongRequest
+from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Engine, SongRequest, caller_id
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
@@ -248,11 +248,13 @@ def test_delete_cancels_a_streaming_song(client, engine):
 
 def test_client_disconnect_cancels_the_song(client, engine):
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
-        song = response.headers["x-song-id"]
-        assert next(response.iter_raw())[:4] == b"RIFF"
+        song, pieces = response.headers["x-song-id"], response.iter_raw()  # (a dropped iterator would disconnect)
+        assert next(pieces)[:4] == b"RIFF"
+        wait_until(lambda: song in {caller_id(s.id) for s in engine.talker.active})  # it holds talker rows
     # Leaving the block closes the connection with the body unread.
     wait_until(lambda: client.get(f"/v1/songs/{song}").json()["state"] == "cancelled")
-    wait_until(lambda: engine_idle(engine, song))
+    wait_until(lambda: engine_idle(engine, song))  # its rows freed, the talker idle
+    assert re.search(r"^music3_songs_held 0\.0$", client.get("/metrics").text, re.MULTILINE)
 
 
 def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, engine, monkeypatch):

@@ -224,9 +224,10 @@ def test_a_disconnecting_client_leaves_the_other_songs_whole(base_url, client, e
     thread = threading.Thread(target=bystander)
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60, "id": "leaves"}) as response:
         assert response.status_code == 200
-        assert next(response.iter_raw())[:4] == b"RIFF"
+        pieces = response.iter_raw()  # kept: a dropped iterator would close the connection there and then
+        assert next(pieces)[:4] == b"RIFF"
         thread.start()
-        wait_until(lambda: "stays" in callers(engine.talker.songs))  # both songs are in the talker now
+        wait_until(lambda: {"stays", "leaves"} <= callers(engine.talker.songs))  # both songs are in the talker now
     # Leaving the block closed the connection with the body unread.
     wait_until(lambda: client.get("/v1/songs/leaves").json()["state"] == "cancelled")
     thread.join(timeout=60)
