@@ -369,6 +369,33 @@ def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
     wait_until(lambda: engine_idle(engine, "cut-1"))
 
 
+def test_a_streamed_song_cut_at_shutdown_ends_short_and_frees_its_rows(engine, serve_http):
+    """A streamed song still running when the shutdown grace is over: its client sees an incomplete body (not a
+    song that merely ended early), and the engine drops the song."""
+    from music3serve.serving.api import create_app
+
+    got, cancels = [], engine.metrics.registry.get_sample_value("music3_cancels_total")
+
+    def listen(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as other:
+            with other.stream("POST", "/v1/songs", json={**SONG, "duration": 60, "id": "cut-stream"}) as response:
+                try:
+                    for piece in response.iter_bytes():
+                        got.append(piece)
+                except httpx.RemoteProtocolError as exc:
+                    got.append(exc)
+
+    with serve_http(create_app(engine), timeout_graceful_shutdown=0.2) as url:
+        listener = threading.Thread(target=listen, args=(url,))
+        listener.start()
+        wait_until(lambda: sum(len(p) for p in got if isinstance(p, bytes)) > 44)  # audio is flowing
+    listener.join(30)
+    assert isinstance(got[-1], httpx.RemoteProtocolError)
+    wait_until(lambda: engine_idle(engine, "cut-stream"))
+    assert engine.metrics.registry.get_sample_value("music3_songs_held") == 0
+    assert engine.metrics.registry.get_sample_value("music3_cancels_total") == cancels + 1
+
+
 def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
     def broken(batch):
         raise RuntimeError("out of tiny memory")
