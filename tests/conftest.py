@@ -64,15 +64,16 @@ def plain_hot_paths_afterwards():
 
 @pytest.fixture(scope="session")
 def serve_http():
-    """A context manager running an ASGI app under uvicorn in a thread on a free local port; gives the base URL."""
+    """A context manager running an ASGI app under uvicorn in a thread on a free local port; gives the base URL.
+    Keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown)."""
 
     @contextlib.contextmanager
-    def serve(app):
+    def serve(app, **config):
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", **config))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 20

@@ -17,6 +17,7 @@ import threading
 import time
 import wave
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ pytest.importorskip("fastapi")
 from music3serve import cli, contract
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import AudioChunk, Engine, SongRequest
+from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Engine, SongRequest, caller_id
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
@@ -247,11 +248,69 @@ def test_delete_cancels_a_streaming_song(client, engine):
 
 def test_client_disconnect_cancels_the_song(client, engine):
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
-        song = response.headers["x-song-id"]
-        assert next(response.iter_raw())[:4] == b"RIFF"
+        song, pieces = response.headers["x-song-id"], response.iter_raw()  # (a dropped iterator would disconnect)
+        assert next(pieces)[:4] == b"RIFF"
+        wait_until(lambda: song in {caller_id(s.id) for s in engine.talker.active})  # it holds talker rows
     # Leaving the block closes the connection with the body unread.
     wait_until(lambda: client.get(f"/v1/songs/{song}").json()["state"] == "cancelled")
-    wait_until(lambda: engine_idle(engine, song))
+    wait_until(lambda: engine_idle(engine, song))  # its rows freed, the talker idle
+    assert re.search(r"^music3_songs_held 0\.0$", client.get("/metrics").text, re.MULTILINE)
+
+
+def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, engine, monkeypatch):
+    """A DELETE that lands while the song's last audio is still on its way to the client (the engine has finished
+    it and its Done waits to be read) stopped nothing in the engine, yet counted as a cancel and cut the stream short
+    of its end ('cancelled'): the song counted as finished and as cancelled."""
+    from music3serve.serving import api
+
+    def finished() -> float:
+        return engine.metrics.registry.get_sample_value("music3_song_seconds_count")
+
+    encode, busy, release = api.PcmEncoder.feed, threading.Event(), threading.Event()
+
+    def slow_feed(self, pcm, last):  # the server still busy with the last window when the DELETE comes
+        busy.set()
+        assert release.wait(30)
+        return encode(self, pcm, last)
+
+    monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
+    before, cancels = finished(), metric(client, "music3_cancels")
+    with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "id": "late-delete"}) as response:
+        wait_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
+        assert client.delete("/v1/songs/late-delete").status_code == 204
+        release.set()
+        body = response.read()
+    status = client.get("/v1/songs/late-delete").json()
+    assert (status["state"], status["frames"]) == ("done", 50) and len(body) == 44 + 4 * status["samples_sent"]
+    assert metric(client, "music3_cancels") == cancels
+
+
+def test_a_song_cancelled_while_its_last_window_renders_does_not_count_as_finished(engine, monkeypatch):
+    """The window rendered after the cancel still reached a caller that had not closed its stream (say one that
+    broke out of its loop on Failed): its audio and Done were sent and the song counted as finished too."""
+    render, rendering, release = engine.renderer.render, threading.Event(), threading.Event()
+
+    def held(batch):
+        rendering.set()
+        assert release.wait(30)
+        return render(batch)
+
+    monkeypatch.setattr(engine.renderer, "render", held)
+    sample = engine.metrics.registry.get_sample_value
+    finished, windows = sample("music3_song_seconds_count"), sample("music3_windows_total")
+
+    async def scenario() -> None:
+        events = engine.submit(SongRequest(SONG["caption"], SONG["lyrics"], SHORT, 0, SONG["steps"], id="cut-late"))
+        assert isinstance(await anext(events), Accepted)
+        assert await asyncio.to_thread(rendering.wait, 30)
+        engine.cancel("cut-late")
+        assert (await anext(events)).message == "cancelled"
+        release.set()
+        await asyncio.to_thread(wait_until, lambda: sample("music3_windows_total") == windows + 1)
+        await events.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert sample("music3_song_seconds_count") == finished
 
 
 def test_delete_cancels_a_non_streaming_song(base_url, client, engine):
@@ -308,6 +367,33 @@ def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
     assert response.status_code == 503 and response.headers["content-type"] == "application/json"
     assert response.json()["error"].startswith("the server shut down before song cut-1 was finished")
     wait_until(lambda: engine_idle(engine, "cut-1"))
+
+
+def test_a_streamed_song_cut_at_shutdown_ends_short_and_frees_its_rows(engine, serve_http):
+    """A streamed song still running when the shutdown grace is over: its client sees an incomplete body (not a
+    song that merely ended early), and the engine drops the song."""
+    from music3serve.serving.api import create_app
+
+    got, cancels = [], engine.metrics.registry.get_sample_value("music3_cancels_total")
+
+    def listen(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as other:
+            with other.stream("POST", "/v1/songs", json={**SONG, "duration": 60, "id": "cut-stream"}) as response:
+                try:
+                    for piece in response.iter_bytes():
+                        got.append(piece)
+                except httpx.RemoteProtocolError as exc:
+                    got.append(exc)
+
+    with serve_http(create_app(engine), timeout_graceful_shutdown=0.2) as url:
+        listener = threading.Thread(target=listen, args=(url,))
+        listener.start()
+        wait_until(lambda: sum(len(p) for p in got if isinstance(p, bytes)) > 44)  # audio is flowing
+    listener.join(30)
+    assert isinstance(got[-1], httpx.RemoteProtocolError)
+    wait_until(lambda: engine_idle(engine, "cut-stream"))
+    assert engine.metrics.registry.get_sample_value("music3_songs_held") == 0
+    assert engine.metrics.registry.get_sample_value("music3_cancels_total") == cancels + 1
 
 
 def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
@@ -379,6 +465,8 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     calls = {}
 
     class FakeEngine:
+        max_songs = 1024
+
         def close(self):
             calls["closed"] = True
 
@@ -395,6 +483,40 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     assert any(isinstance(f, StreamsCutAtShutdown) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
     assert {r.path for r in calls["app"].routes} >= {"/v1/songs", "/v1/songs/{song_id}", "/health", "/metrics"}
+
+
+def test_serve_lifts_the_soft_limit_on_open_files_so_every_songs_connection_fits(monkeypatch):
+    """A systemd service gets a soft limit of 1024 open files: short of 1024 songs' connections, so a flood of
+    clients found the server out of files before its 429s (clients waited unanswered, EMFILE logged in a loop)."""
+    resource = pytest.importorskip("resource")
+    from music3serve.serving import api
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 2 * MAX_SONGS:
+        pytest.skip(f"needs a finite hard limit on open files of at least {2 * MAX_SONGS}")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    engine = SimpleNamespace(max_songs=MAX_SONGS)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        api.serve(engine)  # type: ignore[arg-type]
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert engine.max_songs == MAX_SONGS
+
+
+def test_serve_holds_fewer_songs_when_the_hard_limit_on_open_files_is_too_low(monkeypatch, caplog):
+    resource = pytest.importorskip("resource")
+    from music3serve.serving import api
+
+    limits = [(300, 600)]
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits[-1])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.append(value))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    engine = SimpleNamespace(max_songs=MAX_SONGS)
+    api.serve(engine)  # type: ignore[arg-type]
+    assert limits[-1] == (600, 600) and engine.max_songs == 600 - api.FILES_RESERVE  # past them: 429, not a hang
+    assert "too few open files" in caplog.text
 
 
 def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, root_logger):
@@ -497,8 +619,6 @@ class HeldSong:
         self.closed = False
 
     async def submit(self, request):
-        from music3serve.serving.engine import Accepted
-
         try:
             yield Accepted(request.id, 1, 100, 10)
             await asyncio.Event().wait()

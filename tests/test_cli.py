@@ -455,6 +455,15 @@ def test_a_text_file_is_read_only_as_far_as_the_longest_allowed_text(tmp_path: P
     assert cli.text_argument(f"@{exact}") == "a" * longest
 
 
+def test_a_text_files_byte_order_mark_is_not_part_of_the_text(tmp_path: Path, capsys, recorder):
+    """A file saved as "UTF-8 with BOM" (Notepad's old default) put U+FEFF before the lyrics' first tag."""
+    lyrics = tmp_path / "lyrics.txt"
+    lyrics.write_text("[verse]\nla la\n", encoding="utf-8-sig")
+    code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", "m", lyrics=f"@{lyrics}"), capsys)
+    assert code == 0, err
+    assert recorder.calls[1]["lyrics"] == "[verse]\nla la\n"
+
+
 def test_text_the_shell_could_not_decode_as_utf8_says_so(tmp_path: Path, capsys, recorder):
     latin1 = os.fsdecode(b"caf\xe9")  # how Python hands over argv bytes that are not UTF-8
     with pytest.raises(SystemExit) as info:  # argparse's usage error

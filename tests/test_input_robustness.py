@@ -151,6 +151,18 @@ def test_a_body_is_utf8_json_naming_each_key_once(client, engine):
     assert requests_total(engine) == before
 
 
+def test_an_unknown_or_repeated_key_is_named_briefly(client):
+    """A key of half a megabyte came back whole in the error message."""
+    key = "k" * 500_000
+    for content, needle in [
+        (raw(**{key: 1}).encode(), f"{key[:80]}: Extra inputs are not permitted"),
+        (f'{{"{key}": 1, "{key}": 2}}'.encode(), f"the body names '{key[:79]} more than once"),
+    ]:
+        response = client.post("/v1/songs", content=content, headers=JSON)
+        assert response.status_code == 400 and needle in response.json()["error"], response.text[:200]
+        assert len(response.content) < 300
+
+
 def test_undecodable_body_and_wrong_content_type(client):
     response = client.post("/v1/songs", content=b'{"caption": "\xff\xfe", "lyrics": "la"}', headers=JSON)
     assert response.status_code == 400
@@ -212,9 +224,10 @@ def test_a_disconnecting_client_leaves_the_other_songs_whole(base_url, client, e
     thread = threading.Thread(target=bystander)
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60, "id": "leaves"}) as response:
         assert response.status_code == 200
-        assert next(response.iter_raw())[:4] == b"RIFF"
+        pieces = response.iter_raw()  # kept: a dropped iterator would close the connection there and then
+        assert next(pieces)[:4] == b"RIFF"
         thread.start()
-        wait_until(lambda: "stays" in callers(engine.talker.songs))  # both songs are in the talker now
+        wait_until(lambda: {"stays", "leaves"} <= callers(engine.talker.songs))  # both songs are in the talker now
     # Leaving the block closed the connection with the body unread.
     wait_until(lambda: client.get("/v1/songs/leaves").json()["state"] == "cancelled")
     thread.join(timeout=60)

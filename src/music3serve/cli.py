@@ -103,7 +103,9 @@ def text_argument(value: str) -> str:
     path = Path(value[1:])
     longest = max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS)
     try:
-        with open(path, encoding="utf-8") as file:  # bounded: past the longest allowed text the rest is not needed
+        # utf-8-sig: a byte-order mark (Windows editors write one) is no part of the text; bounded: past the
+        # longest allowed text the rest is not needed.
+        with open(path, encoding="utf-8-sig") as file:
             text = file.read(longest + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc

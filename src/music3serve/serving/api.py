@@ -152,7 +152,7 @@ async def plain_json_object(request: Request) -> None:
     except UnicodeDecodeError as exc:
         raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
     except _RepeatedKey as exc:
-        raise HTTPException(400, f"the body names {exc.args[0]!r} more than once") from None
+        raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
     except ValueError:
         pass
 
@@ -170,7 +170,7 @@ def _describe(exc: RequestValidationError) -> str:
             why = err.get("ctx", {}).get("error", "malformed")
             parts.append(f"the body is not valid JSON: {why} at character {err['loc'][-1]}")
             continue
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
 
@@ -274,11 +274,12 @@ class SongService:
             self.finished.popitem(last=False)
 
     def cancel(self, song_id: str) -> None:
-        song = self.running.get(song_id)
-        stop = song.stop if song is not None else self.pending.get(song_id)
+        """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
+        to its end (its last audio, or its failure, is on its way to the client)."""
+        song, cancelled = self.running.get(song_id), self.engine.cancel(song_id)
+        stop = self.pending.get(song_id) if song is None else song.stop if cancelled else None
         if stop is not None:
-            stop.set()  # ends the client's response; closing the engine generator cancels it there too
-        self.engine.cancel(song_id)
+            stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
 
     async def create(self, body: SongBody, request: Request) -> Response:
         song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
@@ -470,8 +471,38 @@ class StreamsCutAtShutdown(logging.Filter):
         return True
 
 
+# Open files kept beside one connection per song held: the engine's own (weights, pipes, shared memory) and the
+# connections of clients being answered or refused meanwhile.
+FILES_RESERVE = 256
+
+
+def fit_open_files(engine: Engine) -> None:
+    """Every song held keeps its client's connection, an open file, until it ends, and a server out of files
+    accepts no one (clients wait unanswered while the event loop logs EMFILE in a loop). So where the soft limit on
+    open files has no room for engine.max_songs connections beside FILES_RESERVE (systemd services get a soft
+    1024), raise it to the hard one; where even that is short, hold fewer songs: past them a client gets 429."""
+    try:
+        import resource
+    except ImportError:  # not Unix: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = engine.max_songs + FILES_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else hard
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < needed:
+        songs = max(1, soft - FILES_RESERVE)
+        log.warning("too few open files allowed for the engine's songs: it holds fewer (raise the hard limit, "
+                    "e.g. systemd LimitNOFILE or ulimit -Hn)", extra={"open_files": soft, "max_songs": songs})
+        engine.max_songs = songs
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
+    fit_open_files(engine)
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, StreamsCutAtShutdown) for f in uvicorn_log.filters):
         uvicorn_log.addFilter(StreamsCutAtShutdown())

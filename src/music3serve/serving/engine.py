@@ -73,8 +73,7 @@ class _Client:
     submitted: float
     first_audio: float | None = None
     finished: SongFinished | None = None
-    failed: bool = False
-    cancelled: bool = False
+    ended: bool = False  # done, failed or cancelled, once: the caller gets nothing after its Done or Failed
     unread_bytes: int = 0  # PCM queued on `events`, not yet taken by the caller (kept on the caller's loop)
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     timings: dict[str, float] = field(default_factory=dict)
@@ -205,20 +204,32 @@ class Engine:
             if self._forget(key):
                 self._cancel(key)
 
-    def cancel(self, song: str) -> None:
+    def cancel(self, song: str) -> bool:
         """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed.
-        An id the engine does not hold is ignored."""
+        Whether it did: an id the engine does not hold, or whose song has ended (its Done or Failed is on its way to
+        the caller), is ignored."""
         key = self._keys.get(song)
-        if key is not None:
-            self._count_cancel(key)
-            self._cancel(key)
+        if key is None or not self._count_cancel(key):
+            return False
+        self._cancel(key)
+        return True
 
-    def _count_cancel(self, key: str) -> None:
-        """Count a caller's cancel once (a DELETE, then its stream closing, is one)."""
-        client = self._clients.get(key)
-        if client is not None and not client.cancelled:
-            client.cancelled = True
-            self.metrics.cancels.inc()
+    def _count_cancel(self, key: str) -> bool:
+        """End a held submission as cancelled by its caller, counted once; False if it had already ended."""
+        if self._end(key) is None:
+            return False
+        self.metrics.cancels.inc()
+        return True
+
+    def _end(self, key: str) -> _Client | None:
+        """The held submission, if this call ends it: each song ends once, as done, failed or cancelled (stage
+        threads and the caller's loop may report the same song at once)."""
+        with self._failing:
+            client = self._clients.get(key)
+            if client is None or client.ended:
+                return None
+            client.ended = True
+            return client
 
     def _key(self, song: str) -> str:
         """The name the stages know a submission by: the caller's id and a number of its own, so that a song
@@ -348,7 +359,7 @@ class Engine:
 
     def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
         client = self._clients.get(payload.song)
-        if client is None or client.failed:  # cancelled or failed meanwhile (say an earlier window was not sent)
+        if client is None or client.ended:  # cancelled or failed meanwhile (say an earlier window was not sent)
             return
         if self.worker is None:
             self._windows.put(("window", payload, ready))
@@ -486,7 +497,7 @@ class Engine:
         self.metrics.windows.inc()
         now = time.perf_counter()
         client = self._clients.get(out.song)
-        if client is None or client.failed:
+        if client is None or client.ended:
             return
         if not self.deploy.connector.extra.codec_streaming:  # the client gets the song in one piece at the end
             client.held_pcm.append(out.pcm.numpy())
@@ -503,6 +514,8 @@ class Engine:
             self._done(out.song, client, now)
 
     def _done(self, key: str, client: _Client, now: float) -> None:
+        if self._end(key) is None:  # cancelled or failed since its last window was taken
+            return
         finished = client.finished
         timings = {"first_audio_s": client.first_audio - client.submitted, "total_s": now - client.submitted}
         self.metrics.song_seconds.observe(timings["total_s"])
@@ -511,10 +524,7 @@ class Engine:
 
     def _fail(self, key: str, message: str) -> None:
         """Fail a held submission (counted once, however many stages report it)."""
-        with self._failing:  # stage threads and the caller's loop may report the same song at once
-            client = self._clients.get(key)
-            if client is None or client.failed:
-                return
-            client.failed = True
+        if self._end(key) is None:
+            return
         self.metrics.failures.inc()
         self._emit(key, Failed, _callers_ids(message))
