@@ -646,6 +646,29 @@ def test_a_step_that_fails_with_no_song_decoding_fails_the_queue_instead_of_repe
     assert isinstance(events[-1], Failed) and "injected device loss" in events[-1].message
 
 
+def test_a_talker_whose_steps_keep_failing_stops_and_the_engine_says_why(models, deploy):
+    """Each failed step fails its songs and the engine goes on; three in a row (three songs, one after another) are
+    the device's fault: stage 0 stops, the engine is unavailable with the reason and refuses the next song, where it
+    would fail every song it takes while looking healthy."""
+    engine = make_engine(models, deploy)
+
+    def gone():
+        raise RuntimeError("injected sticky device error")
+
+    engine.talker._on_stream = gone
+    try:
+        for i in range(3):
+            assert engine.unavailable() is None
+            events = run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, i, 1, id=f"song{i}")))
+            assert isinstance(events[-1], Failed) and "injected sticky device error" in events[-1].message
+        run(wait_until(lambda: engine.unavailable() is not None, "stage 0 stops"))
+        assert "stage 0 failed 3 steps in a row" in engine.unavailable()
+        with pytest.raises(Music3Error, match="stage 0 failed 3 steps in a row"):
+            run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, 3, 1, id="after")))
+    finally:
+        shut(engine)
+
+
 def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_last_frame(models, deploy, solo):
     """async_chunk false: stage 1 gets a song's windows only after its last frame; codec_streaming false: the
     client gets the song's PCM as one chunk at the end. The audio is the streamed song's."""

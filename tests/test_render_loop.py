@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from music3serve.acoustic.renderer import WindowPayload
 from music3serve.acoustic.windows import Window
-from music3serve.serving.render_loop import RenderLoop
+from music3serve.errors import Music3Error
+from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop
 
 
 class StandIn:
@@ -18,7 +20,7 @@ class StandIn:
 
     max_batch = 8
 
-    def __init__(self, fail_seed: int | None = None):
+    def __init__(self, fail_seed: int | str | None = None):
         self.next: dict[str, int] = {}
         self.batches: list[list[tuple[str, int]]] = []
         self.fail_seed = fail_seed
@@ -34,7 +36,7 @@ class StandIn:
         for p in batch:
             if p.window.index != self.next_index(p.song):
                 raise RuntimeError(f"song {p.song!r}: window {p.window.index} arrived out of order")
-        if any(p.seed == self.fail_seed for p in batch):
+        if any(p.seed == self.fail_seed or self.fail_seed == "all" for p in batch):
             raise RuntimeError("injected")
         for p in batch:
             self.next[p.song] = p.window.index + 1
@@ -116,3 +118,23 @@ def test_a_window_after_a_songs_queued_last_window_fails_that_song_at_once():
     chunks, errors = run_loop(renderer, [[window("b", 0), last, window("a", 1)], [window("b", 1)]])
     assert errors == [("a", "stage 1 got window 1 of song 'a' after its last window 0")]
     assert chunks == [("b", 0), ("b", 1)]
+
+
+def test_a_renderer_whose_calls_keep_failing_stops_the_loop():
+    """Failed windows fail their songs and the loop goes on; FAILED_CALLS_BEFORE_STOP single-window failures in a row
+    are the device's: the loop raises (the engine then reports stage 1 stopped) instead of failing every window."""
+    renderer, errors = StandIn(fail_seed="all"), []
+    feed = iter([[window(song, 0) for song in "abcd"], [window("e", 0)]])
+    loop = RenderLoop(renderer, lambda block: next(feed), lambda out: None, lambda song, message: errors.append(song))
+    with pytest.raises(Music3Error, match=f"stage 1 failed {FAILED_CALLS_BEFORE_STOP} windows in a row"):
+        loop.run()
+    assert errors == list("abcd")[:FAILED_CALLS_BEFORE_STOP]
+
+
+def test_failures_between_renders_that_succeed_never_stop_the_loop():
+    """Every other window fails: each failure is its song's alone, however many there are."""
+    renderer = StandIn(fail_seed=7)
+    inboxes = [[window(f"bad{i}", 0, seed=7)] + [window(f"good{i}", 0)] for i in range(2 * FAILED_CALLS_BEFORE_STOP)]
+    chunks, errors = run_loop(renderer, [[item] for pair in inboxes for item in pair])
+    assert [song for song, _ in errors] == [f"bad{i}" for i in range(2 * FAILED_CALLS_BEFORE_STOP)]
+    assert chunks == [(f"good{i}", 0) for i in range(2 * FAILED_CALLS_BEFORE_STOP)]

@@ -36,7 +36,7 @@ from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import PAUSE_S
 from .metrics import EngineMetrics
-from .render_loop import RenderLoop, stage1_renderer
+from .render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, stage1_renderer
 from .worker import RenderWorker, chunk_window, load_acoustic
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,7 @@ class Engine:
         stream = self.talker.stream  # the talker's own high-priority stream (its graphs were captured on it)
         steps: dict[str, int] = {}
         held: dict[str, list] = {}  # async_chunk false: each song's windows until its last frame
+        failures_in_a_row = 0
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self._stop.is_set():
                 self._drain_control(steps, held, block=not self.talker.busy)
@@ -332,9 +333,14 @@ class Engine:
                     for song in [s.id for s in self.talker.active] or list(self.talker.songs):
                         self.talker.cancel(song)
                         self._fail(song, f"stage 0 failed: {exc}")
+                    failures_in_a_row += 1
+                    if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
+                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
+                                          "it stops") from exc
                     continue
                 finally:
                     self.metrics.frames.inc(self.talker.frames_written - written)
+                failures_in_a_row = 0
                 self.metrics.talker_steps.inc()
                 for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
                     if isinstance(event, SongFinished):

@@ -48,6 +48,11 @@ def check_weights_fit(renderer: Renderer, share: float) -> None:
 # An inbox item: ("window", WindowPayload) | ("cancel", song) | ("stop",)
 Inbox = Callable[[bool], Iterable[tuple]]
 
+# A stage whose calls fail this many times in a row, each failing its songs, stops instead: the device, not a song, is
+# at fault (say a sticky CUDA error), and a stopped stage makes the engine unavailable (HTTP /health 503) so that it
+# gets restarted, where it would otherwise fail every song it takes while it looks healthy.
+FAILED_CALLS_BEFORE_STOP = 3
+
 
 class RenderLoop:
     """Windows queue per song; each render call takes the next window of up to max_batch songs."""
@@ -69,6 +74,7 @@ class RenderLoop:
         # Songs failed here: their windows still in flight are dropped until the engine's cancel arrives (they
         # would otherwise reach the renderer out of order and fail the songs batched with them).
         self.failed: set[str] = set()
+        self.failures_in_a_row = 0  # single-window render calls
 
     def run(self) -> None:
         """Until a ("stop",) item arrives."""
@@ -126,6 +132,10 @@ class RenderLoop:
             if len(batch) == 1:
                 log.exception("render failed")
                 self.fail(batch[0].song, f"stage 1 failed: {exc}")
+                self.failures_in_a_row += 1
+                if self.failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
+                    raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: {exc!r}); "
+                                      "it stops") from exc
                 return
             log.warning("a render of %d windows failed (%r); rendering them one at a time", len(batch), exc)
             rendered = None
@@ -133,6 +143,7 @@ class RenderLoop:
             for payload in batch:
                 self.render_group([payload])
             return
+        self.failures_in_a_row = 0
         for out in rendered:
             try:
                 self.on_chunk(out)
