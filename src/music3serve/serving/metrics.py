@@ -17,7 +17,7 @@ class EngineMetrics:
         """songs_held / songs_waiting: read at each scrape (all songs the engine holds; those not yet decoding)."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("music3_requests", "Songs submitted", registry=r)
+        self.requests = Counter("music3_requests", "Songs accepted (each given its frame budget)", registry=r)
         self.failures = Counter("music3_failures", "Songs that ended with an error", registry=r)
         self.refusals = Counter("music3_refusals", "Submissions refused before acceptance", ["reason"], registry=r)
         for reason in REFUSALS:  # every series exported from the start, at zero
