@@ -266,6 +266,26 @@ def test_a_failed_call_leaves_every_songs_state_as_it_was(renderer, monkeypatch)
     assert renderer.next_index("x") == renderer.next_index("y") == 1
 
 
+def test_a_window_rendered_to_non_finite_audio_fails_the_call_and_leaves_the_songs_as_they_were(renderer, monkeypatch):
+    """NaN audio used to go out as int16 garbage (full-scale clicks); the call now raises naming the window, and the
+    songs can render the same windows again."""
+    mixed = renderer.mix(conditioning(450, 4))
+    batch = [renderer.payloads(song, 5, mixed, 1)[0] for song in ("x", "y")]
+    real = renderer.vocode
+
+    def vocode_with_nan(latents):
+        waves = real(latents)
+        waves[1][..., 3] = float("nan")
+        return waves
+
+    monkeypatch.setattr(renderer, "vocode", vocode_with_nan)
+    with pytest.raises(FloatingPointError, match="window 0 of song 'y' rendered to non-finite audio"):
+        renderer.render(batch)
+    assert renderer.songs == []
+    monkeypatch.undo()
+    assert [out.song for out in renderer.render(batch)] == ["x", "y"]
+
+
 def test_an_offline_song_under_the_id_of_a_streaming_one_is_refused(renderer):
     """render_song with the id of a song still streaming failed out of order and its cleanup dropped the streaming
     song's carry, so that song's next window failed too."""

@@ -227,6 +227,9 @@ class Renderer:
             RenderedWindow(p.song, p.window, crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu(), latent.float().cpu())
             for p, latent, wave in zip(payloads, latents, waves)
         ]
+        for out in results:  # NaN would reach the listener as full-scale clicks (int16 of NaN): a failure instead
+            if not torch.isfinite(out.pcm).all():
+                raise FloatingPointError(f"window {out.window.index} of song {out.song!r} rendered to non-finite audio")
         # The songs move on only once every window of the call is done.
         states = [_next_state(p, latent, condition) for p, latent, condition in zip(payloads, latents, conditions)]
         for p, state in zip(payloads, states):
