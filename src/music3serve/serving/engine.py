@@ -247,7 +247,7 @@ class Engine:
     def _cancel(self, key: str) -> None:
         self._control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
         if self.worker is not None:
-            self.worker.deadlines.drop(key)
+            self.worker.deadlines.drop(key)  # now; again once the talker has stopped sending the song's windows
         self._emit(key, Failed, "cancelled")
 
     def unavailable(self) -> str | None:
@@ -412,6 +412,8 @@ class Engine:
                     self._windows.put(("cancel", item[1]))
                 else:
                     self.worker.send_cancel(item[1])
+                    # A window this thread handed on while the cancel waited here started waits nobody would answer.
+                    self.worker.deadlines.drop(item[1])
             try:
                 item = self._control.get_nowait()
             except queue.Empty:
