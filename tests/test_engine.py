@@ -548,6 +548,31 @@ def test_a_song_submitted_again_under_a_cancelled_ones_id_gets_only_its_own_audi
     assert np.array_equal(pcm(events), pcm(expected))
 
 
+def test_a_cancelled_songs_id_is_free_at_once_not_when_its_stream_is_read_to_the_end(engine, solo):
+    """A DELETE then a POST under the same id: the new submit used to be refused ("taken by a song still running")
+    until the caller had read or closed the cancelled song's stream."""
+    expected, again = solo(0), request(0, id="reused")
+
+    async def scenario():
+        first = engine.submit(request(3, id="reused", seed=99))
+        assert isinstance(await next_event(first), Accepted)
+        assert engine.cancel("reused")
+        second = engine.submit(again)
+        events = [await next_event(second)]  # accepted before the first stream is read or closed
+        assert (await next_event(first)).message == "cancelled"
+        await close_stream(first)
+        try:
+            async for event in second:
+                events.append(event)
+        finally:
+            await close_stream(second)
+        return events
+
+    events = run(scenario())
+    check_stream(events, again, prompt_tokens(engine, again))
+    assert np.array_equal(pcm(events), pcm(expected))
+
+
 def test_a_failed_render_fails_only_its_song_also_with_its_next_window_queued(engine, solo):
     """The render of a two-window song fails while its second window and another song's window wait for stage 1:
     the failed song's window is dropped, not batched with the other song's (where it would fail both)."""

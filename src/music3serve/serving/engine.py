@@ -211,6 +211,8 @@ class Engine:
         key = self._keys.get(song)
         if key is None or not self._count_cancel(key):
             return False
+        if self._keys.get(song) == key:  # the id is free at once (its stream still ends with Failed("cancelled"))
+            del self._keys[song]
         self._cancel(key)
         return True
 
