@@ -312,12 +312,8 @@ def counted(engine: Engine) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_storm_of_songs_cancels_and_bad_requests_ends_every_stream_and_frees_everything(tiny_dir: Path, layout: str,
-                                                                                         monkeypatch):
+def test_a_storm_of_songs_cancels_and_bad_requests_ends_every_stream_and_frees_everything(tiny_dir: Path, layout: str):
     seed, split, changes = LAYOUTS[layout]
-    # The spawned stage-1 worker does not inherit conftest's one torch thread: two threads of it beside the talker on
-    # two cores made this test take 11 to 37 s instead of 10.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     deploy = parse_deploy_config(DEPLOY | changes, f"stress test deploy, {layout}")
     engine = Engine.from_pretrained(tiny_dir, deploy, device="cpu", split=split)
     connector = engine.worker.connector if engine.worker is not None else None
