@@ -13,6 +13,7 @@ import torch
 from music3serve import contract
 from music3serve.checkpoint import COMPONENTS, load_component
 from music3serve.models.language_model import KVCache
+from music3serve.talker.frame import embed_both_rows, embed_codes, frame_outputs
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -113,7 +114,8 @@ def test_lm_cached_decode(models) -> None:
     for step in range(3):
         codes = torch.randint(0, contract.SEMANTIC_CODES, (2,), generator=gen)
         if step == 0:  # a plain code token
-            ours_in, ref_kwargs = ours.embed_codes(codes)[:, None], {"input_ids": (codes + contract.AUDIO_CODE_OFFSET)[:, None]}
+            ids = (codes + contract.AUDIO_CODE_OFFSET)[:, None]
+            ours_in, ref_kwargs = ours.embed(ids), {"input_ids": ids}
         else:  # a feedback embedding, as the talker feeds back (any vector, rows differ)
             embeds = ref.model.embed_tokens(codes + contract.AUDIO_CODE_OFFSET)[:, None]
             embeds = embeds + 0.5 * torch.randn(embeds.shape, generator=gen)
@@ -140,14 +142,9 @@ def test_lm_chunked_prefill_equals_single_prefill(models) -> None:
     assert_close(chunked.v[:, :, :, :11], single.v[:, :, :, :11], "cached values")
     assert_close(second, ref.model(input_ids=ids).last_hidden_state[:, 4:], "second chunk vs reference")
     # The next decode step reads the chunked cache like the single one.
-    step = ours.embed_codes(torch.tensor([5, 9]))[:, None]
+    step = ours.embed(torch.tensor([5, 9]) + contract.AUDIO_CODE_OFFSET)[:, None]
     assert_close(ours(step, positions(step, 11), chunked.at(11)), ours(step, positions(step, 11), single.at(11)), "decode after chunked prefill")
 
-
-def test_lm_embed_codes(models) -> None:
-    ours, ref = models("language_model")
-    codes = torch.tensor([0, 1, 777, contract.SEMANTIC_CODES - 1])
-    assert torch.equal(ours.embed_codes(codes), ref.model.embed_tokens(codes + contract.AUDIO_CODE_OFFSET))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,13 +176,13 @@ def test_depth_decoder_heads_and_embeddings(models) -> None:
         assert logits.dtype == torch.float32 and logits.shape == (2, contract.RESIDUAL_CODES)
         assert_close(logits, ref.audio_heads[codebook - 1](hidden).float(), f"head {codebook}")
         codes = torch.randint(0, contract.RESIDUAL_CODES, (2,), generator=gen)
-        assert torch.equal(
-            ours.embed_residual(codes, codebook), ref.audio_embeddings(codes + (codebook - 1) * contract.RESIDUAL_CODES)
-        )
+        embedded = embed_both_rows(codes, ours.code_row(codebook), ours.embed.weight)  # as the talker frame does
+        assert torch.equal(embedded[0::2], ref.audio_embeddings(codes + (codebook - 1) * contract.RESIDUAL_CODES))
 
 
 def test_frame_feedback_embedding(models) -> None:
-    """The talker's feedback input built from our modules equals the reference pipeline's _embed_audio_frame."""
+    """The talker frame's embeddings of its codes and its feedback input (talker/frame.py, the functions the frame
+    step runs) equal the reference pipeline's _embed_audio_frame, for both rows of each song."""
     from diffusers.modular_pipelines.minimax_music3 import encoders
 
     lm, lm_ref = models("language_model")
@@ -193,12 +190,16 @@ def test_frame_feedback_embedding(models) -> None:
     gen = torch.Generator().manual_seed(1)
     semantic = torch.randint(0, contract.SEMANTIC_CODES, (2, 1), generator=gen)
     residual = torch.randint(0, contract.RESIDUAL_CODES, (2, contract.NUM_CODEBOOKS - 1), generator=gen)
-    ours = lm.embed_codes(semantic[:, 0]) + sum(
-        depth.embed_residual(residual[:, i - 1], i) for i in range(1, contract.NUM_CODEBOOKS)
-    )
-    ours = ours * contract.NUM_CODEBOOKS**-0.5
+    semantic_embed = embed_both_rows(semantic[:, 0], contract.AUDIO_CODE_OFFSET, lm.embed.weight)
+    residual_embeds = [embed_codes(residual[:, i - 1], depth.code_row(i), depth.embed.weight, None)[0]
+                       for i in range(1, contract.NUM_CODEBOOKS)]
+    codes = [semantic[:, 0], *residual.unbind(1)]
+    hidden = torch.zeros(4, lm.cfg.hidden)
+    _, _, feedback = frame_outputs(codes, torch.zeros(2, dtype=torch.bool), semantic_embed, residual_embeds, hidden,
+                                   [hidden[0::2]] * (contract.NUM_CODEBOOKS - 1))
     ref = encoders._embed_audio_frame(lm_ref, depth_ref, torch.cat((semantic, residual), dim=1))
-    assert_close(ours[:, None], ref, "feedback embedding")
+    assert_close(feedback[0::2, None], ref, "feedback embedding, conditional rows")
+    assert torch.equal(feedback[0::2], feedback[1::2])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -169,10 +169,6 @@ class DepthDecoder(nn.Module):
         """The embedding table's row of code 0 of residual codebook `codebook` (1..7)."""
         return (codebook - 1) * self.cfg.codes
 
-    def embed_residual(self, codes: torch.Tensor, codebook: int) -> torch.Tensor:
-        """Embedding of residual codes of codebook `codebook` (1..7)."""
-        return self.embed(codes + self.code_row(codebook))
-
     @staticmethod
     def checkpoint_sources(cfg: DepthDecoderConfig) -> dict[str, list[Source]]:
         """Where each of our parameters comes from in the diffusers layout."""

@@ -160,9 +160,6 @@ class LanguageModel(nn.Module):
         """float32 logits over the legal columns: column 0 is audio_end, column 1 + k is code k."""
         return linear(hidden, self.head.weight).float()
 
-    def embed_codes(self, semantic: torch.Tensor) -> torch.Tensor:
-        return self.embed(semantic + contract.AUDIO_CODE_OFFSET)
-
     @staticmethod
     def checkpoint_sources(cfg: LanguageModelConfig) -> dict[str, list[Source]]:
         """Where each of our parameters comes from in the transformers Qwen3ForCausalLM layout."""

@@ -37,13 +37,20 @@ def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor
                        cond_top_k=contract.AR_CFG_TOP_K)
 
 
+def embed_both_rows(codes: torch.Tensor, first_row: int, table: torch.Tensor) -> torch.Tensor:
+    """[songs] codes -> [2 * songs, hidden]: row first_row + code of `table` for each song's two rows (the LM's
+    embedding with first_row AUDIO_CODE_OFFSET for semantic codes, the depth decoder's with its code_row for residual
+    ones)."""
+    return F.embedding(both_rows(codes) + first_row, table)
+
+
 @hot
 def embed_codes(
     codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each song's code embedded for both its rows (row first_row + code of `table`), and that embedding's depth
-    projection if a projection weight is given; one fused gather instead of three small kernels."""
-    embedded = F.embedding(both_rows(codes) + first_row, table)
+    """embed_both_rows, and that embedding's depth projection if a projection weight is given: one fused gather
+    instead of three small kernels."""
+    embedded = embed_both_rows(codes, first_row, table)
     return embedded, None if projection is None else linear(embedded, projection)
 
 
@@ -56,7 +63,7 @@ def first_depth_positions(
     (one read of the projection weight)."""
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
-    embedded = F.embedding(both_rows(semantic) + contract.AUDIO_CODE_OFFSET, table)
+    embedded = embed_both_rows(semantic, contract.AUDIO_CODE_OFFSET, table)
     return ended, semantic, embedded, linear(torch.stack((hidden, embedded), dim=1), projection)
 
 
