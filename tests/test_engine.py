@@ -573,6 +573,29 @@ def test_a_cancelled_songs_id_is_free_at_once_not_when_its_stream_is_read_to_the
     assert np.array_equal(pcm(events), pcm(expected))
 
 
+def test_a_cancel_after_the_talker_refused_the_song_changes_and_counts_nothing(engine, monkeypatch):
+    """A song the talker refused (HTTP 400) has ended, its Failed on its way: a cancel then returned True and counted
+    a cancel for a song that was never accepted (music3_cancels moved, music3_requests did not)."""
+
+    def refuse(*args):
+        raise InputError("injected refusal")
+
+    monkeypatch.setattr(engine.talker, "submit", refuse)
+    before = engine.metrics.registry.get_sample_value("music3_cancels_total")
+
+    async def scenario():
+        stream = engine.submit(request(0, id="refused-then-cancelled"))
+        try:
+            event = await next_event(stream)
+            assert isinstance(event, Failed) and event.refused, event
+            return engine.cancel("refused-then-cancelled")
+        finally:
+            await close_stream(stream)
+
+    assert run(scenario()) is False
+    assert engine.metrics.registry.get_sample_value("music3_cancels_total") == before
+
+
 def test_a_failed_render_fails_only_its_song_also_with_its_next_window_queued(engine, solo):
     """The render of a two-window song fails while its second window and another song's window wait for stage 1:
     the failed song's window is dropped, not batched with the other song's (where it would fail both)."""

@@ -138,3 +138,19 @@ def test_failures_between_renders_that_succeed_never_stop_the_loop():
     chunks, errors = run_loop(renderer, [[item] for pair in inboxes for item in pair])
     assert [song for song, _ in errors] == [f"bad{i}" for i in range(2 * FAILED_CALLS_BEFORE_STOP)]
     assert chunks == [(f"good{i}", 0) for i in range(2 * FAILED_CALLS_BEFORE_STOP)]
+
+
+def test_windows_whose_audio_comes_out_non_finite_fail_their_songs_but_never_stop_the_loop():
+    """Non-finite audio is the window's content, not the device: the same request retried (a client retries a
+    failure; its seed makes the audio the same) failed three times in a row and stopped stage 1 for every client."""
+
+    class NonFinite(StandIn):
+        def render(self, batch):
+            if any(p.seed == 7 for p in batch):
+                raise FloatingPointError("window 0 rendered to non-finite audio")
+            return super().render(batch)
+
+    retries = [[window(f"retry{i}", 0, seed=7)] for i in range(2 * FAILED_CALLS_BEFORE_STOP)]
+    chunks, errors = run_loop(NonFinite(), [*retries, [window("other", 0)]])
+    assert [song for song, _ in errors] == [f"retry{i}" for i in range(2 * FAILED_CALLS_BEFORE_STOP)]
+    assert chunks == [("other", 0)]

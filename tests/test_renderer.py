@@ -266,16 +266,20 @@ def test_a_failed_call_leaves_every_songs_state_as_it_was(renderer, monkeypatch)
     assert renderer.next_index("x") == renderer.next_index("y") == 1
 
 
-def test_a_window_rendered_to_non_finite_audio_fails_the_call_and_leaves_the_songs_as_they_were(renderer, monkeypatch):
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_window_rendered_to_non_finite_audio_fails_the_call_and_leaves_the_songs_as_they_were(
+    renderer, monkeypatch, value
+):
     """NaN audio used to go out as int16 garbage (full-scale clicks); the call now raises naming the window, and the
-    songs can render the same windows again."""
+    songs can render the same windows again. An infinity too (the clamp to [-1, 1] once made it a full-scale
+    sample that passed the check)."""
     mixed = renderer.mix(conditioning(450, 4))
     batch = [renderer.payloads(song, 5, mixed, 1)[0] for song in ("x", "y")]
     real = renderer.vocode
 
     def vocode_with_nan(latents):
         waves = real(latents)
-        waves[1][..., 3] = float("nan")
+        waves[1][..., 3] = value
         return waves
 
     monkeypatch.setattr(renderer, "vocode", vocode_with_nan)

@@ -223,13 +223,14 @@ class Renderer:
                     for i, latent in zip(chunk, out):
                         latents[i] = latent
         waves = self.vocode(latents)
+        crops = [crop_waveform(wave, p.window) for p, wave in zip(payloads, waves)]
+        for p, crop in zip(payloads, crops):  # checked before the clamp, which would turn infinities into full scale
+            if not torch.isfinite(crop).all():  # NaN would reach the listener as clicks (int16 of NaN): a failure
+                raise FloatingPointError(f"window {p.window.index} of song {p.song!r} rendered to non-finite audio")
         results = [
-            RenderedWindow(p.song, p.window, crop_waveform(wave, p.window).clamp(-1.0, 1.0).cpu(), latent.float().cpu())
-            for p, latent, wave in zip(payloads, latents, waves)
+            RenderedWindow(p.song, p.window, crop.clamp(-1.0, 1.0).cpu(), latent.float().cpu())
+            for p, latent, crop in zip(payloads, latents, crops)
         ]
-        for out in results:  # NaN would reach the listener as full-scale clicks (int16 of NaN): a failure instead
-            if not torch.isfinite(out.pcm).all():
-                raise FloatingPointError(f"window {out.window.index} of song {out.song!r} rendered to non-finite audio")
         # The songs move on only once every window of the call is done.
         states = [_next_state(p, latent, condition) for p, latent, condition in zip(payloads, latents, conditions)]
         for p, state in zip(payloads, states):

@@ -397,7 +397,8 @@ class Engine:
                     budget = self.talker.submit(song, cond, uncond, seed, requested)
                 except InputError as exc:  # a refused request (HTTP 400): neither a request nor a failure served
                     self.metrics.refusals.labels("invalid").inc()
-                    self._emit(song, Failed, str(exc), True)
+                    if self._end(song) is not None:  # ends once: a cancel now is too late, and counts nothing
+                        self._emit(song, Failed, str(exc), True)
                 except Exception as exc:  # say out of memory for its prompt: this song fails, the engine goes on
                     log.exception("stage 0 could not take a song", extra={"song": song})
                     self.talker.cancel(song)  # whatever part of it was queued

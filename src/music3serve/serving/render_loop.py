@@ -132,6 +132,8 @@ class RenderLoop:
             if len(batch) == 1:
                 log.exception("render failed")
                 self.fail(batch[0].song, f"stage 1 failed: {exc}")
+                if isinstance(exc, FloatingPointError):  # non-finite audio: the call ran, the window's content is
+                    return  # at fault (the same request sent again fails again), not the device
                 self.failures_in_a_row += 1
                 if self.failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
                     raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: {exc!r}); "
