@@ -161,10 +161,6 @@ class DepthDecoder(nn.Module):
         """float32 logits of residual codebook `codebook` (1..7) from hidden [rows, hidden]."""
         return linear(hidden, self.heads[codebook - 1]).float()
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """The input projection of a depth position (backbone hidden state or code embedding)."""
-        return linear(x, self.projection.weight)
-
     def code_row(self, codebook: int) -> int:
         """The embedding table's row of code 0 of residual codebook `codebook` (1..7)."""
         return (codebook - 1) * self.cfg.codes
