@@ -27,6 +27,7 @@ from music3serve.errors import InputError
 from music3serve.serving.deploy_config import parse_deploy_config
 from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
 from music3serve.serving.worker import windows_in_flight
+from test_engine import pcm, wait_until  # the engine tests' helpers (tests/ is on the import path: no package)
 
 EVENT_TIMEOUT = 30.0  # seconds for any one event; the tiny model needs well under one
 RUN_TIMEOUT = 120.0
@@ -123,16 +124,6 @@ def check_stream(events: list, song: str, endings: tuple[type, ...]) -> None:
     assert not isinstance(end, Done) or (chunks and chunks[-1].last), f"{song}: Done without its last chunk"
 
 
-def pcm(events: list) -> np.ndarray:
-    return np.concatenate([e.pcm for e in events if isinstance(e, AudioChunk)], axis=-1)
-
-
-async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = EVENT_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.01)
 
 
 # The callers.
@@ -200,7 +191,7 @@ class Storm:
     async def cancel_early(self, act: Act) -> None:
         """Cancel as soon as the engine holds the id: before the talker took the song, or just after."""
         events = asyncio.ensure_future(self.whole(act.request))
-        await wait_until(lambda: act.request.id in self.engine._keys, "the engine holds the song")
+        await wait_until(lambda: act.request.id in self.engine._keys, "the engine holds the song", EVENT_TIMEOUT)
         self.cancel_id(act.request.id)
         check_stream(await events, act.request.id, (Failed, Done))
 
