@@ -21,7 +21,7 @@ from music3serve.serving.connectors import ConnectorError, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
 from music3serve.serving import heartbeat
 from music3serve.serving.deploy_config import load_deploy_config
-from music3serve.serving.heartbeat import Heartbeat, WorkerWatch
+from music3serve.serving.heartbeat import HEARTBEAT_S, Heartbeat, WorkerWatch
 from music3serve.serving.outbox import Outbox
 from music3serve.serving.worker import RenderWorker, load_acoustic
 
@@ -319,13 +319,14 @@ def test_a_render_call_that_never_ends_is_stopped_as_hung(tiny_dir, tmp_path):
 
 def test_a_long_render_call_does_not_time_out_the_songs_waiting_on_it(tiny_dir, tmp_path):
     """A render call longer than the connector wait (float32 on a slow GPU): the worker says it is rendering, so the
-    waiting song's clock restarts and it completes."""
+    waiting song's clock restarts and it completes. The wait is 2.5 heartbeats: the first beat of the call comes up to
+    one heartbeat after the window is sent (at 1 heartbeat, the CI failed when a beat came a little late)."""
     flag = tmp_path / "stall"
     flag.touch()
     engine = stalling_engine(tiny_dir, flag)
-    engine.worker.deadlines.first_chunk_s = engine.worker.deadlines.later_s = 1.0
+    engine.worker.deadlines.first_chunk_s = engine.worker.deadlines.later_s = 2.5 * HEARTBEAT_S
     try:
-        threading.Timer(4.0, flag.unlink).start()  # the call takes 4 s, four times the wait
+        threading.Timer(7.5 * HEARTBEAT_S, flag.unlink).start()  # the call takes three times the wait
         assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
     finally:
         engine.close()
