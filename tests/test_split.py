@@ -24,6 +24,7 @@ from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.heartbeat import HEARTBEAT_S, Heartbeat, WorkerWatch
 from music3serve.serving.outbox import Outbox
 from music3serve.serving.worker import RenderWorker, load_acoustic
+from test_engine import wait_until  # the engine tests' helper (tests/ is on the import path)
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
 # Split vs colocated PCM, max abs: windows of different songs can share a render batch in one run and not the other,
@@ -280,6 +281,34 @@ def assert_that_song_alone_fails(engine: Engine, reason: str) -> None:
     assert isinstance(result, str) and reason in result
     assert engine.unavailable() is None and engine.worker.alive()
     assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+
+
+def failing_loader(root: str, device: str) -> SimpleNamespace:
+    """Stage 1's models whose every render call fails (as on a device with a sticky error)."""
+    models = load_acoustic(root, device)
+
+    def gone(*args, **kwargs):
+        raise RuntimeError("injected sticky device error")
+
+    models.dit.forward = gone
+    return models
+
+
+def test_a_worker_whose_calls_keep_failing_stops_and_the_engine_says_why(tiny_dir):
+    """Three failed windows in a row stop stage 1 (render_loop.FAILED_CALLS_BEFORE_STOP): the engine's reason is
+    the worker's own, not only that it exited with code 1."""
+    engine = engine_with_loader(tiny_dir, partial(failing_loader, str(tiny_dir)))
+    try:
+        for seed in range(3):
+            result = asyncio.run(asyncio.wait_for(song_pcm(engine, seed, 2.0), 120))
+            assert isinstance(result, str) and "injected sticky device error" in result
+        asyncio.run(wait_until(lambda: engine.unavailable() is not None, "stage 1 stops"))
+        assert "the stage-1 worker stopped: stage 1 failed 3 windows in a row" in engine.unavailable()
+        assert "exit code" not in engine.unavailable()
+        with pytest.raises(Music3Error, match="stage 1 failed 3 windows in a row"):
+            asyncio.run(song_pcm(engine, 3, 2.0))
+    finally:
+        engine.close()
 
 
 def test_a_worker_that_cannot_start_says_why(tiny_dir):

@@ -468,6 +468,8 @@ class Engine:
                 self._on_chunk(chunk_window(message))
             elif message.key == "failed":
                 self._on_render_error(message.meta["song"], message.meta["message"])
+            elif message.key == "stopped":
+                self._worker_lost(f"the stage-1 worker stopped: {message.meta['reason']}")
 
     # ... and this one watches it (apart, so that a read stuck in a frozen worker's half-sent message is no matter).
     def _watch_loop(self) -> None:
@@ -486,14 +488,15 @@ class Engine:
                 self._cancel(key)
             hung = self.worker.watch.hung()
             if hung is not None:  # (or dead, its pipe held open by something it left behind)
-                self._worker_lost(hung if self.worker.alive() else None)
+                alive = self.worker.alive()
+                self._worker_lost(f"the stage-1 worker {hung} and was stopped as hung" if alive else None)
 
-    def _worker_lost(self, hung: str | None = None) -> NoReturn:
-        """Stop (or reap) the worker and stop this thread with the reason, the same whichever stage-1 thread sees the
-        loss first: a worker stopped as hung is not reported as died when its pipe closes."""
+    def _worker_lost(self, reason: str | None = None) -> NoReturn:
+        """Stop (or reap) the worker and stop this thread with the reason (by default: it died), the same whichever
+        stage-1 thread sees the loss first: a worker stopped as hung is not reported as died when its pipe closes."""
         with self._failing:
-            if hung is not None and self._worker_loss is None:
-                self._worker_loss = f"the stage-1 worker {hung} and was stopped as hung"
+            if reason is not None and self._worker_loss is None:
+                self._worker_loss = reason
         self.worker.kill()  # what waited for it dropped, its segments removed
         with self._failing:
             died = f"the stage-1 worker died (exit code {self.worker.process.exitcode})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import signal
@@ -116,8 +117,14 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     def on_error(song: str, message: str) -> None:
         connector.put(PCM, Message("failed", {"song": song, "message": message}, {}))
 
-    RenderLoop(renderer, inbox, on_chunk, on_error, rendering=heartbeat.rendering).run()
-    heartbeat.stop()
+    try:
+        RenderLoop(renderer, inbox, on_chunk, on_error, rendering=heartbeat.rendering).run()
+    except Exception as exc:  # stage 1 stops (say its calls kept failing): the engine says why, not an exit code
+        with contextlib.suppress(Exception):
+            connector.put(PCM, Message("stopped", {"reason": str(exc)}, {}))
+        raise
+    finally:
+        heartbeat.stop()
     connector.close()
 
 
@@ -239,7 +246,8 @@ class RenderWorker:
         self.outbox.put(Message("cancel", {"song": song}, {}))
 
     def receive(self, timeout_s: float) -> Message | None:
-        """The worker's next chunk or failure report, or None (its heartbeats go to the watch)."""
+        """The worker's next chunk, failure report or last word ("stopped", with its reason), or None (its
+        heartbeats go to the watch)."""
         try:
             message = self.connector.get(PCM, timeout_s)
         except ConnectorTimeout:
