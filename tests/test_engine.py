@@ -717,6 +717,33 @@ def test_a_talker_whose_steps_keep_failing_stops_and_the_engine_says_why(models,
         shut(engine)
 
 
+@pytest.mark.parametrize("stage", ["stage 0", "stage 1"])
+def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(models, deploy, stage):
+    """A talker step or render call that never returns (say a GPU wait that hangs, the GIL free): past its limit the
+    watch fails the songs, where their streams waited forever, and the engine reports itself unavailable (HTTP
+    /health 503) and refuses the next song. The limits are shortened for the test (heartbeat.py)."""
+    engine = make_engine(models, deploy)
+    release = threading.Event()
+    target, name = (engine.talker, "step") if stage == "stage 0" else (engine.renderer, "render")
+    real = getattr(target, name)
+
+    def stuck(*args, **kwargs):
+        release.wait(TEST_TIMEOUT)
+        return real(*args, **kwargs)
+
+    setattr(target, name, stuck)
+    engine.stage_watches[stage].watch.render_s = 2.0
+    try:
+        events = run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, 1, 1, id="stuck")))
+        assert isinstance(events[-1], Failed) and f"{stage} has been in one" in events[-1].message
+        assert "counts as hung" in events[-1].message and "counts as hung" in engine.unavailable()
+        with pytest.raises(Music3Error, match="counts as hung"):
+            run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, 2, 1, id="after")))
+    finally:
+        release.set()
+        shut(engine)
+
+
 def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_last_frame(models, deploy, solo):
     """async_chunk false: stage 1 gets a song's windows only after its last frame; codec_streaming false: the
     client gets the song's PCM as one chunk at the end. The audio is the streamed song's."""

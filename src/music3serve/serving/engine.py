@@ -34,7 +34,7 @@ from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .connector_base import ConnectorError, LostMessage, PeerGone
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
-from .heartbeat import PAUSE_S
+from .heartbeat import PAUSE_S, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, stage1_renderer
 from .worker import RenderWorker, chunk_window, load_acoustic
@@ -107,6 +107,10 @@ class Engine:
         self._failing = threading.Lock()
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         self._worker_loss: str | None = None  # why the stage-1 worker is gone (split placement)
+        # The stage threads of this process, watched for a call that never ends (the worker has its own watch).
+        self.stage_watches = {"stage 0": StageWatch(TALKER_STEP_LIMIT_S, "frame step")}
+        if worker is None:
+            self.stage_watches["stage 1"] = StageWatch(RENDER_LIMIT_PER_WINDOW_S, "render call ({work:g} windows' work)")
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
             threading.Thread(
@@ -115,11 +119,8 @@ class Engine:
                 name="music3-stage1",
                 daemon=True,
             ),
+            threading.Thread(target=self._guarded, args=(self._watch_loop,), name="music3-watch", daemon=True),
         ]
-        if worker is not None:
-            watch = threading.Thread(target=self._guarded, args=(self._watch_loop,), name="music3-stage1-watch")
-            watch.daemon = True
-            self._threads.append(watch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # start-up work on the default stream is done before the stages run
         for thread in self._threads:
@@ -269,12 +270,14 @@ class Engine:
             self._emit(key, Failed, "engine closed")
         self._control.put(("stop",))
         self._windows.put(("stop",))
-        talker, *stage1 = self._threads
+        talker, *others = self._threads
         talker.join(timeout=30)
         if self.worker is not None:  # first: a receiver stuck in a frozen worker's half-sent message is freed
             self.worker.close()
-        for thread in stage1:
+        for thread in others:
             thread.join(timeout=30)
+        for watch in self.stage_watches.values():
+            watch.stop()
 
     def _validate(self, request: SongRequest) -> tuple[str, int, int, int]:
         """The song's id, requested frames, seed and Euler steps, checked."""
@@ -326,6 +329,7 @@ class Engine:
                 if not self.talker.busy:
                     continue
                 written = self.talker.frames_written
+                self.stage_watches["stage 0"].busy(1.0)
                 try:
                     events = self.talker.step()
                 except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
@@ -341,6 +345,7 @@ class Engine:
                                           "it stops") from exc
                     continue
                 finally:
+                    self.stage_watches["stage 0"].busy(None)
                     self.metrics.frames.inc(self.talker.frames_written - written)
                 failures_in_a_row = 0
                 self.metrics.talker_steps.inc()
@@ -426,7 +431,9 @@ class Engine:
     def _renderer_loop(self) -> None:
         stream = self.renderer.stream  # the renderer's own stream (its graphs were captured on it)
         inbox = lambda block: self._take_windows(stream, block)  # noqa: E731
-        RenderLoop(self.renderer, inbox, self._on_chunk, self._on_render_error).run()
+        RenderLoop(
+            self.renderer, inbox, self._on_chunk, self._on_render_error, rendering=self.stage_watches["stage 1"].busy
+        ).run()
 
     def _take_windows(self, stream, block: bool) -> list[tuple]:
         """Everything queued for stage 1 (waiting up to 50 ms if asked to block); stop once closing."""
@@ -471,25 +478,37 @@ class Engine:
             elif message.key == "stopped":
                 self._worker_lost(f"the stage-1 worker stopped: {message.meta['reason']}")
 
-    # ... and this one watches it (apart, so that a read stuck in a frozen worker's half-sent message is no matter).
+    # The watch: of the stage threads here for a call that never ends, and of the worker (apart from the receiver, so
+    # that a read stuck in a frozen worker's half-sent message is no matter).
     def _watch_loop(self) -> None:
-        waits, last = self.worker.deadlines, time.monotonic()
+        last = time.monotonic()
         while not self._stop.wait(0.05) and self._worker_loss is None:
+            for stage, watch in self.stage_watches.items():
+                hung = watch.hung()
+                if hung is not None:  # its thread cannot be stopped: the engine stops serving, /health says why
+                    raise Music3Error(f"{stage} {hung} and counts as hung; restart the engine")
+            if self.worker is None:
+                continue
             now = time.monotonic()
             if now - last > PAUSE_S:  # this process was paused: the songs' waits start again
-                waits.restart()
+                self.worker.deadlines.restart()
             last = now
-            for key in waits.overdue():
-                self._fail(key, "stage 1 sent no audio within the connector wait "
-                                f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
-                self._cancel(key)
-            for key, reason in self.worker.outbox.failures():  # windows the connector could not take
-                self._fail(key, reason)
-                self._cancel(key)
-            hung = self.worker.watch.hung()
-            if hung is not None:  # (or dead, its pipe held open by something it left behind)
-                alive = self.worker.alive()
-                self._worker_lost(f"the stage-1 worker {hung} and was stopped as hung" if alive else None)
+            self._watch_worker()
+
+    def _watch_worker(self) -> None:
+        """Fail the songs the worker has not answered in time or whose windows could not be sent; stop it if hung."""
+        waits = self.worker.deadlines
+        for key in waits.overdue():
+            self._fail(key, "stage 1 sent no audio within the connector wait "
+                            f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
+            self._cancel(key)
+        for key, reason in self.worker.outbox.failures():  # windows the connector could not take
+            self._fail(key, reason)
+            self._cancel(key)
+        hung = self.worker.watch.hung()
+        if hung is not None:  # (or dead, its pipe held open by something it left behind)
+            alive = self.worker.alive()
+            self._worker_lost(f"the stage-1 worker {hung} and was stopped as hung" if alive else None)
 
     def _worker_lost(self, reason: str | None = None) -> NoReturn:
         """Stop (or reap) the worker and stop this thread with the reason (by default: it died), the same whichever

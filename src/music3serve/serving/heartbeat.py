@@ -14,6 +14,9 @@ SILENCE_LIMIT_S = 30.0  # no pulse this long: the worker process is frozen (its 
 # window of 30 steps takes ~0.4 s in bf16 and ~4.6 s in IEEE float32 on an H200 (DiT calls and vocoder,
 # docs/performance.md): room for a GPU ten times slower.
 RENDER_LIMIT_PER_WINDOW_S = 60.0
+# A talker frame step (or prefill chunk) longer than this is stuck: a step takes ~7 ms on an H200, a prefill chunk
+# well under a second, and a shape the compiled hot paths have not seen yet compiles in seconds to tens of seconds.
+TALKER_STEP_LIMIT_S = 120.0
 PAUSE_S = 5.0  # a gap this much longer than expected between beats or checks: this process itself was paused
 
 
@@ -55,10 +58,12 @@ class Heartbeat:
 
 
 class WorkerWatch:
-    """In the engine: what the worker's messages say of it, and whether it is hung."""
+    """In the engine: what the worker's messages say of it, and whether it is hung. `call` names what its calls do,
+    with `{work}` where their work goes."""
 
-    def __init__(self, silence_s: float = SILENCE_LIMIT_S, render_s: float = RENDER_LIMIT_PER_WINDOW_S):
-        self.silence_s, self.render_s = silence_s, render_s
+    def __init__(self, silence_s: float = SILENCE_LIMIT_S, render_s: float = RENDER_LIMIT_PER_WINDOW_S,
+                 call: str = "render call ({work:g} windows' work)"):
+        self.silence_s, self.render_s, self.call = silence_s, render_s, call
         self.heard = time.monotonic()
         self._checked: float | None = None
         self.busy_s, self.work = 0.0, 0.0
@@ -79,5 +84,22 @@ class WorkerWatch:
         if now - self.heard > self.silence_s:
             return f"said nothing for {now - self.heard:.0f} s"
         if self.work and self.busy_s > self.render_s * self.work:
-            return f"has been in one render call ({self.work:g} windows' work) for {self.busy_s:.0f} s"
+            return f"has been in one {self.call.format(work=self.work)} for {self.busy_s:.0f} s"
         return None
+
+
+class StageWatch:
+    """A stage thread of the engine's own process, watched as the worker is: the thread reports its calls to
+    `busy(work)` (None when a call ends), and a call past `limit_s` per unit of work counts as hung. A thread cannot
+    be stopped from outside; the engine fails its songs and stops taking more (HTTP /health 503)."""
+
+    def __init__(self, limit_s: float, call: str):
+        self.watch = WorkerWatch(render_s=limit_s, call=call)
+        self._beat = Heartbeat(self.watch.heard_from)
+        self.busy = self._beat.rendering
+
+    def hung(self) -> str | None:
+        return self.watch.hung()
+
+    def stop(self) -> None:
+        self._beat.stop()
