@@ -186,7 +186,11 @@ class Engine:
             raise EngineBusy(f"callers have {unread / 2**30:.1f} GiB of audio not yet read, over the engine's "
                              f"{self.max_unread_bytes / 2**30:.1f} GiB; try again when they have read it")
         key = self._key(song)
-        self._clients[key], self._keys[song] = client, key
+        with self._failing:  # the id's check and claim at once (callers on other threads or loops may race for it)
+            if song in self._keys:
+                raise InputError(f"request id {song!r:.80} is taken by a song still running: wait for it or pick "
+                                 "another")
+            self._clients[key], self._keys[song] = client, key
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
             self._forget(key)
             raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
@@ -212,8 +216,7 @@ class Engine:
         key = self._keys.get(song)
         if key is None or not self._count_cancel(key):
             return False
-        if self._keys.get(song) == key:  # the id is free at once (its stream still ends with Failed("cancelled"))
-            del self._keys[song]
+        self._release_id(song, key)  # the id is free at once (its stream still ends with Failed("cancelled"))
         self._cancel(key)
         return True
 
@@ -243,9 +246,15 @@ class Engine:
     def _forget(self, key: str) -> bool:
         """Drop the submission's client (and its id, if still its own); whether it was held."""
         client = self._clients.pop(key, None)
-        if client is not None and self._keys.get(client.song) == key:
-            del self._keys[client.song]
+        if client is not None:
+            self._release_id(client.song, key)
         return client is not None
+
+    def _release_id(self, song: str, key: str) -> None:
+        """The caller's id is free again, if `key` still holds it (the caller's loop and stage threads may race)."""
+        with self._failing:
+            if self._keys.get(song) == key:
+                del self._keys[song]
 
     def _cancel(self, key: str) -> None:
         self._control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
@@ -290,8 +299,6 @@ class Engine:
         song = uuid.uuid4().hex if request.id is None else request.id
         if not isinstance(song, str) or not song:
             raise InputError(f"request id must be a non-empty string, got {song!r:.80}")
-        if song in self._keys:
-            raise InputError(f"request id {song!r:.80} is taken by a song still running: wait for it or pick another")
         return song, requested, seed, steps
 
     def _emit(self, key: str, event: type[Event], *args) -> None:
