@@ -157,9 +157,11 @@ class DepthDecoder(nn.Module):
             out.append(buffer)
         return out
 
-    def head_logits(self, hidden: torch.Tensor, codebook: int) -> torch.Tensor:
-        """float32 logits of residual codebook `codebook` (1..7) from hidden [rows, hidden]."""
-        return linear(hidden, self.heads[codebook - 1]).float()
+    def head_logits(self, hidden: torch.Tensor, codebook: int, widen: bool = True) -> torch.Tensor:
+        """float32 logits of residual codebook `codebook` (1..7) from hidden [rows, hidden] (widen=False: in the
+        heads' dtype, as LanguageModel.logits)."""
+        logits = linear(hidden, self.heads[codebook - 1])
+        return logits.float() if widen else logits
 
     def code_row(self, codebook: int) -> int:
         """The embedding table's row of code 0 of residual codebook `codebook` (1..7)."""

@@ -156,9 +156,11 @@ class LanguageModel(nn.Module):
             x = layer(x, rope, attend, index)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits over the legal columns: column 0 is audio_end, column 1 + k is code k."""
-        return linear(hidden, self.head.weight).float()
+    def logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """float32 logits over the legal columns: column 0 is audio_end, column 1 + k is code k. widen=False: in the
+        head's dtype, for a sampler that widens them itself (inside its fused kernels; the values are the same)."""
+        logits = linear(hidden, self.head.weight)
+        return logits.float() if widen else logits
 
     @staticmethod
     def checkpoint_sources(cfg: LanguageModelConfig) -> dict[str, list[Source]]:

@@ -33,7 +33,7 @@ def both_rows(per_song: torch.Tensor) -> torch.Tensor:
 
 def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
-    return guided_draw(lm.logits(hidden), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
+    return guided_draw(lm.logits(hidden, widen=False), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
                        cond_top_k=contract.AR_CFG_TOP_K)
 
 
@@ -100,7 +100,7 @@ def talker_frame(
     for codebook in range(1, contract.NUM_CODEBOOKS):
         out = depth(positions, cache)[:, -1]  # positions: those the cache lacks (all of them without one)
         depth_hiddens.append(out[0::2])
-        code = guided_draw(depth.head_logits(out, codebook), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames,
+        code = guided_draw(depth.head_logits(out, codebook, widen=False), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames,
                            codebook)
         codes.append(code)
         last = codebook == contract.NUM_CODEBOOKS - 1
