@@ -26,6 +26,7 @@ from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig
 
 os.environ.setdefault("MUSIC3SERVE_PDL", "off")
+TALKER_ROWS = int(os.environ.get("PROFILE_TALKER_ROWS", "25"))  # kernels listed per talker table
 
 
 def kernel_table(fn, label: str, calls: int = 10, rows: int = 25) -> None:
@@ -54,7 +55,8 @@ def talker() -> None:
     for songs in (1, 8):
         admit(engine, songs, 300)
         print(f"\ntalker step, {songs} songs: {time_ms(lambda: engine.step_fn(2 * songs), repeat=50):.2f} ms (graph)")
-        kernel_table(lambda: engine.step_fn(2 * songs), f"talker frame step, {songs} song(s), graph replay")
+        kernel_table(lambda: engine.step_fn(2 * songs), f"talker frame step, {songs} song(s), graph replay",
+                     rows=TALKER_ROWS)
         for song in list(engine.songs):
             engine.cancel(song)
     disable_fusion()
