@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 12, call 1 (carry .whl and _stack from `bash bench/export_stack.sh 0base=<commit before the change>
-# 1float=main`): the talker step with and without the head logits' float copies, main's full kernel list of the
-# step, then the GPU tests of the talker and the engines (the stage watch threads on CUDA).
+# Prepared in session 12 (no device time was left to run it): carry .whl and _stack from `bash bench/export_stack.sh
+# 0base=703e0a0 1float=main`. The talker step with and without the head logits' float copies (aec6f0b), main's full
+# kernel list of the step, then the GPU tests of the talker and the engines (the stage watch threads on CUDA).
 set -u
 bash bench/gpu_stack.sh steps
 PROFILE_TALKER_ROWS=90 timeout 200 python3 bench/profile_gpu.py talker 2>&1 | grep -v -i warn | tee "$OUT/profile_talker.txt" | head -110
