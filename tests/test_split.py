@@ -21,7 +21,7 @@ from music3serve.serving.connectors import ConnectorError, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
 from music3serve.serving import heartbeat
 from music3serve.serving.deploy_config import load_deploy_config
-from music3serve.serving.heartbeat import HEARTBEAT_S, Heartbeat, WorkerWatch
+from music3serve.serving.heartbeat import HEARTBEAT_S, RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
 from music3serve.serving.outbox import Outbox
 from music3serve.serving.worker import RenderWorker, load_acoustic
 from test_engine import wait_until  # the engine tests' helper (tests/ is on the import path)
@@ -213,6 +213,16 @@ def test_the_heartbeat_reports_the_render_call_and_the_watch_tells_stuck_from_lo
     assert watch.hung().startswith("said nothing for 2")
     watch._checked -= 10  # this process was paused itself: the worker gets a fresh allowance
     assert watch.hung() is None
+
+
+@pytest.mark.parametrize("device, hung", [("cuda", True), ("cpu", False)])
+def test_a_call_counts_as_hung_past_its_limit_on_a_gpu_only(device, hung):
+    """A full-size model's render call takes minutes on the CPU: slow, not stuck (the limits guard against a GPU
+    wait that never returns)."""
+    watch = WorkerWatch(render_s=hang_limit(device, RENDER_LIMIT_PER_WINDOW_S))
+    assert watch.hung() is None
+    watch.heard_from(Message("alive", {"busy_s": 100 * RENDER_LIMIT_PER_WINDOW_S, "work": 1.0}, {}))
+    assert (watch.hung() is not None) == hung
 
 
 def test_time_the_worker_spends_paused_is_not_rendering(monkeypatch):

@@ -34,7 +34,7 @@ from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .connector_base import ConnectorError, LostMessage, PeerGone
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
-from .heartbeat import PAUSE_S, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch
+from .heartbeat import PAUSE_S, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch, hang_limit
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, stage1_renderer
 from .worker import RenderWorker, chunk_window, load_acoustic
@@ -108,9 +108,11 @@ class Engine:
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         self._worker_loss: str | None = None  # why the stage-1 worker is gone (split placement)
         # The stage threads of this process, watched for a call that never ends (the worker has its own watch).
-        self.stage_watches = {"stage 0": StageWatch(TALKER_STEP_LIMIT_S, "frame step")}
+        limit = partial(hang_limit, self.device.type)
+        self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), "frame step")}
         if worker is None:
-            self.stage_watches["stage 1"] = StageWatch(RENDER_LIMIT_PER_WINDOW_S, "render call ({work:g} windows' work)")
+            self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S),
+                                                       "render call ({work:g} windows' work)")
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
             threading.Thread(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable
@@ -18,6 +19,13 @@ RENDER_LIMIT_PER_WINDOW_S = 60.0
 # well under a second, and a shape the compiled hot paths have not seen yet compiles in seconds to tens of seconds.
 TALKER_STEP_LIMIT_S = 120.0
 PAUSE_S = 5.0  # a gap this much longer than expected between beats or checks: this process itself was paused
+
+
+def hang_limit(device_type: str, limit_s: float) -> float:
+    """The limit for a stage on this kind of device: the GPU limits above guard against a wait on a GPU that never
+    answers; on the CPU there is none (a full-size model's prefill or render call takes minutes there: slow, not
+    stuck)."""
+    return limit_s if device_type == "cuda" else math.inf
 
 
 class Heartbeat:

@@ -23,7 +23,7 @@ from ..checkpoint import load_component
 from ..errors import Music3Error
 from .connectors import ConnectorTimeout, LostMessage, Message, make_connector, timeouts
 from .deploy_config import ConnectorConfig, Stage1Config
-from .heartbeat import Heartbeat, WorkerWatch
+from .heartbeat import RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
 from .outbox import Outbox
 from .render_loop import RenderLoop, stage1_renderer
 
@@ -211,7 +211,8 @@ class RenderWorker:
             target=worker_main, args=(load, device, stage1, self.connector, slots), name="music3-stage1", daemon=True
         )
         self.process.start()
-        self.outbox, self.watch = Outbox(self.connector, WINDOWS, slots), WorkerWatch()
+        self.outbox = Outbox(self.connector, WINDOWS, slots)
+        self.watch = WorkerWatch(render_s=hang_limit(torch.device(device).type, RENDER_LIMIT_PER_WINDOW_S))
         atexit.register(self._kill_at_exit)  # runs before multiprocessing's exit hook, whose SIGTERM it ignores
         started = time.monotonic()
         while True:
