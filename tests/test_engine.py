@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
+from music3serve.serving.heartbeat import StageWatch
 
 
 def callers(keys) -> set[str]:
@@ -381,6 +383,35 @@ def test_bad_input_raises_before_anything_is_queued(engine, bad):
     assert not engine.talker.songs and not engine.talker.busy
 
 
+def test_two_callers_racing_for_one_id_get_one_song(engine, monkeypatch):
+    """Two submits of one id from two threads, each on its own event loop, both past their other checks at once: one
+    song runs, the other submit is refused (the id's check and claim were apart, and both songs ran under it)."""
+    barrier, key = threading.Barrier(2, timeout=EVENT_TIMEOUT), engine._key
+
+    def key_when_both_are_here(song: str) -> str:
+        barrier.wait()
+        return key(song)
+
+    monkeypatch.setattr(engine, "_key", key_when_both_are_here)
+    results: list = []
+
+    def caller(seed: int) -> None:
+        try:
+            results.append(run(collect(engine, request(0, id="contested", seed=seed, duration_s=1.0))))
+        except InputError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TEST_TIMEOUT)
+    refused = [r for r in results if isinstance(r, InputError)]
+    songs = [r for r in results if isinstance(r, list)]
+    assert len(refused) == len(songs) == 1 and "'contested' is taken" in str(refused[0])
+    assert isinstance(songs[0][-1], Done)
+
+
 def test_duplicate_id_is_refused_while_the_first_runs(engine, solo):
     expected = solo(3)
 
@@ -721,7 +752,8 @@ def test_a_talker_whose_steps_keep_failing_stops_and_the_engine_says_why(models,
 def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(models, deploy, stage):
     """A talker step or render call that never returns (say a GPU wait that hangs, the GIL free): past its limit the
     watch fails the songs, where their streams waited forever, and the engine reports itself unavailable (HTTP
-    /health 503) and refuses the next song. The limits are shortened for the test (heartbeat.py)."""
+    /health 503) and refuses the next song; close() does not wait for the stuck thread. On the CPU there is no limit
+    (heartbeat.hang_limit): the test sets one."""
     engine = make_engine(models, deploy)
     release = threading.Event()
     target, name = (engine.talker, "step") if stage == "stage 0" else (engine.renderer, "render")
@@ -732,16 +764,35 @@ def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(mo
         return real(*args, **kwargs)
 
     setattr(target, name, stuck)
-    engine.stage_watches[stage].watch.render_s = 2.0
+    assert engine.stage_watches[stage].limit_s == math.inf
+    engine.stage_watches[stage].limit_s = 2.0
     try:
         events = run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, 1, 1, id="stuck")))
-        assert isinstance(events[-1], Failed) and f"{stage} has been in one" in events[-1].message
-        assert "counts as hung" in events[-1].message and "counts as hung" in engine.unavailable()
+        assert isinstance(events[-1], Failed) and events[-1].message.startswith(f"{stage} has been in one")
+        assert "counts as hung" in events[-1].message and engine.unavailable() == events[-1].message
         with pytest.raises(Music3Error, match="counts as hung"):
             run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, 2, 1, id="after")))
+        started = time.monotonic()
+        engine.close()
+        assert time.monotonic() - started < 10  # the other threads' joins only
     finally:
-        release.set()
+        release.set()  # the stuck thread returns, and ends as the engine is closed
+        for thread in engine._threads:
+            thread.join(timeout=30)
         shut(engine)
+
+
+def test_time_the_process_spends_paused_does_not_count_for_a_stage_call():
+    watch = StageWatch(limit_s=5.0, call="frame step")
+    assert watch.hung() is None
+    watch.busy(1.0)
+    watch._call = (watch._call[0] - 8.0, 1.0)  # 8 s into the call
+    assert watch.hung() == "has been in one frame step for 8 s"
+    watch.paused(6.0)  # six of them with the process paused (say a frozen container)
+    assert watch.hung() is None
+    watch.busy(None)
+    watch.paused(6.0)
+    assert watch.hung() is None
 
 
 def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_last_frame(models, deploy, solo):

@@ -313,7 +313,7 @@ def test_a_worker_whose_calls_keep_failing_stops_and_the_engine_says_why(tiny_di
             result = asyncio.run(asyncio.wait_for(song_pcm(engine, seed, 2.0), 120))
             assert isinstance(result, str) and "injected sticky device error" in result
         asyncio.run(wait_until(lambda: engine.unavailable() is not None, "stage 1 stops"))
-        assert "the stage-1 worker stopped: stage 1 failed 3 windows in a row" in engine.unavailable()
+        assert "the stage-1 worker stopped: Music3Error: stage 1 failed 3 windows in a row" in engine.unavailable()
         assert "exit code" not in engine.unavailable()
         with pytest.raises(Music3Error, match="stage 1 failed 3 windows in a row"):
             asyncio.run(song_pcm(engine, 3, 2.0))

@@ -34,7 +34,7 @@ from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .connector_base import ConnectorError, LostMessage, PeerGone
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
-from .heartbeat import PAUSE_S, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch, hang_limit
+from .heartbeat import PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch, hang_limit
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, stage1_renderer
 from .worker import RenderWorker, chunk_window, load_acoustic
@@ -111,8 +111,8 @@ class Engine:
         limit = partial(hang_limit, self.device.type)
         self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), "frame step")}
         if worker is None:
-            self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S),
-                                                       "render call ({work:g} windows' work)")
+            self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S), RENDER_CALL)
+        self._hung_stage: str | None = None  # the stage whose thread the watch found stuck in one call
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
             threading.Thread(
@@ -281,14 +281,14 @@ class Engine:
             self._emit(key, Failed, "engine closed")
         self._control.put(("stop",))
         self._windows.put(("stop",))
-        talker, *others = self._threads
-        talker.join(timeout=30)
+        talker, stage1, watch = self._threads
+        # A thread the watch found stuck is not waited for (it may never return; it is a daemon).
+        stuck = {"stage 0": talker, "stage 1": stage1}.get(self._hung_stage)
+        talker.join(timeout=0 if talker is stuck else 30)
         if self.worker is not None:  # first: a receiver stuck in a frozen worker's half-sent message is freed
             self.worker.close()
-        for thread in others:
-            thread.join(timeout=30)
-        for watch in self.stage_watches.values():
-            watch.stop()
+        for thread in (stage1, watch):
+            thread.join(timeout=0 if thread is stuck else 30)
 
     def _validate(self, request: SongRequest) -> tuple[str, int, int, int]:
         """The song's id, requested frames, seed and Euler steps, checked."""
@@ -321,10 +321,14 @@ class Engine:
             loop()
         except BaseException as exc:
             log.exception("engine thread died")
-            with self._failing:  # the first reason stands (the stage-1 threads may both see a worker that is gone)
-                self._broken = self._broken or f"engine stage stopped ({threading.current_thread().name}): {exc!r}"
-            for key in list(self._clients):
-                self._fail(key, self._broken)
+            self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {exc!r}")
+
+    def _stop_serving(self, reason: str) -> None:
+        """The engine cannot serve any more: every song it holds fails with the reason, and so does every submit."""
+        with self._failing:  # the first reason stands (the stage-1 threads may both see a worker that is gone)
+            self._broken = self._broken or reason
+        for key in list(self._clients):
+            self._fail(key, self._broken)
 
     # Stage 0 thread.
     def _talker_loop(self) -> None:
@@ -484,7 +488,9 @@ class Engine:
                 self._on_chunk(chunk_window(message))
             elif message.key == "failed":
                 self._on_render_error(message.meta["song"], message.meta["message"])
-            elif message.key == "stopped":
+            elif message.key == "stopped":  # its last word before it exits (say its calls kept failing)
+                if self._stop.is_set():
+                    return
                 self._worker_lost(f"the stage-1 worker stopped: {message.meta['reason']}")
 
     # The watch: of the stage threads here for a call that never ends, and of the worker (apart from the receiver, so
@@ -492,17 +498,22 @@ class Engine:
     def _watch_loop(self) -> None:
         last = time.monotonic()
         while not self._stop.wait(0.05) and self._worker_loss is None:
+            now = time.monotonic()
+            if now - last > PAUSE_S:  # this process was paused: that time counts for no call and no song's wait
+                for watch in self.stage_watches.values():
+                    watch.paused(now - last)
+                if self.worker is not None:
+                    self.worker.deadlines.restart()
+            last = now
             for stage, watch in self.stage_watches.items():
                 hung = watch.hung()
                 if hung is not None:  # its thread cannot be stopped: the engine stops serving, /health says why
-                    raise Music3Error(f"{stage} {hung} and counts as hung; restart the engine")
-            if self.worker is None:
-                continue
-            now = time.monotonic()
-            if now - last > PAUSE_S:  # this process was paused: the songs' waits start again
-                self.worker.deadlines.restart()
-            last = now
-            self._watch_worker()
+                    log.error("%s %s: the engine stops serving", stage, hung)
+                    self._hung_stage = stage
+                    self._stop_serving(f"{stage} {hung} and counts as hung; restart the engine's process")
+                    return
+            if self.worker is not None:
+                self._watch_worker()
 
     def _watch_worker(self) -> None:
         """Fail the songs the worker has not answered in time or whose windows could not be sent; stop it if hung."""

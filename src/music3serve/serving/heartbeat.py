@@ -18,6 +18,7 @@ RENDER_LIMIT_PER_WINDOW_S = 60.0
 # A talker frame step (or prefill chunk) longer than this is stuck: a step takes ~7 ms on an H200, a prefill chunk
 # well under a second, and a shape the compiled hot paths have not seen yet compiles in seconds to tens of seconds.
 TALKER_STEP_LIMIT_S = 120.0
+RENDER_CALL = "render call ({work:g} windows' work)"  # what a stage-1 call is called in the reasons given
 PAUSE_S = 5.0  # a gap this much longer than expected between beats or checks: this process itself was paused
 
 
@@ -66,12 +67,10 @@ class Heartbeat:
 
 
 class WorkerWatch:
-    """In the engine: what the worker's messages say of it, and whether it is hung. `call` names what its calls do,
-    with `{work}` where their work goes."""
+    """In the engine: what the worker's messages say of it, and whether it is hung."""
 
-    def __init__(self, silence_s: float = SILENCE_LIMIT_S, render_s: float = RENDER_LIMIT_PER_WINDOW_S,
-                 call: str = "render call ({work:g} windows' work)"):
-        self.silence_s, self.render_s, self.call = silence_s, render_s, call
+    def __init__(self, silence_s: float = SILENCE_LIMIT_S, render_s: float = RENDER_LIMIT_PER_WINDOW_S):
+        self.silence_s, self.render_s = silence_s, render_s
         self.heard = time.monotonic()
         self._checked: float | None = None
         self.busy_s, self.work = 0.0, 0.0
@@ -92,22 +91,38 @@ class WorkerWatch:
         if now - self.heard > self.silence_s:
             return f"said nothing for {now - self.heard:.0f} s"
         if self.work and self.busy_s > self.render_s * self.work:
-            return f"has been in one {self.call.format(work=self.work)} for {self.busy_s:.0f} s"
+            return f"has been in one {RENDER_CALL.format(work=self.work)} for {self.busy_s:.0f} s"
         return None
 
 
 class StageWatch:
-    """A stage thread of the engine's own process, watched as the worker is: the thread reports its calls to
-    `busy(work)` (None when a call ends), and a call past `limit_s` per unit of work counts as hung. A thread cannot
-    be stopped from outside; the engine fails its songs and stops taking more (HTTP /health 503)."""
+    """A stage thread of the engine's own process: it reports its calls to `busy(work)` (None when one ends), and the
+    engine's watch loop asks `hung()`: a call past `limit_s` per unit of work counts as hung. The watch loop reports
+    the time this process spent paused (`paused`), which does not count. A thread cannot be stopped from outside;
+    the engine fails the songs it holds and stops taking more (HTTP /health 503)."""
 
     def __init__(self, limit_s: float, call: str):
-        self.watch = WorkerWatch(render_s=limit_s, call=call)
-        self._beat = Heartbeat(self.watch.heard_from)
-        self.busy = self._beat.rendering
+        """`call` names what the calls do, with `{work}` where their work goes."""
+        self.limit_s, self.call = limit_s, call
+        self._call: tuple[float, float] | None = None  # (start, work) while a call runs
+        self._lock = threading.Lock()
+
+    def busy(self, work: float | None) -> None:
+        """A call of this much work starts; None: it ended."""
+        with self._lock:
+            self._call = None if work is None else (time.monotonic(), work)
+
+    def paused(self, seconds: float) -> None:
+        """This process was paused this long: the current call's clock moves on by as much."""
+        with self._lock:
+            if self._call is not None:
+                self._call = (self._call[0] + seconds, self._call[1])
 
     def hung(self) -> str | None:
-        return self.watch.hung()
-
-    def stop(self) -> None:
-        self._beat.stop()
+        call = self._call
+        if call is None:
+            return None
+        busy = time.monotonic() - call[0]
+        if busy > self.limit_s * call[1]:
+            return f"has been in one {self.call.format(work=call[1])} for {busy:.0f} s"
+        return None

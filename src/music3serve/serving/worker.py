@@ -121,7 +121,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         RenderLoop(renderer, inbox, on_chunk, on_error, rendering=heartbeat.rendering).run()
     except Exception as exc:  # stage 1 stops (say its calls kept failing): the engine says why, not an exit code
         with contextlib.suppress(Exception):
-            connector.put(PCM, Message("stopped", {"reason": str(exc)}, {}))
+            connector.put(PCM, Message("stopped", {"reason": f"{type(exc).__name__}: {exc}"}, {}))
         raise
     finally:
         heartbeat.stop()

@@ -100,8 +100,8 @@ def talker_frame(
     for codebook in range(1, contract.NUM_CODEBOOKS):
         out = depth(positions, cache)[:, -1]  # positions: those the cache lacks (all of them without one)
         depth_hiddens.append(out[0::2])
-        code = guided_draw(depth.head_logits(out, codebook, widen=False), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames,
-                           codebook)
+        logits = depth.head_logits(out, codebook, widen=False)
+        code = guided_draw(logits, contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, codebook)
         codes.append(code)
         last = codebook == contract.NUM_CODEBOOKS - 1
         embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
