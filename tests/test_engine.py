@@ -553,7 +553,7 @@ class HeldRenders:
 def queued_window(engine: Engine, song: str, index: int) -> bool:
     """Whether window `index` of song `song` (the caller's id) waits in the queue to stage 1."""
     return any(item[0] == "window" and caller_id(item[1].song) == song and item[1].window.index == index
-               for item in list(engine._windows.queue))
+               for item in list(engine.stage1.windows.queue))
 
 
 def test_a_song_submitted_again_under_a_cancelled_ones_id_gets_only_its_own_audio(engine, solo):

@@ -141,7 +141,7 @@ class Storm:
         self.doomed: dict[str, threading.Event] = {}
         if engine.worker is None:
             window = lambda item: item[1] if item[0] == "window" else None  # noqa: E731
-            engine._windows.put = self.handing_over(engine._windows.put, window)
+            engine.stage1.windows.put = self.handing_over(engine.stage1.windows.put, window)
         else:
             engine.worker.send_window = self.handing_over(engine.worker.send_window, lambda payload: payload)
 
@@ -276,7 +276,7 @@ def leftovers(engine: Engine) -> dict[str, object]:
         "talker waiting": [s.id for s in talker.waiting], "talker busy": talker.busy,
     }
     if engine.worker is None:
-        held |= {"renderer songs": engine.renderer.songs, "windows queued": engine._windows.qsize()}
+        held |= {"renderer songs": engine.renderer.songs, "windows queued": engine.stage1.windows.qsize()}
     else:
         worker = engine.worker
         slots = windows_in_flight(engine.deploy.stages[1].render_batch)

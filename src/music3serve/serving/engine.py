@@ -1,8 +1,8 @@
 """The engine as a Python API: `submit(request)` streams events, `cancel(id)` stops a song.
 
-Both stages run in this process on two threads, each with its own CUDA stream, so the talker keeps writing
-frames while the renderer turns finished windows into PCM. Windows cross over an in-process queue, with a
-CUDA event so the renderer never reads conditioning the talker stream has not finished writing.
+The talker runs on a thread of this process with its own CUDA stream; stage 1 (serving/stage1.py) is a renderer on
+another thread and stream (colocated), so the talker keeps writing frames while the renderer turns finished windows
+into PCM, or a worker process (split). A watch thread catches a stage stuck in one call.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator, NoReturn
+from typing import AsyncIterator
 
 import numpy as np
 import torch
@@ -31,13 +31,13 @@ from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
-from .connector_base import ConnectorError, LostMessage, PeerGone
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch, hang_limit
 from .metrics import EngineMetrics
-from .render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, stage1_renderer
-from .worker import RenderWorker, chunk_window, load_acoustic
+from .render_loop import FAILED_CALLS_BEFORE_STOP, stage1_renderer
+from .stage1 import LocalStage1, WorkerStage1
+from .worker import RenderWorker, load_acoustic
 
 log = logging.getLogger(__name__)
 # Songs one engine holds, running and waiting: beyond the talker's rows they queue, and past this many a submit
@@ -89,10 +89,6 @@ class Engine:
         stage1 = deploy.stages[1]
         self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
         self.worker = worker
-        # Split layout: windows leave for the worker through a copy on a side stream, which waits only for the
-        # step that wrote them, not for the step the talker has queued since.
-        split_on_cuda = worker is not None and self.device.type == "cuda"
-        self._window_copies = torch.cuda.Stream(self.device) if split_on_cuda else None
         if worker is None:
             self.renderer = stage1_renderer(models, stage1)
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
@@ -101,26 +97,23 @@ class Engine:
         self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
         self._submissions = itertools.count()
         self._control: queue.Queue = queue.Queue()
-        self._windows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._closed = False
         self._failing = threading.Lock()
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
-        self._worker_loss: str | None = None  # why the stage-1 worker is gone (split placement)
         # The stage threads of this process, watched for a call that never ends (the worker has its own watch).
         limit = partial(hang_limit, self.device.type)
         self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), "frame step")}
         if worker is None:
             self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S), RENDER_CALL)
+            self.stage1: LocalStage1 | WorkerStage1 = LocalStage1(self.renderer, self._on_chunk, self._on_render_error,
+                                      self.stage_watches["stage 1"], self._stop)
+        else:
+            self.stage1 = WorkerStage1(worker, self.device, self._on_chunk, self._on_render_error, self._stop)
         self._hung_stage: str | None = None  # the stage whose thread the watch found stuck in one call
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
-            threading.Thread(
-                target=self._guarded,
-                args=(self._renderer_loop if worker is None else self._receiver_loop,),
-                name="music3-stage1",
-                daemon=True,
-            ),
+            threading.Thread(target=self._guarded, args=(self.stage1.run,), name="music3-stage1", daemon=True),
             threading.Thread(target=self._guarded, args=(self._watch_loop,), name="music3-watch", daemon=True),
         ]
         if self.device.type == "cuda":
@@ -260,8 +253,7 @@ class Engine:
 
     def _cancel(self, key: str) -> None:
         self._control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
-        if self.worker is not None:
-            self.worker.deadlines.drop(key)  # now; again once the talker has stopped sending the song's windows
+        self.stage1.drop_waits(key)  # now; again once the talker has stopped sending the song's windows
         self._emit(key, Failed, "cancelled")
 
     def unavailable(self) -> str | None:
@@ -280,13 +272,12 @@ class Engine:
         for key in list(self._clients):
             self._emit(key, Failed, "engine closed")
         self._control.put(("stop",))
-        self._windows.put(("stop",))
+        self.stage1.stop()
         talker, stage1, watch = self._threads
         # A thread the watch found stuck is not waited for (it may never return; it is a daemon).
         stuck = {"stage 0": talker, "stage 1": stage1}.get(self._hung_stage)
         talker.join(timeout=0 if talker is stuck else 30)
-        if self.worker is not None:  # first: a receiver stuck in a frozen worker's half-sent message is freed
-            self.worker.close()
+        self.stage1.close()
         for thread in (stage1, watch):
             thread.join(timeout=0 if thread is stuck else 30)
 
@@ -387,21 +378,7 @@ class Engine:
         client = self._clients.get(payload.song)
         if client is None or client.ended:  # cancelled or failed meanwhile (say an earlier window was not sent)
             return
-        if self.worker is None:
-            self._windows.put(("window", payload, ready))
-        else:
-            self._send_window(payload, ready)
-
-    def _send_window(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
-        """To the worker's outbox (its writer thread reports a window the connector cannot take, say /dev/shm is
-        full, to the watch thread, which fails that song only)."""
-        if self._window_copies is None:
-            self.worker.send_window(payload)
-            return
-        if ready is not None:
-            self._window_copies.wait_event(ready)
-        with torch.cuda.stream(self._window_copies):
-            self.worker.send_window(payload)  # its device-to-host copy runs here
+        self.stage1.send(payload, ready)
 
     def _drain_control(self, steps: dict[str, int], held: dict[str, list], block: bool) -> None:
         try:
@@ -429,81 +406,21 @@ class Engine:
                 self.talker.cancel(item[1])
                 steps.pop(item[1], None)
                 held.pop(item[1], None)
-                if self.worker is None:
-                    self._windows.put(("cancel", item[1]))
-                else:
-                    self.worker.send_cancel(item[1])
-                    # A window this thread handed on while the cancel waited here started waits nobody would answer.
-                    self.worker.deadlines.drop(item[1])
+                self.stage1.cancel(item[1])
             try:
                 item = self._control.get_nowait()
             except queue.Empty:
                 return
 
-    # Stage 1 thread.
-    def _renderer_loop(self) -> None:
-        stream = self.renderer.stream  # the renderer's own stream (its graphs were captured on it)
-        inbox = lambda block: self._take_windows(stream, block)  # noqa: E731
-        RenderLoop(
-            self.renderer, inbox, self._on_chunk, self._on_render_error, rendering=self.stage_watches["stage 1"].busy
-        ).run()
-
-    def _take_windows(self, stream, block: bool) -> list[tuple]:
-        """Everything queued for stage 1 (waiting up to 50 ms if asked to block); stop once closing."""
-        items = []
-        try:
-            items.append(self._windows.get(timeout=0.05) if block else self._windows.get_nowait())
-            while True:
-                items.append(self._windows.get_nowait())
-        except queue.Empty:
-            pass
-        for item in items:
-            if item[0] == "window" and item[2] is not None:  # the talker stream's writes come first
-                stream.wait_event(item[2])
-                item[1].mixed.record_stream(stream)
-        if self._stop.is_set():
-            items.append(("stop",))
-        return [item[:2] for item in items]
-
-    # Stage 1 in a worker process: this thread receives its PCM...
-    def _receiver_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                message = self.worker.receive(0.05)
-            except PeerGone:  # no sender left, after everything it sent was read
-                if self._stop.is_set():
-                    return
-                self._worker_lost()
-            except LostMessage as exc:  # one message without its payload: its song alone fails
-                if "song" in exc.meta:
-                    self._on_render_error(exc.meta["song"], f"stage 1's audio was lost on its way: {exc}")
-                continue
-            except ConnectorError:  # the connector closed under it: the engine is closing
-                if self._stop.is_set():
-                    return
-                raise
-            if message is None:
-                continue
-            if message.key == "chunk":
-                self._on_chunk(chunk_window(message))
-            elif message.key == "failed":
-                self._on_render_error(message.meta["song"], message.meta["message"])
-            elif message.key == "stopped":  # its last word before it exits (say its calls kept failing)
-                if self._stop.is_set():
-                    return
-                self._worker_lost(f"the stage-1 worker stopped: {message.meta['reason']}")
-
-    # The watch: of the stage threads here for a call that never ends, and of the worker (apart from the receiver, so
-    # that a read stuck in a frozen worker's half-sent message is no matter).
+    # The watch: of the stage threads here for a call that never ends, and of stage 1's own needs (the worker).
     def _watch_loop(self) -> None:
         last = time.monotonic()
-        while not self._stop.wait(0.05) and self._worker_loss is None:
+        while not self._stop.wait(0.05) and self.stage1.loss is None:
             now = time.monotonic()
             if now - last > PAUSE_S:  # this process was paused: that time counts for no call and no song's wait
                 for watch in self.stage_watches.values():
                     watch.paused(now - last)
-                if self.worker is not None:
-                    self.worker.deadlines.restart()
+                self.stage1.paused()
             last = now
             for stage, watch in self.stage_watches.items():
                 hung = watch.hung()
@@ -512,35 +429,7 @@ class Engine:
                     self._hung_stage = stage
                     self._stop_serving(f"{stage} {hung} and counts as hung; restart the engine's process")
                     return
-            if self.worker is not None:
-                self._watch_worker()
-
-    def _watch_worker(self) -> None:
-        """Fail the songs the worker has not answered in time or whose windows could not be sent; stop it if hung."""
-        waits = self.worker.deadlines
-        for key in waits.overdue():
-            self._fail(key, "stage 1 sent no audio within the connector wait "
-                            f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
-            self._cancel(key)
-        for key, reason in self.worker.outbox.failures():  # windows the connector could not take
-            self._fail(key, reason)
-            self._cancel(key)
-        hung = self.worker.watch.hung()
-        if hung is not None:  # (or dead, its pipe held open by something it left behind)
-            alive = self.worker.alive()
-            self._worker_lost(f"the stage-1 worker {hung} and was stopped as hung" if alive else None)
-
-    def _worker_lost(self, reason: str | None = None) -> NoReturn:
-        """Stop (or reap) the worker and stop this thread with the reason (by default: it died), the same whichever
-        stage-1 thread sees the loss first: a worker stopped as hung is not reported as died when its pipe closes."""
-        with self._failing:
-            if reason is not None and self._worker_loss is None:
-                self._worker_loss = reason
-        self.worker.kill()  # what waited for it dropped, its segments removed
-        with self._failing:
-            died = f"the stage-1 worker died (exit code {self.worker.process.exitcode})"
-            self._worker_loss = self._worker_loss or died
-        raise Music3Error(self._worker_loss)
+            self.stage1.check()
 
     def _on_render_error(self, key: str, message: str) -> None:
         self._fail(key, message)

@@ -1,0 +1,171 @@
+"""Stage 1 as the engine sees it: the renderer on a thread of the engine's process (colocated), or a worker process
+reached through the connector (split). Either takes windows and cancels from the talker's thread, runs `run` on a
+thread of its own, and hands rendered windows and failed songs back through the engine's callbacks."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, NoReturn
+
+import torch
+
+from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..errors import Music3Error
+from .connector_base import ConnectorError, LostMessage, PeerGone
+from .heartbeat import StageWatch
+from .render_loop import RenderLoop
+from .worker import RenderWorker, chunk_window
+
+OnChunk = Callable[[RenderedWindow], None]
+OnError = Callable[[str, str], None]  # (song key, message): the song fails, and is cancelled everywhere
+
+
+class Stage1:
+    """What both placements share; the hooks a placement has no use for do nothing."""
+
+    loss: str | None = None  # why stage 1 is gone for good (the split worker died or hung)
+
+    def drop_waits(self, key: str) -> None:
+        """The song is cancelled: nothing it has sent is waited for any more."""
+
+    def check(self) -> None:
+        """Called often by the engine's watch loop."""
+
+    def paused(self) -> None:
+        """This process was paused: waits start again."""
+
+    def close(self) -> None:
+        """After the engine has stopped its talker thread."""
+
+
+class LocalStage1(Stage1):
+    """The renderer on a thread of this process: windows cross an in-process queue with the CUDA event of the talker
+    step that wrote them, so the renderer never reads conditioning the talker stream has not finished writing."""
+
+    def __init__(self, renderer: Renderer, on_chunk: OnChunk, on_error: OnError, watch: StageWatch,
+                 stop: threading.Event):
+        self.renderer, self.on_chunk, self.on_error, self.watch, self._stop = renderer, on_chunk, on_error, watch, stop
+        self.windows: queue.Queue = queue.Queue()
+
+    def send(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
+        self.windows.put(("window", payload, ready))
+
+    def cancel(self, key: str) -> None:
+        self.windows.put(("cancel", key))
+
+    def stop(self) -> None:
+        self.windows.put(("stop",))
+
+    def run(self) -> None:
+        RenderLoop(self.renderer, self._take, self.on_chunk, self.on_error, rendering=self.watch.busy).run()
+
+    def _take(self, block: bool) -> list[tuple]:
+        """Everything queued (waiting up to 50 ms if asked to block); stop once closing."""
+        stream, items = self.renderer.stream, []  # the renderer's own stream (its graphs were captured on it)
+        try:
+            items.append(self.windows.get(timeout=0.05) if block else self.windows.get_nowait())
+            while True:
+                items.append(self.windows.get_nowait())
+        except queue.Empty:
+            pass
+        for item in items:
+            if item[0] == "window" and item[2] is not None:  # the talker stream's writes come first
+                stream.wait_event(item[2])
+                item[1].mixed.record_stream(stream)
+        if self._stop.is_set():
+            items.append(("stop",))
+        return [item[:2] for item in items]
+
+
+class WorkerStage1(Stage1):
+    """Stage 1 in a worker process: windows leave through the worker's outbox, its PCM and failure reports come
+    back to `run` (the receiver), and `check` (the engine's watch loop, apart from the receiver, so that a read stuck
+    in a frozen worker's half-sent message is no matter) fails the songs past their connector waits and stops a
+    worker that hangs."""
+
+    def __init__(self, worker: RenderWorker, device: torch.device, on_chunk: OnChunk, on_error: OnError,
+                 stop: threading.Event):
+        self.worker, self.on_chunk, self.on_error, self._stop = worker, on_chunk, on_error, stop
+        # Windows leave through a copy on a side stream, which waits only for the step that wrote them, not for the
+        # step the talker has queued since.
+        self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.Lock()
+
+    def send(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
+        """To the worker's outbox (its writer thread reports a window the connector cannot take, say /dev/shm is
+        full, to `check`, which fails that song only)."""
+        if self._copies is None:
+            self.worker.send_window(payload)
+            return
+        if ready is not None:
+            self._copies.wait_event(ready)
+        with torch.cuda.stream(self._copies):
+            self.worker.send_window(payload)  # its device-to-host copy runs here
+
+    def cancel(self, key: str) -> None:
+        self.worker.send_cancel(key)
+        self.drop_waits(key)  # a window handed on while the cancel waited started waits nobody would answer
+
+    def drop_waits(self, key: str) -> None:
+        self.worker.deadlines.drop(key)
+
+    def stop(self) -> None:
+        """Nothing to send: the receiver sees the engine's stop event."""
+
+    def close(self) -> None:
+        self.worker.close()  # before the receiver is joined: one stuck in a frozen worker's half-sent message is freed
+
+    def paused(self) -> None:
+        self.worker.deadlines.restart()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.worker.receive(0.05)
+            except PeerGone:  # no sender left, after everything it sent was read
+                if self._stop.is_set():
+                    return
+                self.lost()
+            except LostMessage as exc:  # one message without its payload: its song alone fails
+                if "song" in exc.meta:
+                    self.on_error(exc.meta["song"], f"stage 1's audio was lost on its way: {exc}")
+                continue
+            except ConnectorError:  # the connector closed under it: the engine is closing
+                if self._stop.is_set():
+                    return
+                raise
+            if message is None:
+                continue
+            if message.key == "chunk":
+                self.on_chunk(chunk_window(message))
+            elif message.key == "failed":
+                self.on_error(message.meta["song"], message.meta["message"])
+            elif message.key == "stopped":  # its last word before it exits (say its calls kept failing)
+                if self._stop.is_set():
+                    return
+                self.lost(f"the stage-1 worker stopped: {message.meta['reason']}")
+
+    def check(self) -> None:
+        waits = self.worker.deadlines
+        for key in waits.overdue():
+            self.on_error(key, "stage 1 sent no audio within the connector wait "
+                               f"({waits.first_chunk_s:g} s first, {waits.later_s:g} s later)")
+        for key, reason in self.worker.outbox.failures():  # windows the connector could not take
+            self.on_error(key, reason)
+        hung = self.worker.watch.hung()
+        if hung is not None:  # (or dead, its pipe held open by something it left behind)
+            alive = self.worker.alive()
+            self.lost(f"the stage-1 worker {hung} and was stopped as hung" if alive else None)
+
+    def lost(self, reason: str | None = None) -> NoReturn:
+        """Stop (or reap) the worker and stop the calling thread with the reason (by default: it died), the same
+        whichever thread sees the loss first: a worker stopped as hung is not reported as died when its pipe
+        closes."""
+        with self._lock:
+            if reason is not None and self.loss is None:
+                self.loss = reason
+        self.worker.kill()  # what waited for it dropped, its segments removed
+        with self._lock:
+            self.loss = self.loss or f"the stage-1 worker died (exit code {self.worker.process.exitcode})"
+        raise Music3Error(self.loss)
