@@ -1,34 +1,31 @@
 """The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
 
-FastAPI and uvicorn are imported here and nowhere else, so the engine core runs without them. This module never
-touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints, fields,
-headers and streaming semantics: docs/api.md.
+FastAPI and uvicorn are imported here and in serving/request_body.py (the song body, read by this module only) and
+nowhere else, so the engine core runs without them. This module never touches CUDA: it moves events and float32 PCM
+that the engine has already copied to the host. Endpoints, fields, headers and streaming semantics: docs/api.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
-from .. import contract
 from ..errors import EngineBusy, InputError, Music3Error
-from ..pipeline import MAX_STEPS
-from .audio_io import CHANNELS, OUTPUT_RATES, PcmEncoder, wav_header
+from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
 
 log = logging.getLogger(__name__)
 
@@ -36,38 +33,6 @@ METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 
-
-class SongBody(BaseModel):
-    """POST /v1/songs. Types are strict (a string is not a number, a bool is not an int); unknown keys are refused."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    caption: str
-    lyrics: str
-    duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
-    format: Literal["wav", "pcm"] = "wav"
-    sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
-    stream: bool = True
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")  # default: a fresh uuid4 hex
-
-    @field_validator("sample_rate", mode="before")
-    @classmethod
-    def _integer_rate(cls, value: Any) -> Any:
-        if type(value) is not int:  # a Literal takes 32000.0 as equal to 32000
-            raise ValueError(f"must be an integer, one of {', '.join(map(str, OUTPUT_RATES))}")
-        return value
-
-    @field_validator("id")
-    @classmethod
-    def _reachable(cls, value: str | None) -> str | None:
-        if value in (".", ".."):
-            raise ValueError("an id of '.' or '..' cannot be reached at /v1/songs/{id} (clients resolve it away)")
-        return value
-
-
-SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads
 
 # A song is accepted within one talker step of its POST (tokenizing and a prefill at most); a stage that takes
 # longer is stuck, and the client gets 503 instead of an open connection.
@@ -96,83 +61,6 @@ class SongState:
 
     def public(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"}
-
-
-# Far above a request at the caption and lyrics limits (25,000 characters, at most 4 UTF-8 bytes each).
-MAX_BODY_BYTES = 1 << 20
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-class BoundedBody:
-    """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411)
-    and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's 404 or 405.
-    Plain ASGI, so streamed responses pass through untouched."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]]):
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
-            if not length:
-                path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
-                if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
-                    return await self.app(scope, receive, send)
-                return await _error(411, "send the body with a Content-Length header")(scope, receive, send)
-            if not length.isdigit():
-                return await _error(400, f"Content-Length {length!r:.40} is not a byte count")(scope, receive, send)
-            if int(length) > MAX_BODY_BYTES:
-                message = f"the body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes"
-                return await _error(413, message)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class _RepeatedKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _RepeatedKey(key)
-        out[key] = value
-    return out
-
-
-async def plain_json_object(request: Request) -> None:
-    """The song body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
-    last value of a repeated key. (Bodies it cannot parse are its to report: it ran first.)"""
-    raw = await request.body()
-    try:
-        json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except UnicodeDecodeError as exc:
-        raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
-    except _RepeatedKey as exc:
-        raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
-    except ValueError:
-        pass
-
-
-def _describe(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing":
-            parts.append("the body is empty: send the song request as a JSON object")
-            continue
-        if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
-            parts.append("the body must be a JSON object, sent with Content-Type: application/json")
-            continue
-        if err.get("type") == "json_invalid":  # loc: ("body", offset of the error)
-            why = err.get("ctx", {}).get("error", "malformed")
-            parts.append(f"the body is not valid JSON: {why} at character {err['loc'][-1]}")
-            continue
-        where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
 
 
 async def _pull(events: AsyncIterator[Event]) -> Event:
@@ -291,13 +179,14 @@ class SongService:
             first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
         except TimeoutError:
             await events.aclose()
-            return _error(503, f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later")
+            message = f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later"
+            return error_response(503, message)
         except InputError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         except EngineBusy as exc:
-            return _error(429, str(exc), {"Retry-After": "10"})
+            return error_response(429, str(exc), {"Retry-After": "10"})
         except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
-            return _error(503, f"the engine cannot take songs: {exc}")
+            return error_response(503, f"the engine cannot take songs: {exc}")
         except BaseException:
             await events.aclose()
             raise
@@ -306,15 +195,16 @@ class SongService:
                 del self.pending[body.id]
         if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
             await events.aclose()
-            return _error(409, f"song {body.id} was cancelled before it was accepted")
+            return error_response(409, f"song {body.id} was cancelled before it was accepted")
         if not isinstance(first, Accepted):
             await events.aclose()
             if isinstance(first, Failed) and first.refused:
-                return _error(400, first.message)
+                return error_response(400, first.message)
             why = self.engine.unavailable()
             if why is not None:  # closing, or a stage died: retry elsewhere or later
-                return _error(503, f"the engine cannot take songs: {why}")
-            return _error(500, first.message if isinstance(first, Failed) else f"unexpected first event {first!r}")
+                return error_response(503, f"the engine cannot take songs: {why}")
+            message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
+            return error_response(500, message)
         song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
         self.running[song.id] = song
         headers = {
@@ -353,16 +243,16 @@ class SongService:
                 data = b"".join([piece async for piece in audio])
         except asyncio.CancelledError:  # only uvicorn cancels a request task: its shutdown grace is over
             asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
-            return _error(503, f"the server shut down before song {song.id} was finished (songs still running when "
-                               "its shutdown grace period is over are cut)", headers)
+            return error_response(503, f"the server shut down before song {song.id} was finished (songs still running "
+                                       "when its shutdown grace period is over are cut)", headers)
         finally:
             watcher.cancel()
             await events.aclose()
             self.finish(song, "cancelled")
         if song.state == "failed":
-            return _error(500, f"song {song.id} failed: {song.error}", headers)
+            return error_response(500, f"song {song.id} failed: {song.error}", headers)
         if song.state != "done":
-            return _error(409, f"song {song.id} was cancelled before it was finished", headers)
+            return error_response(409, f"song {song.id} was cancelled before it was finished", headers)
         if song.format == "wav":
             data = wav_header(song.sample_rate, len(data)) + data
         return Response(data, media_type=MEDIA_TYPES[song.format], headers=headers)
@@ -411,7 +301,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, _describe(exc))
+        return error_response(400, describe(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
@@ -421,8 +311,8 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
             why = str(exc.__cause__)
             if "integer string conversion" in why:  # Python's guard on decoding huge integers
                 why = f"a number has more than {sys.get_int_max_str_digits()} digits"
-            return _error(400, f"the body is not valid JSON: {why}", exc.headers)
-        return _error(exc.status_code, str(exc.detail), exc.headers)
+            return error_response(400, f"the body is not valid JSON: {why}", exc.headers)
+        return error_response(exc.status_code, str(exc.detail), exc.headers)
 
     @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(plain_json_object)])
     async def create_song(body: SongBody, request: Request) -> Response:
@@ -432,7 +322,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
     async def song_status(song_id: str) -> JSONResponse:
         song = service.lookup(song_id)
         if song is None:
-            return _error(404, f"no song {song_id!r} is running or finished recently")
+            return error_response(404, f"no song {song_id!r} is running or finished recently")
         return JSONResponse(song.public())
 
     @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)

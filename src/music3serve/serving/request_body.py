@@ -1,0 +1,128 @@
+"""The song request's body as the HTTP API reads it: its size, its encoding and keys, its fields and types, and
+the error messages for each way it can be wrong (docs/api.md)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable, Literal
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
+
+from .. import contract
+from ..pipeline import MAX_STEPS
+from .audio_io import OUTPUT_RATES
+
+SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads
+
+# Far above a request at the caption and lyrics limits (25,000 characters, at most 4 UTF-8 bytes each).
+MAX_BODY_BYTES = 1 << 20
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The API's error body: {"error": message}."""
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class SongBody(BaseModel):
+    """POST /v1/songs. Types are strict (a string is not a number, a bool is not an int); unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    caption: str
+    lyrics: str
+    duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    format: Literal["wav", "pcm"] = "wav"
+    sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
+    stream: bool = True
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")  # default: a fresh uuid4 hex
+
+    @field_validator("sample_rate", mode="before")
+    @classmethod
+    def _integer_rate(cls, value: Any) -> Any:
+        if type(value) is not int:  # a Literal takes 32000.0 as equal to 32000
+            raise ValueError(f"must be an integer, one of {', '.join(map(str, OUTPUT_RATES))}")
+        return value
+
+    @field_validator("id")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        if value in (".", ".."):
+            raise ValueError("an id of '.' or '..' cannot be reached at /v1/songs/{id} (clients resolve it away)")
+        return value
+
+
+class BoundedBody:
+    """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411)
+    and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's 404 or 405.
+    Plain ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+            if not length:
+                path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
+                if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
+                    return await self.app(scope, receive, send)
+                return await error_response(411, "send the body with a Content-Length header")(scope, receive, send)
+            if not length.isdigit():
+                message = f"Content-Length {length!r:.40} is not a byte count"
+                return await error_response(400, message)(scope, receive, send)
+            if int(length) > MAX_BODY_BYTES:
+                message = f"the body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes"
+                return await error_response(413, message)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
+async def plain_json_object(request: Request) -> None:
+    """The song body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
+    last value of a repeated key. (Bodies it cannot parse are its to report: it ran first.)"""
+    raw = await request.body()
+    try:
+        json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as exc:
+        raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
+    except _RepeatedKey as exc:
+        raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
+    except ValueError:
+        pass
+
+
+def describe(exc: RequestValidationError) -> str:
+    """One message for every way the body failed validation."""
+    parts = []
+    for err in exc.errors():
+        if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing":
+            parts.append("the body is empty: send the song request as a JSON object")
+            continue
+        if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append("the body must be a JSON object, sent with Content-Type: application/json")
+            continue
+        if err.get("type") == "json_invalid":  # loc: ("body", offset of the error)
+            why = err.get("ctx", {}).get("error", "malformed")
+            parts.append(f"the body is not valid JSON: {why} at character {err['loc'][-1]}")
+            continue
+        where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
