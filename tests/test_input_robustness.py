@@ -31,9 +31,9 @@ from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import check_seed, frames_for_duration
 from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_caption, normalize_lyrics
 from music3serve.serving.api import create_app
-from music3serve.serving.request_body import MAX_BODY_BYTES
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+from music3serve.serving.request_body import MAX_BODY_BYTES
 
 
 def callers(keys) -> set[str]:

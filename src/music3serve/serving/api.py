@@ -1,7 +1,7 @@
 """The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
 
-FastAPI and uvicorn are imported here and in serving/request_body.py (the song body, read by this module only) and
-nowhere else, so the engine core runs without them. This module never touches CUDA: it moves events and float32 PCM
+The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here and in serving/request_body.py
+(read by this module only) and nowhere else, so the engine core runs without them. This module never touches CUDA: it moves events and float32 PCM
 that the engine has already copied to the host. Endpoints, fields, headers and streaming semantics: docs/api.md.
 """
 

@@ -1,8 +1,8 @@
 """The engine as a Python API: `submit(request)` streams events, `cancel(id)` stops a song.
 
-The talker runs on a thread of this process with its own CUDA stream; stage 1 (serving/stage1.py) is a renderer on
-another thread and stream (colocated), so the talker keeps writing frames while the renderer turns finished windows
-into PCM, or a worker process (split). A watch thread catches a stage stuck in one call.
+The talker runs on a thread of this process with its own CUDA stream; stage 1 (serving/stage1.py) is either a
+renderer on another thread and stream of this process (colocated: the talker keeps writing frames while it renders)
+or a worker process (split). A watch thread catches a stage stuck in one call.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch, hang_limit
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP, stage1_renderer
-from .stage1 import LocalStage1, WorkerStage1
+from .stage1 import LocalStage1, Stage1, WorkerStage1
 from .worker import RenderWorker, load_acoustic
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,10 @@ class Engine:
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
-        stage1 = deploy.stages[1]
         self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
-        self.worker = worker
+        self.worker = worker  # (split) and self.renderer (colocated): for callers and tests; the engine uses stage1
         if worker is None:
-            self.renderer = stage1_renderer(models, stage1)
+            self.renderer = stage1_renderer(models, deploy.stages[1])
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
         self._clients: dict[str, _Client] = {}  # by key
@@ -106,10 +105,11 @@ class Engine:
         self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), "frame step")}
         if worker is None:
             self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S), RENDER_CALL)
-            self.stage1: LocalStage1 | WorkerStage1 = LocalStage1(self.renderer, self._on_chunk, self._on_render_error,
-                                      self.stage_watches["stage 1"], self._stop)
+            self.stage1: Stage1 = LocalStage1(
+                self.renderer, self._on_chunk, self._fail_and_cancel, self._stop, self.stage_watches["stage 1"]
+            )
         else:
-            self.stage1 = WorkerStage1(worker, self.device, self._on_chunk, self._on_render_error, self._stop)
+            self.stage1 = WorkerStage1(worker, self.device, self._on_chunk, self._fail_and_cancel, self._stop)
         self._hung_stage: str | None = None  # the stage whose thread the watch found stuck in one call
         self._threads = [
             threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
@@ -431,7 +431,8 @@ class Engine:
                     return
             self.stage1.check()
 
-    def _on_render_error(self, key: str, message: str) -> None:
+    def _fail_and_cancel(self, key: str, message: str) -> None:
+        """A song stage 1 cannot finish (its render failed, its audio was lost or late): it fails and is cancelled."""
         self._fail(key, message)
         self._cancel(key)  # stops its talker rows and drops its later windows
 

@@ -1,5 +1,5 @@
-"""The song request's body as the HTTP API reads it: its size, its encoding and keys, its fields and types, and
-the error messages for each way it can be wrong (docs/api.md)."""
+"""The song request's body as the HTTP API reads it: its size, its encoding and keys, its fields and types, the error
+messages for each way it can be wrong (docs/api.md), and the API's error body."""
 
 from __future__ import annotations
 

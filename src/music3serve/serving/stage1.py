@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from abc import ABC, abstractmethod
 from typing import Callable, NoReturn
 
 import torch
@@ -21,10 +22,27 @@ OnChunk = Callable[[RenderedWindow], None]
 OnError = Callable[[str, str], None]  # (song key, message): the song fails, and is cancelled everywhere
 
 
-class Stage1:
-    """What both placements share; the hooks a placement has no use for do nothing."""
+class Stage1(ABC):
+    """What the engine asks of either placement; the hooks a placement has no use for do nothing."""
 
-    loss: str | None = None  # why stage 1 is gone for good (the split worker died or hung)
+    def __init__(self, on_chunk: OnChunk, on_error: OnError, closing: threading.Event):
+        self.on_chunk, self.on_error, self._closing = on_chunk, on_error, closing
+        self.loss: str | None = None  # why stage 1 is gone for good (the split worker died or hung)
+
+    @abstractmethod
+    def send(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
+        """Hand on a window whose conditioning the talker stream finishes writing at `ready` (None on the CPU)."""
+
+    @abstractmethod
+    def cancel(self, key: str) -> None:
+        """The song is cancelled: its windows not yet rendered are dropped."""
+
+    def stop(self) -> None:
+        """The engine is closing: `run` returns soon."""
+
+    @abstractmethod
+    def run(self) -> None:
+        """Stage 1's own thread, until the engine closes."""
 
     def drop_waits(self, key: str) -> None:
         """The song is cancelled: nothing it has sent is waited for any more."""
@@ -36,16 +54,17 @@ class Stage1:
         """This process was paused: waits start again."""
 
     def close(self) -> None:
-        """After the engine has stopped its talker thread."""
+        """After the talker thread is joined (or given up on as stuck), before stage 1's thread is joined."""
 
 
 class LocalStage1(Stage1):
     """The renderer on a thread of this process: windows cross an in-process queue with the CUDA event of the talker
     step that wrote them, so the renderer never reads conditioning the talker stream has not finished writing."""
 
-    def __init__(self, renderer: Renderer, on_chunk: OnChunk, on_error: OnError, watch: StageWatch,
-                 stop: threading.Event):
-        self.renderer, self.on_chunk, self.on_error, self.watch, self._stop = renderer, on_chunk, on_error, watch, stop
+    def __init__(self, renderer: Renderer, on_chunk: OnChunk, on_error: OnError, closing: threading.Event,
+                 watch: StageWatch):
+        super().__init__(on_chunk, on_error, closing)
+        self.renderer, self.watch = renderer, watch
         self.windows: queue.Queue = queue.Queue()
 
     def send(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
@@ -73,7 +92,7 @@ class LocalStage1(Stage1):
             if item[0] == "window" and item[2] is not None:  # the talker stream's writes come first
                 stream.wait_event(item[2])
                 item[1].mixed.record_stream(stream)
-        if self._stop.is_set():
+        if self._closing.is_set():
             items.append(("stop",))
         return [item[:2] for item in items]
 
@@ -85,8 +104,9 @@ class WorkerStage1(Stage1):
     worker that hangs."""
 
     def __init__(self, worker: RenderWorker, device: torch.device, on_chunk: OnChunk, on_error: OnError,
-                 stop: threading.Event):
-        self.worker, self.on_chunk, self.on_error, self._stop = worker, on_chunk, on_error, stop
+                 closing: threading.Event):
+        super().__init__(on_chunk, on_error, closing)
+        self.worker = worker
         # Windows leave through a copy on a side stream, which waits only for the step that wrote them, not for the
         # step the talker has queued since.
         self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -110,9 +130,6 @@ class WorkerStage1(Stage1):
     def drop_waits(self, key: str) -> None:
         self.worker.deadlines.drop(key)
 
-    def stop(self) -> None:
-        """Nothing to send: the receiver sees the engine's stop event."""
-
     def close(self) -> None:
         self.worker.close()  # before the receiver is joined: one stuck in a frozen worker's half-sent message is freed
 
@@ -120,11 +137,11 @@ class WorkerStage1(Stage1):
         self.worker.deadlines.restart()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             try:
                 message = self.worker.receive(0.05)
             except PeerGone:  # no sender left, after everything it sent was read
-                if self._stop.is_set():
+                if self._closing.is_set():
                     return
                 self.lost()
             except LostMessage as exc:  # one message without its payload: its song alone fails
@@ -132,7 +149,7 @@ class WorkerStage1(Stage1):
                     self.on_error(exc.meta["song"], f"stage 1's audio was lost on its way: {exc}")
                 continue
             except ConnectorError:  # the connector closed under it: the engine is closing
-                if self._stop.is_set():
+                if self._closing.is_set():
                     return
                 raise
             if message is None:
@@ -142,7 +159,7 @@ class WorkerStage1(Stage1):
             elif message.key == "failed":
                 self.on_error(message.meta["song"], message.meta["message"])
             elif message.key == "stopped":  # its last word before it exits (say its calls kept failing)
-                if self._stop.is_set():
+                if self._closing.is_set():
                     return
                 self.lost(f"the stage-1 worker stopped: {message.meta['reason']}")
 
