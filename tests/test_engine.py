@@ -748,15 +748,17 @@ def test_a_talker_whose_steps_keep_failing_stops_and_the_engine_says_why(models,
         shut(engine)
 
 
-@pytest.mark.parametrize("stage", ["stage 0", "stage 1"])
-def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(models, deploy, stage):
-    """A talker step or render call that never returns (say a GPU wait that hangs, the GIL free): past its limit the
-    watch fails the songs, where their streams waited forever, and the engine reports itself unavailable (HTTP
-    /health 503) and refuses the next song; close() does not wait for the stuck thread. On the CPU there is no limit
-    (heartbeat.hang_limit): the test sets one."""
+@pytest.mark.parametrize("stage, where", [("stage 0", "step"), ("stage 0", "hand-over"), ("stage 1", "render")])
+def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(models, deploy, stage, where):
+    """A talker step (or its windows' hand-over to stage 1: on a GPU, split, their copy to the host) or a render call
+    that never returns (say a GPU wait that hangs, the GIL free): past its limit the watch fails the songs, where
+    their streams waited forever, and the engine reports itself unavailable (HTTP /health 503) and refuses the next
+    song; close() does not wait for the stuck thread. On the CPU there is no limit (heartbeat.hang_limit): the test
+    sets one."""
     engine = make_engine(models, deploy)
     release = threading.Event()
-    target, name = (engine.talker, "step") if stage == "stage 0" else (engine.renderer, "render")
+    target, name = {"step": (engine.talker, "step"), "hand-over": (engine.stage1, "send"),
+                    "render": (engine.renderer, "render")}[where]
     real = getattr(target, name)
 
     def stuck(*args, **kwargs):

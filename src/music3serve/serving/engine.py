@@ -327,52 +327,61 @@ class Engine:
         steps: dict[str, int] = {}
         held: dict[str, list] = {}  # async_chunk false: each song's windows until its last frame
         failures_in_a_row = 0
-        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            while not self._stop.is_set():
-                self._drain_control(steps, held, block=not self.talker.busy)
-                if not self.talker.busy:
-                    continue
-                written = self.talker.frames_written
-                self.stage_watches["stage 0"].busy(1.0)
-                try:
-                    events = self.talker.step()
-                except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
-                    log.exception("talker step failed")
-                    # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
-                    # which would otherwise meet the same failure at every step, forever.
-                    for song in [s.id for s in self.talker.active] or list(self.talker.songs):
-                        self.talker.cancel(song)
-                        self._fail(song, f"stage 0 failed: {exc}")
-                    failures_in_a_row += 1
-                    if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
-                                          "it stops") from exc
-                    continue
-                finally:
-                    self.stage_watches["stage 0"].busy(None)
-                    self.metrics.frames.inc(self.talker.frames_written - written)
-                failures_in_a_row = 0
-                self.metrics.talker_steps.inc()
-                for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
-                    if isinstance(event, SongFinished):
-                        client = self._clients.get(event.song)
-                        if client:
-                            client.finished = event
-                    elif isinstance(event, WindowReady) and event.song in self._clients:  # else cancelled meanwhile
-                        payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
-                        if self.deploy.async_chunk:
-                            self._to_stage1(payload, event.ready)
-                        else:
-                            held.setdefault(event.song, []).append((payload, event.ready))
-                    elif isinstance(event, SongFailed):
-                        self._fail(event.song, event.message)
-                for event in events:
-                    if isinstance(event, (SongFinished, SongFailed)):
-                        steps.pop(event.song, None)
-                        windows = held.pop(event.song, [])
-                        if isinstance(event, SongFinished):  # async_chunk false: now all of them, in order
-                            for payload, ready in windows:
-                                self._to_stage1(payload, ready)
+        watch = self.stage_watches["stage 0"]
+        try:
+            with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                while not self._stop.is_set():
+                    watch.busy(None)  # waiting for work is no call
+                    self._drain_control(steps, held, block=not self.talker.busy)
+                    if not self.talker.busy:
+                        continue
+                    written = self.talker.frames_written
+                    watch.busy(1.0)  # the step, and the hand-over of its windows (split: their copy to the host)
+                    try:
+                        events = self.talker.step()
+                    except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
+                        log.exception("talker step failed")
+                        # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
+                        # which would otherwise meet the same failure at every step, forever.
+                        for song in [s.id for s in self.talker.active] or list(self.talker.songs):
+                            self.talker.cancel(song)
+                            self._fail(song, f"stage 0 failed: {exc}")
+                        failures_in_a_row += 1
+                        if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
+                            raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
+                                              "it stops") from exc
+                        continue
+                    finally:
+                        self.metrics.frames.inc(self.talker.frames_written - written)
+                    failures_in_a_row = 0
+                    self.metrics.talker_steps.inc()
+                    self._hand_on(events, steps, held)
+        finally:
+            watch.busy(None)  # a thread that died is not stuck
+
+    def _hand_on(self, events: list, steps: dict[str, int], held: dict[str, list]) -> None:
+        """A step's events to the songs' clients and their windows to stage 1 (held until the song's last frame with
+        async_chunk false)."""
+        for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
+            if isinstance(event, SongFinished):
+                client = self._clients.get(event.song)
+                if client:
+                    client.finished = event
+            elif isinstance(event, WindowReady) and event.song in self._clients:  # else cancelled meanwhile
+                payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
+                if self.deploy.async_chunk:
+                    self._to_stage1(payload, event.ready)
+                else:
+                    held.setdefault(event.song, []).append((payload, event.ready))
+            elif isinstance(event, SongFailed):
+                self._fail(event.song, event.message)
+        for event in events:
+            if isinstance(event, (SongFinished, SongFailed)):
+                steps.pop(event.song, None)
+                windows = held.pop(event.song, [])
+                if isinstance(event, SongFinished):  # async_chunk false: now all of them, in order
+                    for payload, ready in windows:
+                        self._to_stage1(payload, ready)
 
     def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
         client = self._clients.get(payload.song)
