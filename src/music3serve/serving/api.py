@@ -265,14 +265,15 @@ class SongService:
                 self.finish(song, "cancelled")
             elif isinstance(event, AudioChunk):
                 data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
-                song.samples_sent += len(data) // (2 * CHANNELS)
                 for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
-                    yield data[start : start + SEND_PIECE_BYTES]
+                    piece = data[start : start + SEND_PIECE_BYTES]
+                    yield piece
+                    song.samples_sent += len(piece) // (2 * CHANNELS)  # once taken: a client gone stops the count
             elif isinstance(event, Done):
                 tail = await asyncio.to_thread(encoder.feed, np.zeros((CHANNELS, 0), np.float32), True)
-                song.samples_sent += len(tail) // (2 * CHANNELS)
                 if tail:
                     yield tail
+                    song.samples_sent += len(tail) // (2 * CHANNELS)
                 song.frames, song.ended_by = event.frames, event.ended_by
                 self.finish(song, "done")
             elif isinstance(event, Failed):

@@ -1,4 +1,5 @@
-"""The stage-1 worker's pulse and the engine's watch over it: a frozen or stuck worker is told from a busy one."""
+"""The stage-1 worker's pulse and the engine's watch over it (a frozen or stuck worker is told from a busy one), and
+the watch over the stage threads of the engine's own process."""
 
 from __future__ import annotations
 
