@@ -86,7 +86,9 @@ class Engine:
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
-        self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
+        self.talker = Talker(
+            models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config()
+        )
         self.worker = worker  # (split) and self.renderer (colocated): for callers and tests; the engine uses stage1
         if worker is None:
             self.renderer = stage1_renderer(models, deploy.stages[1])
