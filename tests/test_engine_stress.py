@@ -124,8 +124,6 @@ def check_stream(events: list, song: str, endings: tuple[type, ...]) -> None:
     assert not isinstance(end, Done) or (chunks and chunks[-1].last), f"{song}: Done without its last chunk"
 
 
-
-
 # The callers.
 class Storm:
     """Plays a schedule on an engine. `kept` collects the songs to compare with their solo runs, `expected` what

@@ -330,36 +330,33 @@ class Engine:
         held: dict[str, list] = {}  # async_chunk false: each song's windows until its last frame
         failures_in_a_row = 0
         watch = self.stage_watches["stage 0"]
-        try:
-            with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-                while not self._stop.is_set():
-                    watch.busy(None)  # waiting for work is no call
-                    self._drain_control(steps, held, block=not self.talker.busy)
-                    if not self.talker.busy:
-                        continue
-                    written = self.talker.frames_written
-                    watch.busy(1.0)  # the step, and the hand-over of its windows (split: their copy to the host)
-                    try:
-                        events = self.talker.step()
-                    except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
-                        log.exception("talker step failed")
-                        # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
-                        # which would otherwise meet the same failure at every step, forever.
-                        for song in [s.id for s in self.talker.active] or list(self.talker.songs):
-                            self.talker.cancel(song)
-                            self._fail(song, f"stage 0 failed: {exc}")
-                        failures_in_a_row += 1
-                        if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                            raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
-                                              "it stops") from exc
-                        continue
-                    finally:
-                        self.metrics.frames.inc(self.talker.frames_written - written)
-                    failures_in_a_row = 0
-                    self.metrics.talker_steps.inc()
-                    self._hand_on(events, steps, held)
-        finally:
-            watch.busy(None)  # a thread that died is not stuck
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            while not self._stop.is_set():
+                watch.busy(None)  # waiting for work is no call
+                self._drain_control(steps, held, block=not self.talker.busy)
+                if not self.talker.busy:
+                    continue
+                written = self.talker.frames_written
+                watch.busy(1.0)  # the step, and the hand-over of its windows (split: their copy to the host)
+                try:
+                    events = self.talker.step()
+                except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
+                    log.exception("talker step failed")
+                    # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
+                    # which would otherwise meet the same failure at every step, forever.
+                    for song in [s.id for s in self.talker.active] or list(self.talker.songs):
+                        self.talker.cancel(song)
+                        self._fail(song, f"stage 0 failed: {exc}")
+                    failures_in_a_row += 1
+                    if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
+                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
+                                          "it stops") from exc
+                    continue
+                finally:
+                    self.metrics.frames.inc(self.talker.frames_written - written)
+                failures_in_a_row = 0
+                self.metrics.talker_steps.inc()
+                self._hand_on(events, steps, held)
 
     def _hand_on(self, events: list, steps: dict[str, int], held: dict[str, list]) -> None:
         """A step's events to the songs' clients and their windows to stage 1 (held until the song's last frame with
@@ -426,7 +423,8 @@ class Engine:
     # The watch: of the stage threads here for a call that never ends, and of stage 1's own needs (the worker).
     def _watch_loop(self) -> None:
         last = time.monotonic()
-        while not self._stop.wait(0.05) and self.stage1.loss is None:
+        # Once the engine is broken (say a stage thread died, mid-call: that is no hang) there is nothing left to watch.
+        while not self._stop.wait(0.05) and self.stage1.loss is None and self._broken is None:
             now = time.monotonic()
             if now - last > PAUSE_S:  # this process was paused: that time counts for no call and no song's wait
                 for watch in self.stage_watches.values():
