@@ -191,7 +191,7 @@ def test_frame_feedback_embedding(models) -> None:
     semantic = torch.randint(0, contract.SEMANTIC_CODES, (2, 1), generator=gen)
     residual = torch.randint(0, contract.RESIDUAL_CODES, (2, contract.NUM_CODEBOOKS - 1), generator=gen)
     semantic_embed = embed_both_rows(semantic[:, 0], contract.AUDIO_CODE_OFFSET, lm.embed.weight)
-    residual_embeds = [embed_codes(residual[:, i - 1], depth.code_row(i), depth.embed.weight, None)[0]
+    residual_embeds = [embed_codes(residual[:, i - 1], depth.code_row(i), depth.embed.weight, None, None)[0]
                        for i in range(1, contract.NUM_CODEBOOKS)]
     codes = [semantic[:, 0], *residual.unbind(1)]
     hidden = torch.zeros(4, lm.cfg.hidden)

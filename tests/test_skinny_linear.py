@@ -96,6 +96,26 @@ def test_the_residual_is_added_to_the_rounded_product_as_the_torch_add_does(shap
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_residual_row_broadcast_to_every_row_is_added_as_the_torch_add_does(shape):
+    n, k = shape
+    x, w = operands(3, n, k, "cuda")
+    row = operands(1, 8, n, "cuda")[0][0] * 4
+    assert row.expand(3, n).stride(0) == 0
+    assert torch.equal(skinny_linear(x, w, row.expand(3, n)), row + skinny_linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rows_sliced_from_a_longer_sequence_give_the_bits_of_their_copy(shape):
+    n, k = shape
+    x, w = operands(6, n, k, "cuda")
+    last = x.view(3, 2, k)[:, -1]
+    assert not last.is_contiguous()
+    assert torch.equal(skinny_linear(last, w), skinny_linear(last.contiguous(), w))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", GATED_SHAPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 16])
 def test_gated_silu_is_within_the_roundings_of_the_torch_ops(shape, rows):

@@ -92,7 +92,8 @@ def _check_residual(x: Tensor, w: Tensor, residual: Tensor | None) -> None:
 @torch.library.custom_op("music3serve::skinny_linear", mutates_args=())
 def skinny_linear(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
     """x [..., K] @ w [N, K].T -> [..., N], plus `residual` [..., N] if given (added to the rounded product, as
-    `residual + F.linear(x, w)` does); the Triton kernel for few bf16 CUDA rows, the torch ops otherwise."""
+    `residual + F.linear(x, w)` does; it may be one row broadcast to all rows); the Triton kernel for few bf16 CUDA
+    rows, the torch ops otherwise."""
     _check_residual(x, w, residual)
     if not uses_kernel(x, w):
         return (F.linear(x, w) if residual is None else residual + F.linear(x, w)).contiguous()
@@ -119,13 +120,21 @@ def run_kernel(
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config
     pdl = uses_pdl(x.device)
+    x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     _kernel()[(math.ceil(n / block_n),)](
-        x.reshape(rows, k).contiguous(), w, y, y if residual is None else residual.reshape(rows, n).contiguous(),
-        rows, n, k, w.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        RESIDUAL=residual is not None, PDL=pdl, PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1,
-        num_warps=warps, num_stages=stages, **launch_options(pdl),
+        x_rows, w, y, added, rows, n, k, w.stride(0), x_rows.stride(0), added.stride(0), BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=residual is not None, PDL=pdl,
+        PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, num_warps=warps, num_stages=stages,
+        **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], n)
+
+
+def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
+    """t as [rows, cols] with unit stride along cols, copied only where no such view exists: a row slice of a longer
+    sequence keeps its row stride, a row broadcast to every row its stride 0."""
+    view = t.reshape(rows, cols)
+    return view if view.stride(1) == 1 else view.contiguous()
 
 
 # Under PDL each program pulls the start of its weight rows into L2 before waiting for x: this many bytes per
@@ -166,7 +175,7 @@ def _kernel():
                                   is_pure=False, pack=1)
 
     @triton.jit
-    def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, rows, n, k, stride_w,
+    def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, rows, n, k, stride_w, stride_x, stride_residual,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                              PREFETCH_LINES: tl.constexpr):
@@ -191,7 +200,8 @@ def _kernel():
             k_ok = kk < k
             w_mask = col_ok[:, None] & k_ok[None, :]
             w_tile = w_ptr + cols[:, None] * stride_w + kk[None, :]
-            x = tl.load(x_ptr + m[:, None] * k + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :],
+                        other=0.0)
             w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc = tl.dot(x, tl.trans(w), acc)
             if GATED:
@@ -205,7 +215,8 @@ def _kernel():
             out = act * acc_up.to(dtype).to(tl.float32)
         y_mask = (m[:, None] < rows) & col_ok[None, :]
         if RESIDUAL:
-            res = tl.load(residual_ptr + m[:, None] * n + cols[None, :], mask=y_mask, other=0.0).to(tl.float32)
+            res = tl.load(residual_ptr + m[:, None] * stride_residual + cols[None, :], mask=y_mask, other=0.0)
+            res = res.to(tl.float32)
             out = res + out.to(dtype).to(tl.float32)
         tl.store(y_ptr + m[:, None] * n + cols[None, :], out.to(dtype), mask=y_mask)
 

@@ -120,13 +120,14 @@ class DepthDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden)
         self.heads = nn.Parameter(torch.empty(cfg.codebooks - 1, cfg.codes, cfg.hidden))
 
-    def forward(self, projected: torch.Tensor, cache: DepthKV | None = None) -> torch.Tensor:
+    def forward(self, projected: torch.Tensor, cache: DepthKV | None = None, positioned: bool = False) -> torch.Tensor:
         """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]. With a cache,
-        `projected` holds the positions after the cached ones (all of them, or one more) and the cache grows."""
+        `projected` holds the positions after the cached ones (all of them, or one more) and the cache grows.
+        positioned: `projected` already holds each position's embedding (added in its projection's epilogue)."""
         start = cache.length if cache is not None else 0
         if start and projected.shape[1] != 1:
             raise ValueError(f"a cached depth call takes one new position, got {projected.shape[1]}")
-        x = projected + self.positions.weight[start : start + projected.shape[1]]
+        x = projected if positioned else projected + self.positions.weight[start : start + projected.shape[1]]
         if start and cache.in_buffers:
             lengths, positions = cache.steps[start + 1], cache.steps[start]
             for i, block in enumerate(self.blocks):

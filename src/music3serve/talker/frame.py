@@ -46,25 +46,29 @@ def embed_both_rows(codes: torch.Tensor, first_row: int, table: torch.Tensor) ->
 
 @hot
 def embed_codes(
-    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor | None
+    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor | None,
+    position: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """embed_both_rows, and that embedding's depth projection if a projection weight is given: one fused gather
-    instead of three small kernels."""
+    """embed_both_rows, and with a projection weight that embedding's depth projection plus its position embedding
+    `position` [hidden]: one fused gather, and the position added in the GEMM's epilogue, not by a kernel of its own."""
     embedded = embed_both_rows(codes, first_row, table)
-    return embedded, None if projection is None else linear(embedded, projection)
+    if projection is None or position is None:
+        return embedded, None
+    return embedded, linear(embedded, projection, residual=position.expand_as(embedded))
 
 
 @hot
 def first_depth_positions(
-    column: torch.Tensor, hidden: torch.Tensor, table: torch.Tensor, projection: torch.Tensor
+    column: torch.Tensor, hidden: torch.Tensor, table: torch.Tensor, projection: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the drawn legal columns: audio_end flags, semantic codes, their embedding (both rows) and the depth
-    decoder's first two positions [rows, 2, hidden], the backbone hidden and that embedding projected in one GEMM
-    (one read of the projection weight)."""
+    decoder's first two positions [rows, 2, hidden] with their position embeddings `positions` [2, hidden], the
+    backbone hidden and that embedding projected in one GEMM (one read of the projection weight)."""
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
     embedded = embed_both_rows(semantic, contract.AUDIO_CODE_OFFSET, table)
-    return ended, semantic, embedded, linear(torch.stack((hidden, embedded), dim=1), projection)
+    projected = linear(torch.stack((hidden, embedded), dim=1), projection)
+    return ended, semantic, embedded, projected + positions
 
 
 @hot
@@ -92,20 +96,21 @@ def talker_frame(
     """Everything one frame step does after the backbone, for songs keyed by (seed, frame index). The 7 depth
     calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys."""
     column = sample_semantic(lm, hidden, seeds, frames)
+    position_table = depth.positions.weight
     ended, semantic, semantic_embed, positions = first_depth_positions(
-        column, hidden, lm.embed.weight, depth.projection.weight
+        column, hidden, lm.embed.weight, depth.projection.weight, position_table[:2]
     )
     cache = DepthKV(in_buffers=hidden.is_cuda) if depth_cache else None
     codes, depth_hiddens, residual_embeds = [semantic], [], []
     for codebook in range(1, contract.NUM_CODEBOOKS):
-        out = depth(positions, cache)[:, -1]  # positions: those the cache lacks (all of them without one)
+        out = depth(positions, cache, positioned=True)[:, -1]  # those the cache lacks (all of them without one)
         depth_hiddens.append(out[0::2])
         logits = depth.head_logits(out, codebook, widen=False)
         code = guided_draw(logits, contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, codebook)
         codes.append(code)
         last = codebook == contract.NUM_CODEBOOKS - 1
         embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
-                                          None if last else depth.projection.weight)
+                                          None if last else depth.projection.weight, position_table[codebook + 1])
         residual_embeds.append(embedded)
         if not last:
             new = projected[:, None]
