@@ -454,7 +454,7 @@ def test_health_and_metrics(client):
     assert "music3_requests_total" in response.text and "music3_first_audio_seconds" in response.text
 
 
-def test_fastapi_is_imported_only_by_the_api_modules():
+def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     """The engine core runs without the server's packages (the GPU machine has none of them)."""
     root = Path(cli.__file__).parent
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
@@ -463,6 +463,12 @@ def test_fastapi_is_imported_only_by_the_api_modules():
     importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                  if re.search(r"^\s*(from|import) \S*request_body\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     assert importers == {"serving/api.py"}
+    # soundfile (audio files) only inside the one function that reads or writes a file, imported when called.
+    soundfile = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                 if re.search(r"^\s*(from|import) soundfile\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
+    assert soundfile == {"serving/audio_io.py"}
+    assert not re.search(r"^(from|import) soundfile\b", (root / "serving/audio_io.py").read_text(encoding="utf-8"),
+                         re.MULTILINE)
 
 
 def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, root_logger):
@@ -474,7 +480,7 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
         def close(self):
             calls["closed"] = True
 
-    def from_pretrained(root, deploy, device):
+    def from_pretrained(root, deploy, device, progress):
         calls["engine"] = (Path(root), deploy.stages[0].max_num_seqs, device)
         return FakeEngine()
 
@@ -570,7 +576,7 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
 
 # --- server-side failures, abandoned streams, logs (review of session 7) -----------------------------------
 def test_a_failing_submit_fails_that_song_with_a_5xx_and_the_engine_serves_on(client, engine, monkeypatch):
-    """A non-input error while stage 0 takes a song (say out of memory for its prompt) is the server's fault: that
+    """A non-input error while stage 0 takes a song (say a device error while queueing it) is the server's fault: that
     POST gets a 500, and the next song is served (it killed the talker thread: every later song got 503)."""
     real = engine.talker.submit
 

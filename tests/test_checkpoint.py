@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from music3serve import checkpoint, contract
 from music3serve.checkpoint import COMPONENTS, load_component
@@ -614,3 +615,14 @@ def test_load_keeps_disk_dtype_by_default(tiny_dir: Path) -> None:
     module = load_component(tiny_dir, "language_model")
     assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
     assert torch.equal(module.head.weight, file_tensors(tiny_dir / "language_model")["lm_head.weight"][LEGAL_ROWS])
+
+
+def test_loading_shows_a_bar_of_every_byte_only_when_asked(tiny_dir: Path, capsys) -> None:
+    quiet = load_component(tiny_dir, "vocoder")
+    assert capsys.readouterr().err == ""
+    shown = load_component(tiny_dir, "vocoder", progress=True)
+    size = sum(p.numel() * p.element_size() for p in shown.parameters())
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    total = tqdm.format_sizeof(size)
+    assert bar.startswith("loading vocoder: 100%") and f"| {total}/{total} [" in bar, (bar, size)
+    assert all(torch.equal(a, b) for a, b in zip(quiet.state_dict().values(), shown.state_dict().values()))

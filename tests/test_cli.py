@@ -300,6 +300,12 @@ def test_bench_e2e_refuses_a_render_batch_below_one_before_loading_anything(monk
         e2e.run(device="cpu", render_batch=0)
 
 
+@pytest.mark.parametrize("flag", [["--placement", "split"], ["--render-batch", "4"]])
+def test_bench_flags_of_the_end_to_end_run_are_refused_for_the_other_stages(capsys, flag):
+    code, err = run_cli(["bench", "talker", *flag], capsys)
+    assert code == 2 and "--placement and --render-batch apply to `bench e2e` only, not `bench talker`" in err
+
+
 # --- output, make-tiny, serve port and logging options (review of session 7) ------------------------------
 def test_an_output_under_a_regular_file_is_refused_before_the_model_loads(tmp_path: Path, capsys, recorder):
     (tmp_path / "afile").write_text("x")
@@ -429,7 +435,7 @@ def test_serve_leaves_placement_to_the_deploy_config_unless_a_device_is_given(tm
     pytest.importorskip("uvicorn")
     asked = []
 
-    def loads(root, deploy, device):
+    def loads(root, deploy, device, progress):
         asked.append(device)
         raise Music3Error("stop here")
 

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from torch import nn
+from tqdm.auto import tqdm
 
 from . import contract
 from .errors import CheckpointError
@@ -240,8 +241,11 @@ def check_nonempty(module: nn.Module, path: Path) -> None:
             raise CheckpointError(f"{path}: the sizes give parameter '{name}' the empty shape {list(param.shape)}")
 
 
-def load_component(root: Path, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
-    """Build our module for one component and fill it from disk, tensor by tensor, on `device` in `dtype`."""
+def load_component(
+    root: Path, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, progress: bool = False
+) -> nn.Module:
+    """Build our module for one component and fill it from disk, tensor by tensor, on `device` in `dtype` (progress:
+    a bar of the bytes filled)."""
     component = COMPONENTS[name]
     folder = component_folder(root, name)
     cfg = load_config(root, name)
@@ -262,8 +266,11 @@ def load_component(root: Path, name: str, device: torch.device | str = "cpu", dt
             for key, shape in _tensors_of(source, reader):
                 reader.view(key, shape)
         module = module.to(dtype or component.disk_dtype).to_empty(device=device)
-        for param_name, param in module.named_parameters():
-            _fill(param, sources[param_name], reader)
+        size = sum(param.numel() * param.element_size() for param in module.parameters())
+        with tqdm(total=size, desc=f"loading {name}", unit="B", unit_scale=True, disable=not progress) as bar:
+            for param_name, param in module.named_parameters():
+                _fill(param, sources[param_name], reader)
+                bar.update(param.numel() * param.element_size())
     return module.eval().requires_grad_(False)
 
 
@@ -354,21 +361,25 @@ def load_models(
     root: Path,
     device: torch.device | str = "cpu",
     talker_dtype: torch.dtype | None = None,
-    acoustic_dtype: torch.dtype = torch.float32,
     acoustic: bool = True,
+    progress: bool = False,
 ) -> Music3Models:
-    """Every component on `device`; the talker in bf16 on CUDA (float32 on the CPU) unless told otherwise.
-    With acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process)."""
+    """Every component on `device`; the talker in bf16 on CUDA (float32 on the CPU) unless told otherwise, the
+    acoustic components in float32 (a precision policy casts them, keeping its float32 islands true). With
+    acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process). progress: a bar per component."""
     root = Path(root)
     check_layout(root)
     check_fit(root)
     if talker_dtype is None:
         talker_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    def load(name: str, dtype: torch.dtype) -> nn.Module:
+        return load_component(root, name, device, dtype, progress)
+
     return Music3Models(
         tokenizer=load_tokenizer(root / "tokenizer"),
-        language_model=load_component(root, "language_model", device, talker_dtype),
-        depth_decoder=load_component(root, "depth_decoder", device, talker_dtype),
-        condition_encoder=load_component(root, "condition_encoder", device, torch.float32),
-        dit=load_component(root, "dit", device, acoustic_dtype) if acoustic else None,
-        vocoder=load_component(root, "vocoder", device, acoustic_dtype) if acoustic else None,
+        language_model=load("language_model", talker_dtype),
+        depth_decoder=load("depth_decoder", talker_dtype),
+        condition_encoder=load("condition_encoder", torch.float32),
+        dit=load("dit", torch.float32) if acoustic else None,
+        vocoder=load("vocoder", torch.float32) if acoustic else None,
     )

@@ -158,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
-    bench.add_argument("--no-peers", action="store_true", help="skip the diffusers reference run")
-    bench.add_argument("--placement", default="colocated", choices=["colocated", "split", "split-one-gpu"],
-                       help="e2e only: where stage 1 runs (split needs two GPUs)")
+    bench.add_argument("--no-peers", action="store_true",
+                       help="talker and acoustic: skip the diffusers reference run (e2e and precision have none)")
+    bench.add_argument("--placement", default=None, choices=["colocated", "split", "split-one-gpu"],
+                       help="e2e only: where stage 1 runs (default colocated; split needs two GPUs)")
     bench.add_argument("--render-batch", type=int, default=None,
                        help="e2e only: windows per render call (stage 1 max_num_batched_tokens; default: the config's)")
 
@@ -191,9 +192,8 @@ def run_generate(args: argparse.Namespace) -> None:
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
     root = resolve_model(args.model, args.tiny)
     log.info("loading model", extra={"path": str(root), "device": device})
-    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype)
-    # Progress bars on a terminal only (a log file would get every redraw), and not when asked for quiet logs.
-    progress = sys.stderr.isatty() and logging.getLogger().isEnabledFor(logging.INFO)
+    progress = show_progress()
+    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress)
     song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=progress)
     waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
     path = write_audio(args.output, waveform, args.sample_rate)
@@ -223,11 +223,16 @@ def run_serve(args: argparse.Namespace) -> None:
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
                                       "config": args.config or "default"})
-    engine = Engine.from_pretrained(root, deploy, args.device)
+    engine = Engine.from_pretrained(root, deploy, args.device, progress=show_progress())
     try:
         serve(engine, args.host, args.port, args.log_level)
     finally:
         engine.close()
+
+
+def show_progress() -> bool:
+    """Progress bars on a terminal only (a log file would get every redraw), and not when asked for quiet logs."""
+    return sys.stderr.isatty() and logging.getLogger().isEnabledFor(logging.INFO)
 
 
 def check_port(host: str, port: int) -> None:
@@ -255,6 +260,8 @@ def run_make_tiny(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> None:
     import torch
 
+    if args.stage != "e2e" and (args.placement is not None or args.render_batch is not None):
+        raise Music3Error(f"--placement and --render-batch apply to `bench e2e` only, not `bench {args.stage}`")
     if not torch.cuda.is_available():
         raise Music3Error("benchmarks need a CUDA device")
     if args.stage == "talker":
@@ -268,8 +275,10 @@ def run_bench(args: argparse.Namespace) -> None:
 
         print(precision())
         return
-    e2e = {"placement": args.placement, "render_batch": args.render_batch} if args.stage == "e2e" else {}
-    print(run(peers=not args.no_peers, **e2e))
+    if args.stage == "e2e":
+        print(run(placement=args.placement or "colocated", render_batch=args.render_batch))
+    else:
+        print(run(peers=not args.no_peers))
 
 
 def main(argv: list[str] | None = None) -> int:

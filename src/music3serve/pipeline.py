@@ -97,10 +97,11 @@ class Pipeline:
 
     @classmethod
     def from_pretrained(
-        cls, root: Path | str, device: str = "cpu", talker_dtype: torch.dtype | None = None, acoustic: str = "float32"
+        cls, root: Path | str, device: str = "cpu", talker_dtype: torch.dtype | None = None, acoustic: str = "float32",
+        progress: bool = False,
     ) -> "Pipeline":
         """Load a checkpoint; acoustic modules load in float32 so a bf16 policy keeps true float32 islands."""
-        return cls(load_models(Path(root), device=device, talker_dtype=talker_dtype), acoustic)
+        return cls(load_models(Path(root), device=device, talker_dtype=talker_dtype, progress=progress), acoustic)
 
     @property
     def device(self) -> torch.device:
@@ -148,24 +149,25 @@ class Pipeline:
         position = ids.shape[1]
         seeds = torch.tensor([seed], device=self.device)
         codes, conditioning, ended_by = [], [], "budget"
-        bar = tqdm(total=budget, desc="frames", unit="frame", disable=not progress)
         # Step 0 only moves past <|audio_start|>: its frame is fed back but not emitted.
-        for step in range(budget + 1):
-            # Depth calls recompute their sequence, as the reference does; the engine's cached calls (its default)
-            # give the same codes on the CPU (tests/test_talker_engine.py) and may round differently on a GPU.
-            frame = talker_frame(lm, depth, hidden, seeds, torch.tensor([step], device=self.device), depth_cache=False)
-            if bool(frame.ended[0]):
-                ended_by = "audio_end"
-                break
-            if step > 0:
-                codes.append(frame.codes[0])
-                conditioning.append(frame.conditioning[0])
-                bar.update()
-                if len(codes) == budget:
+        with tqdm(total=budget, desc="frames", unit="frame", disable=not progress) as bar:
+            for step in range(budget + 1):
+                # Depth calls recompute their sequence, as the reference does; the engine's cached calls (its default)
+                # give the same codes on the CPU (tests/test_talker_engine.py) and may round differently on a GPU.
+                frames = torch.tensor([step], device=self.device)
+                frame = talker_frame(lm, depth, hidden, seeds, frames, depth_cache=False)
+                if bool(frame.ended[0]):
+                    ended_by = "audio_end"
                     break
-            hidden = lm(frame.feedback[:, None], torch.tensor([position], device=self.device), cache.at(position))[:, -1]
-            position += 1
-        bar.close()
+                if step > 0:
+                    codes.append(frame.codes[0])
+                    conditioning.append(frame.conditioning[0])
+                    bar.update()
+                    if len(codes) == budget:
+                        break
+                at = torch.tensor([position], device=self.device)
+                hidden = lm(frame.feedback[:, None], at, cache.at(position))[:, -1]
+                position += 1
         if not codes:
             raise InputError("the model ended the song before its first frame (audio_end drawn at once)")
         return torch.stack(codes).cpu(), torch.stack(conditioning), ended_by

@@ -75,8 +75,7 @@ async def scenario(engine: Engine, durations: list[float]) -> tuple[list[dict[st
 
 
 def run(
-    device: str = "cuda", acoustic_dtype: str = "bfloat16", peers: bool = False, placement: str = "colocated",
-    render_batch: int | None = None,
+    device: str = "cuda", acoustic_dtype: str = "bfloat16", placement: str = "colocated", render_batch: int | None = None,
 ) -> str:
     """render_batch: windows per render call (stage 1's max_num_batched_tokens); None keeps the default config's."""
     deploy = load_deploy_config()

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from ..errors import EngineBusy, InputError, Music3Error
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,10 @@ MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 
 
-# A song is accepted within one talker step of its POST (tokenizing and a prefill at most); a stage that takes
-# longer is stuck, and the client gets 503 instead of an open connection.
-ACCEPT_TIMEOUT_S = 60.0
+# A song is accepted within one talker step of its POST (tokenizing and a prefill at most). On a GPU the engine's
+# watch fails a step past TALKER_STEP_LIMIT_S (the client then gets its 503 with the reason); waiting 30 s longer
+# than that, the client gets 503 instead of an open connection where no watch applies (the CPU).
+ACCEPT_TIMEOUT_S = TALKER_STEP_LIMIT_S + 30.0
 
 
 class SongFailedMidStream(RuntimeError):

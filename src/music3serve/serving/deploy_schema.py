@@ -144,7 +144,8 @@ class DeployConfig:
 
     @property
     def connector(self) -> ConnectorConfig:
-        """The connector between the stages (also worker -> API server traffic)."""
+        """The connector between the stages in the split layout (windows to the stage-1 worker, its PCM and events
+        back)."""
         return self.connectors[self.stages[0].output_connectors["to_stage_1"]]
 
     def talker_config(self) -> TalkerConfig:

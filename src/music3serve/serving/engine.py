@@ -125,11 +125,12 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None, split: bool | None = None
+        cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None, split: bool | None = None,
+        progress: bool = False,
     ) -> "Engine":
         """Stages whose `devices` differ run split (stage 1 in a worker process); `device` overrides both stages'
         devices (e.g. "cpu" for tests); `split` forces the placement either way. Without CUDA both stages run on the
-        CPU in this process, whatever `devices` say."""
+        CPU in this process, whatever `devices` say. progress: bars while this process loads its weights."""
         deploy = deploy or load_deploy_config()
         s0, s1 = deploy.stages
         if device is None and torch.cuda.is_available():
@@ -146,7 +147,8 @@ class Engine:
             device0 = device1 = device
         split = device0 != device1 if split is None else split
         talker_dtype = getattr(torch, s0.dtype) if device0 != "cpu" else torch.float32
-        models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split)
+        models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split,
+                             progress=progress)
         worker = RenderWorker(partial(load_acoustic, str(root)), device1, s1, deploy.connector) if split else None
         try:
             return cls(models, deploy, worker)
@@ -402,7 +404,7 @@ class Engine:
                     self.metrics.refusals.labels("invalid").inc()
                     if self._end(song) is not None:  # ends once: a cancel now is too late, and counts nothing
                         self._emit(song, Failed, str(exc), True)
-                except Exception as exc:  # say out of memory for its prompt: this song fails, the engine goes on
+                except Exception as exc:  # say a device error while queueing it: this song fails, the engine goes on
                     log.exception("stage 0 could not take a song", extra={"song": song})
                     self.talker.cancel(song)  # whatever part of it was queued
                     self._fail(song, f"stage 0 could not take the song: {exc}")

@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 
 def stage1_renderer(models: Any, stage1: Stage1Config) -> Renderer:
     """Stage 1's renderer as the deploy config describes it (models: its three components, loaded in float32), its
-    weights checked against its memory share, its graphs captured."""
+    weights checked against its memory share, its graphs captured and its first window rendered. On CUDA its
+    elementwise chains are fused (inductor) with or without graphs, in a worker of its own as beside the talker,
+    whose process fuses everything it runs."""
     renderer = Renderer.from_models(
-        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch,
-        fuse=stage1.graphs,
+        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch, fuse=True,
     )
     check_weights_fit(renderer, stage1.gpu_memory_utilization)
     renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)

@@ -130,7 +130,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
 
 class ChunkDeadlines:
     """The connector's waits per song: a window sent is answered within the wait (longer for a song's first),
-    and while the worker sends anything or says it is rendering, every waiting song's clock restarts (it is queued
+    and while the worker sends audio or says it is rendering, every waiting song's clock restarts (it is queued
     behind work in progress, not lost; a render that never ends is the worker watch's to catch). A song
     asking for more Euler steps than the contract's 30 gets waits that many times longer (its render takes that
     much longer), and while it has windows out every other song's waits stretch as much (they may be batched with
