@@ -121,6 +121,17 @@ def test_streamed_windows_equal_the_offline_render(renderer, reference_stage1, m
     assert rel_err(waveform, streamed) <= 1e-4
 
 
+def test_the_warmup_window_leaves_no_trace(models):
+    """Warm-up renders one throwaway window (by default on CUDA only: compiles and lazy inits); after it a song
+    renders exactly as on a renderer that never warmed up."""
+    warmed, cold = Renderer.from_models(models), Renderer.from_models(models)
+    warmed.warmup([1], steps=2, render_one=True)
+    assert warmed.songs == []
+    want, got = render_schedule(cold, three_songs(), 2), render_schedule(warmed, three_songs(), 2)
+    assert all(torch.equal(a.pcm, b.pcm) and torch.equal(a.latent, b.latent) for a, b in zip(want, got))
+    assert len(want) == len(got) == 10
+
+
 @pytest.mark.parametrize("frames", [1, 200, 201, 300, 301])  # 1, 1, 2, 2 and 3 windows
 def test_windows_at_the_boundaries_as_the_talker_streams_them_equal_the_reference(
     renderer, reference_stage1, monkeypatch, frames

@@ -273,15 +273,15 @@ class Renderer:
         return self._graphed[key]
 
     @torch.inference_mode()
-    def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS) -> None:
-        """Capture the full-window graphs for these batch sizes, then (on CUDA) render one throwaway window: inductor's
-        compiles of the fused functions, the vocoder's first call and lazy inits happen now, not in the first song's
-        first window."""
+    def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS, render_one: bool | None = None) -> None:
+        """Capture the full-window graphs for these batch sizes, then render one throwaway window (render_one; by
+        default on CUDA): inductor's compiles of the fused functions, the vocoder's first call and lazy inits happen
+        now, not in the first song's first window."""
         if self.graphs:
             with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" if render_one is None else render_one:
             (window,) = song_windows(contract.WINDOW_FRAMES)
             mixed = torch.zeros(window.frames, self.encoder.cfg.hidden, device=self.device)
             self.render([WindowPayload(object(), 0, window, mixed, steps)])  # the song's only window: no state is kept
