@@ -1,5 +1,5 @@
-"""Connectors: round trips in one process and across a spawned one, the shared-memory threshold, timeouts, and
-that no shared-memory segment outlives its use (read, close, normal exit, SIGTERM, SIGKILL + cleanup).
+"""The shared-memory connector: round trips in one process and across a spawned one, the threshold, timeouts,
+and that no shared-memory segment outlives its use (read, close, normal exit, SIGTERM, SIGKILL + cleanup).
 
 Every wait is bounded: gets have timeouts, children are joined with timeouts and killed in teardown."""
 
@@ -22,11 +22,9 @@ import torch
 import music3serve
 from music3serve.errors import Music3Error
 from music3serve.serving.connectors import (
-    Connector,
     ConnectorError,
     ConnectorSettings,
     ConnectorTimeout,
-    InProcessConnector,
     LostMessage,
     Message,
     PeerGone,
@@ -107,7 +105,7 @@ def test_settings_from_the_seed_block() -> None:
 def test_make_connector() -> None:
     conn = make_connector("SharedMemoryConnector", SEED_EXTRA, channels=("a",))
     try:
-        assert isinstance(conn, SharedMemoryConnector) and isinstance(conn, Connector)
+        assert isinstance(conn, SharedMemoryConnector)
         assert conn.settings.timeout_s == 10.0 and conn.prefix.startswith(f"m3s_{os.getpid()}_")
     finally:
         conn.close()
@@ -116,26 +114,8 @@ def test_make_connector() -> None:
             make_connector(kind, SEED_EXTRA)
 
 
-def test_in_process_round_trip_by_reference() -> None:
-    conn = InProcessConnector(EXTRA)
-    assert isinstance(conn, Connector)
-    tensors = payload(0, large=True)
-    conn.put("to_stage_1", ("song", META, tensors))
-    conn.put("to_stage_1", Message("song", {"window": 4}, {}))
-    got = conn.get("to_stage_1", 1.0)
-    assert got.key == "song" and got.meta == META
-    assert all(got.tensors[name] is tensors[name] for name in tensors)  # nothing copied
-    assert conn.get("to_stage_1", 1.0).meta == {"window": 4}  # FIFO
-    with pytest.raises(ConnectorError, match="JSON"):
-        conn.put("to_stage_1", ("song", {"bad": torch.zeros(1)}, {}))
-    conn.close()
-    with pytest.raises(ConnectorError, match="closed"):
-        conn.get("to_stage_1", 0)
-
-
-@pytest.mark.parametrize("kind", ["in_process", "shared_memory"])
-def test_get_times_out_after_the_configured_wait(kind: str) -> None:
-    conn = InProcessConnector(EXTRA) if kind == "in_process" else SharedMemoryConnector(EXTRA, channels=["pcm"])
+def test_get_times_out_after_the_configured_wait() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=["pcm"])
     try:
         _, wait = timeouts(EXTRA)  # 200 ms
         started = time.monotonic()
@@ -151,9 +131,8 @@ def test_get_times_out_after_the_configured_wait(kind: str) -> None:
         conn.close()
 
 
-@pytest.mark.parametrize("kind", ["in_process", "shared_memory"])
-def test_close_wakes_a_get_without_timeout(kind: str) -> None:
-    conn = InProcessConnector(EXTRA) if kind == "in_process" else SharedMemoryConnector(EXTRA, channels=["pcm"])
+def test_close_wakes_a_get_without_timeout() -> None:
+    conn = SharedMemoryConnector(EXTRA, channels=["pcm"])
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -188,6 +167,8 @@ def test_shared_memory_round_trip_in_one_process() -> None:
         assert conn.get("events", 1.0) == Message("done", {}, {})
         with pytest.raises(ConnectorError, match="unknown channel 'nope'"):
             conn.put("nope", ("k", {}, {}))
+        with pytest.raises(ConnectorError, match="JSON"):
+            conn.put("events", ("song", {"bad": torch.zeros(1)}, {}))
     finally:
         conn.close()
 

@@ -52,7 +52,7 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
     for name, fn in _plain.items():
-        if backend == "inductor":  # a mode is a set of options: merged with ours, as torch.compile takes one or the other
+        if backend == "inductor":  # a mode is a set of options: merged with ours (torch.compile takes one or the other)
             options = {**(torch._inductor.list_mode_options(mode, True) if mode else {}), **_inductor_options(name)}
             compiled = torch.compile(fn, options=options, dynamic=True, fullgraph=True)
         else:
@@ -69,7 +69,3 @@ def _inductor_options(name: str) -> dict[str, bool]:
 
 def disable_fusion() -> None:
     _fused.clear()
-
-
-def fusion_enabled() -> bool:
-    return bool(_fused)

@@ -88,10 +88,6 @@ class Vocoder(nn.Module):
         self.snake_out = Snake(cfg.widths()[-1][1])
         self.conv_out = nn.Conv1d(cfg.widths()[-1][1], 1, 7, padding=3)
 
-    @property
-    def hop(self) -> int:
-        return math.prod(self.cfg.strides)
-
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         b, _, length = latents.shape
         x = latents.reshape(2 * b, self.cfg.latent_channels // 2, length).to(self.conv_in.weight.dtype)

@@ -1,1 +1,2 @@
-"""I/O around the engine: audio files and (later) the deploy config, workers and the HTTP API."""
+"""Serving: the engine that runs both stages, the deploy config, the stage-1 worker and its shared-memory connector,
+the HTTP API, audio I/O and metrics."""

@@ -114,7 +114,7 @@ def tensor_nbytes(t: torch.Tensor | np.ndarray) -> int:
 
 
 def check_message(message: Any) -> Message:
-    """The same checks for every connector, so that what works in one process also works across processes."""
+    """What a message must be before it is sent: a str key, JSON-able meta, dense tensors or plain arrays."""
     if not isinstance(message, tuple) or len(message) != 3:
         raise ConnectorError(f"a message is (key, meta, tensors), got {type(message).__name__}")
     key, meta, tensors = message

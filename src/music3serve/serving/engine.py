@@ -468,13 +468,15 @@ class Engine:
             self._done(out.song, client, now)
 
     def _done(self, key: str, client: _Client, now: float) -> None:
+        # The talker emits a song's last window in the step that emits its SongFinished, and _hand_on takes that first:
+        # `finished` was set before the window was handed on. Checked before the song ends, so that a breach fails it.
+        finished = client.finished
+        assert finished is not None, f"{key}: its last window came before its SongFinished"
         if self._end(key) is None:  # cancelled or failed since its last window was taken
             return
-        finished = client.finished
         timings = {"first_audio_s": client.first_audio - client.submitted, "total_s": now - client.submitted}
         self.metrics.song_seconds.observe(timings["total_s"])
-        frames, ended_by = (finished.frames, finished.ended_by) if finished else (0, "unknown")
-        self._emit(key, Done, frames, ended_by, timings)
+        self._emit(key, Done, finished.frames, finished.ended_by, timings)
 
     def _fail(self, key: str, message: str) -> None:
         """Fail a held submission (counted once, however many stages report it)."""

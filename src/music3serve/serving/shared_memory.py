@@ -170,10 +170,6 @@ class SharedMemoryConnector:
         self._init_local()
 
     @property
-    def channels(self) -> tuple[str, ...]:
-        return tuple(self._channels)
-
-    @property
     def is_owner(self) -> bool:
         """True in the process that built the connector (the one that should call ``cleanup``)."""
         return os.getpid() == self._owner_pid

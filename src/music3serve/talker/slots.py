@@ -19,7 +19,7 @@ class SlotCache:
     def __init__(
         self, cfg: LanguageModelConfig, pairs: int, max_model_len: int, dtype: torch.dtype, device: torch.device | str
     ):
-        self.cfg, self.pairs, self.max_model_len = cfg, pairs, max_model_len
+        self.cfg, self.pairs = cfg, pairs
         self.scratch = max_model_len  # position written by padded rows
         shape = (cfg.layers, 2 * pairs, cfg.kv_heads, max_model_len + 1, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
