@@ -230,7 +230,7 @@ def test_out_of_order_and_malformed_payloads_raise(renderer):
     assert renderer.next_index("y") == 0 and renderer.next_index("x") == 1
     renderer.cancel("x")
     assert renderer.next_index("x") == 0 and renderer.songs == []
-    renderer.finish("never-seen")  # forgetting an unknown song is harmless
+    renderer.cancel("never-seen")  # forgetting an unknown song is harmless
 
 
 def test_a_last_window_no_song_has_is_refused(renderer):

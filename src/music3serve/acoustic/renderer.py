@@ -149,10 +149,6 @@ class Renderer:
     def songs(self) -> list[Hashable]:
         return list(self._songs)
 
-    def finish(self, song: Hashable) -> None:
-        """Forget a song that ended: a no-op once its last window rendered (that drops it), else drops the carry."""
-        self._songs.pop(song, None)
-
     def cancel(self, song: Hashable) -> None:
         """Forget a song whose request went away; a later window 0 with this id starts afresh."""
         self._songs.pop(song, None)
