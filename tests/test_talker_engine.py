@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
+from music3serve import contract
 from music3serve.acoustic.windows import song_windows
 from music3serve.checkpoint import load_models
 from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
+from music3serve.talker.frame import talker_frame
 
 # (caption, lyrics, frames, seed): prompts of different lengths.
 SONGS = [
@@ -205,6 +208,20 @@ def test_cached_depth_calls_equal_recomputed_ones(models, solo):
     assert not failed
     assert torch.equal(finished[0].codes, solo[0].codes)
     torch.testing.assert_close(mixed_song(windows[0]), solo[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth_cache", [True, False], ids=["cached", "recomputed"])
+def test_a_frame_needs_no_more_depth_positions_than_its_eight_codes(models, depth_cache):
+    """A depth decoder with exactly 8 learned positions (the least the loader accepts) writes the frame it writes
+    with 16: no depth call reads past position 7."""
+    depth = copy.deepcopy(models.depth_decoder)
+    depth.positions = torch.nn.Embedding.from_pretrained(depth.positions.weight[: contract.NUM_CODEBOOKS].clone())
+    lm = models.language_model
+    hidden = torch.randn(4, lm.cfg.hidden, generator=torch.Generator().manual_seed(0))
+    seeds, frames = torch.tensor([3, 4]), torch.tensor([5, 6])
+    want = talker_frame(lm, models.depth_decoder, hidden, seeds, frames, depth_cache)
+    got = talker_frame(lm, depth, hidden, seeds, frames, depth_cache)
+    assert all(torch.equal(a, b) for a, b in zip(vars(want).values(), vars(got).values()))
 
 
 @pytest.mark.parametrize("in_buffers", [False, True], ids=["concatenated", "buffers"])

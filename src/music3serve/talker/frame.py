@@ -110,7 +110,8 @@ def talker_frame(
         codes.append(code)
         last = codebook == contract.NUM_CODEBOOKS - 1
         embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
-                                          None if last else depth.projection.weight, position_table[codebook + 1])
+                                          None if last else depth.projection.weight,
+                                          None if last else position_table[codebook + 1])
         residual_embeds.append(embedded)
         if not last:
             new = projected[:, None]
