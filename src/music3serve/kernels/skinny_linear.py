@@ -14,8 +14,7 @@ smallest tensor-core tile) and walks the whole K dimension in ``BLOCK_K`` steps,
 (models/fusion.py) call them as one opaque kernel each. They run the Triton kernel for bf16 CUDA inputs of at most
 ``MAX_ROWS`` rows (x and a residual are read with their row stride, copied only without unit stride along K; w
 needs unit stride along K) and the torch ops otherwise (prefill, float32, CPU), always returning a contiguous tensor
-in x's dtype. The GPU tests bound the kernel
-against the exact float64 product (tests/test_skinny_linear.py).
+in x's dtype. The GPU tests bound the kernel against the exact float64 product (tests/test_skinny_linear.py).
 """
 
 from __future__ import annotations
