@@ -875,7 +875,7 @@ def test_stages_on_different_gpus_split_only_where_there_are_gpus(monkeypatch, c
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     loaded = {}
 
-    def fake_load_models(root, device, talker_dtype, acoustic):
+    def fake_load_models(root, device, talker_dtype, acoustic, progress):
         loaded.update(device=device, acoustic=acoustic)
         raise RuntimeError("stop before building the engine")
 
