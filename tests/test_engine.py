@@ -748,9 +748,12 @@ def test_a_talker_whose_steps_keep_failing_stops_and_the_engine_says_why(models,
         shut(engine)
 
 
-@pytest.mark.parametrize("stage, where", [("stage 0", "step"), ("stage 0", "hand-over"), ("stage 1", "render")])
+@pytest.mark.parametrize("stage, where", [
+    ("stage 0", "step"), ("stage 0", "hand-over"), ("stage 0", "admission"), ("stage 1", "render"),
+])
 def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(models, deploy, stage, where):
-    """A talker step (or its windows' hand-over to stage 1: on a GPU, split, their copy to the host) or a render call
+    """A talker step (or its windows' hand-over to stage 1: on a GPU, split, their copy to the host; or taking a song,
+    which copies its prompt to the device behind the step in flight) or a render call
     that never returns (say a GPU wait that hangs, the GIL free): past its limit the watch fails the songs, where
     their streams waited forever, and the engine reports itself unavailable (HTTP /health 503) and refuses the next
     song; close() does not wait for the stuck thread. On the CPU there is no limit (heartbeat.hang_limit): the test
@@ -758,7 +761,7 @@ def test_a_stage_call_that_never_ends_fails_its_songs_and_the_engine_says_why(mo
     engine = make_engine(models, deploy)
     release = threading.Event()
     target, name = {"step": (engine.talker, "step"), "hand-over": (engine.stage1, "send"),
-                    "render": (engine.renderer, "render")}[where]
+                    "admission": (engine.talker, "submit"), "render": (engine.renderer, "render")}[where]
     real = getattr(target, name)
 
     def stuck(*args, **kwargs):

@@ -33,7 +33,9 @@ from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
-from .heartbeat import PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_STEP_LIMIT_S, StageWatch, hang_limit
+from .heartbeat import (
+    PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
+)
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP, stage1_renderer
 from .stage1 import LocalStage1, Stage1, WorkerStage1
@@ -104,7 +106,7 @@ class Engine:
         self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         # The stage threads of this process, watched for a call that never ends (the worker has its own watch).
         limit = partial(hang_limit, self.device.type)
-        self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), "frame step")}
+        self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), TALKER_CALL)}
         if worker is None:
             self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S), RENDER_CALL)
             self.stage1: Stage1 = LocalStage1(
@@ -398,7 +400,9 @@ class Engine:
         while True:
             if item[0] == "submit":
                 _, song, cond, uncond, seed, requested, n_steps = item
+                watch = self.stage_watches["stage 0"]
                 try:
+                    watch.busy(1.0)  # taking a song copies its prompt to the device, behind the step in flight
                     budget = self.talker.submit(song, cond, uncond, seed, requested)
                 except InputError as exc:  # a refused request (HTTP 400): neither a request nor a failure served
                     self.metrics.refusals.labels("invalid").inc()
@@ -412,6 +416,8 @@ class Engine:
                     steps[song] = n_steps
                     self.metrics.requests.inc()
                     self._emit(song, Accepted, seed, budget, len(cond))
+                finally:
+                    watch.busy(None)
             elif item[0] == "cancel":
                 self.talker.cancel(item[1])
                 steps.pop(item[1], None)

@@ -19,6 +19,7 @@ RENDER_LIMIT_PER_WINDOW_S = 60.0
 # A talker frame step (or prefill chunk) longer than this is stuck: a step takes ~7 ms on an H200, a prefill chunk
 # well under a second, and a shape the compiled hot paths have not seen yet compiles in seconds to tens of seconds.
 TALKER_STEP_LIMIT_S = 120.0
+TALKER_CALL = "talker call (a frame step, its windows' hand-over, or taking a song)"
 RENDER_CALL = "render call ({work:g} windows' work)"  # what a stage-1 call is called in the reasons given
 PAUSE_S = 5.0  # a gap this much longer than expected between beats or checks: this process itself was paused
 
