@@ -372,6 +372,7 @@ def load_models(
     check_fit(root)
     if talker_dtype is None:
         talker_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
     def load(name: str, dtype: torch.dtype) -> nn.Module:
         return load_component(root, name, device, dtype, progress)
 

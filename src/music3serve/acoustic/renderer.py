@@ -277,7 +277,9 @@ class Renderer:
             with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
-        if self.device.type == "cuda" if render_one is None else render_one:
+        if render_one is None:
+            render_one = self.device.type == "cuda"
+        if render_one:
             (window,) = song_windows(contract.WINDOW_FRAMES)
             mixed = torch.zeros(window.frames, self.encoder.cfg.hidden, device=self.device)
             self.render([WindowPayload(object(), 0, window, mixed, steps)])  # the song's only window: no state is kept
