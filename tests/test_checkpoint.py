@@ -88,6 +88,18 @@ def test_tiny_layout_matches_the_released_one(tiny_dir: Path) -> None:
     assert (tiny_dir / "tokenizer" / "tokenizer.json").is_file()
 
 
+def test_tiny_checkpoint_takes_config_overrides(tmp_path: Path) -> None:
+    """The GPU precision tests' wider talker: overridden values reach the config, the tensors and our loader."""
+    from music3serve.tiny import write_tiny_checkpoint
+
+    root = write_tiny_checkpoint(tmp_path / "wide", overrides={"depth_decoder": {"hidden_size": 96, "num_layers": 3}})
+    depth = load_component(root, "depth_decoder")
+    assert (depth.cfg.hidden, len(depth.blocks)) == (96, 3)
+    assert load_component(root, "language_model").cfg.hidden == TINY_CONFIGS["language_model"]["hidden_size"]
+    with pytest.raises(ValueError, match=r"unknown components \['depth'\]"):
+        write_tiny_checkpoint(tmp_path / "bad", overrides={"depth": {"hidden_size": 96}})
+
+
 @pytest.fixture(scope="module")
 def tiny_pipeline(tiny_dir: Path):
     """The whole checkpoint through the diffusers modular pipeline's own loader (modular_model_index.json)."""

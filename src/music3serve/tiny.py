@@ -138,14 +138,20 @@ def _write_weights(folder: Path, stem: str, tensors: dict[str, torch.Tensor], sh
     (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
-def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """Write every component folder, config, index and the tokenizer; returns the directory."""
+def write_tiny_checkpoint(
+    directory: Path, seed: int = 0, overrides: dict[str, dict[str, Any]] | None = None
+) -> Path:
+    """Write every component folder, config, index and the tokenizer; returns the directory. overrides: config values
+    per component that replace the tiny ones (a wider model for the GPU precision tests)."""
     directory = Path(directory)
+    unknown = set(overrides or {}) - set(COMPONENTS)
+    if unknown:
+        raise ValueError(f"overrides for unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
     gen = torch.Generator().manual_seed(seed)
     for name, component in COMPONENTS.items():
         folder = directory / component.folder
         folder.mkdir(parents=True, exist_ok=True)
-        raw = dict(TINY_CONFIGS[name])
+        raw = {**TINY_CONFIGS[name], **(overrides or {}).get(name, {})}
         if "_class_name" in raw:
             raw["_diffusers_version"] = DIFFUSERS_VERSION
         (folder / "config.json").write_text(json.dumps(raw, indent=2))
