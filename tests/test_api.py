@@ -413,8 +413,9 @@ def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
 
 
 # --- service endpoints and wiring -------------------------------------------------------------------------
-def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch):
+def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch, caplog):
     """DELETE of an id whose POST is still waiting for the engine to accept it: the POST answers 409 (not 400)."""
+    caplog.set_level(logging.INFO)
     real_submit = engine.talker.submit
 
     def slow_submit(*args, **kwargs):  # a talker busy with a long prefill step
@@ -429,6 +430,7 @@ def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch):
     assert client.delete("/v1/songs/early").status_code == 204
     post.join(60)
     assert result[0].status_code == 409 and "cancelled before it was accepted" in result[0].json()["error"]
+    assert [r.song for r in caplog.records if r.getMessage() == "song cancelled before it was accepted"] == ["early"]
 
 
 def test_a_song_not_accepted_in_time_answers_503_and_leaves_nothing_behind(client, engine, monkeypatch):
@@ -449,6 +451,8 @@ def test_a_song_not_accepted_in_time_answers_503_and_leaves_nothing_behind(clien
 
 def test_health_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
+    head = client.head("/health")
+    assert head.status_code == 200 and head.content == b""
     response = client.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert "music3_requests_total" in response.text and "music3_first_audio_seconds" in response.text
@@ -459,10 +463,11 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     root = Path(cli.__file__).parent
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
-    assert users == {"serving/api.py", "serving/request_body.py"}
-    importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                 if re.search(r"^\s*(from|import) \S*request_body\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
-    assert importers == {"serving/api.py"}
+    assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py"}
+    for module in ("request_body", "http_guard"):
+        importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                     if re.search(rf"^\s*(from|import) \S*{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
+        assert importers == {"serving/api.py"}, module
     # soundfile (audio files) only inside the one function that reads or writes a file, imported when called.
     soundfile = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                  if re.search(r"^\s*(from|import) soundfile\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
@@ -492,6 +497,9 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
 
     assert any(isinstance(f, StreamsCutAtShutdown) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
+    from music3serve.serving.http_guard import GuardedH11Protocol
+
+    assert issubclass(calls["http"], GuardedH11Protocol)
     assert {r.path for r in calls["app"].routes} >= {"/v1/songs", "/v1/songs/{song_id}", "/health", "/metrics"}
 
 
@@ -519,14 +527,16 @@ def test_serve_holds_fewer_songs_when_the_hard_limit_on_open_files_is_too_low(mo
     resource = pytest.importorskip("resource")
     from music3serve.serving import api
 
-    limits = [(300, 600)]
+    limits, served = [(300, 600)], {}
     monkeypatch.setattr(resource, "getrlimit", lambda which: limits[-1])
     monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.append(value))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(kw))
     engine = SimpleNamespace(max_songs=MAX_SONGS)
     api.serve(engine)  # type: ignore[arg-type]
     assert limits[-1] == (600, 600) and engine.max_songs == 600 - api.FILES_RESERVE  # past them: 429, not a hang
     assert "too few open files" in caplog.text
+    # Connections beyond the songs' are capped below the limit too (serving/http_guard.py): accept() never runs out.
+    assert served["http"].max_connections == 600 - api.ENGINE_FILES > engine.max_songs
 
 
 def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, root_logger):

@@ -7,6 +7,7 @@ import errno
 import logging
 import math
 import os
+import re
 import sys
 import wave
 from pathlib import Path
@@ -475,6 +476,18 @@ def test_text_the_shell_could_not_decode_as_utf8_says_so(tmp_path: Path, capsys,
     with pytest.raises(SystemExit) as info:  # argparse's usage error
         cli.main(generate_args(tmp_path / "out.wav", lyrics=latin1))
     assert info.value.code == 2 and "--lyrics: not valid UTF-8" in capsys.readouterr().err
+    assert recorder.calls == []
+
+
+@pytest.mark.parametrize("change", [["--duration", "abc"], ["--sample-rate", "48000"], ["--seed", "1.5"],
+                                    ["--lyrics", "@/no/such/file"], ["--bogus"]])
+def test_an_argument_error_is_one_line(tmp_path: Path, capsys, recorder, change):
+    """argparse printed its usage (3-7 lines) before the error."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(generate_args(tmp_path / "out.wav") + change)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert re.fullmatch(r"(music3serve(?: generate)?): error: .+ \(see \1 --help\)\n", err), err
     assert recorder.calls == []
 
 

@@ -9,6 +9,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from typing import NoReturn
 from pathlib import Path
 
 from . import contract
@@ -125,8 +126,15 @@ def port_number(value: str) -> int:
     return port
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """An argument error is one line on stderr, exit status 2 (argparse prints the usage before it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="music3serve", description=__doc__)
+    parser = OneLineErrors(prog="music3serve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -208,7 +216,7 @@ def run_serve(args: argparse.Namespace) -> None:
     try:
         from .serving.api import serve
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
+        if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn", "h11"):
             raise
         raise Music3Error(f"serving needs fastapi and uvicorn ({exc}): pip install 'music3serve[serve]'") from None
     import torch

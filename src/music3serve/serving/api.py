@@ -1,8 +1,9 @@
 """The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
 
-The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here and in serving/request_body.py
-(read by this module only) and nowhere else, so the engine core runs without them. This module never touches CUDA: it moves events and float32 PCM
-that the engine has already copied to the host. Endpoints, fields, headers and streaming semantics: docs/api.md.
+The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here and in serving/request_body.py and
+serving/http_guard.py (read by this module only) and nowhere else, so the engine core runs without them. This module
+never touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints,
+fields, headers and streaming semantics: docs/api.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..errors import EngineBusy, InputError, Music3Error
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
+from .http_guard import guarded_protocol
 from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
 
 log = logging.getLogger(__name__)
@@ -197,6 +199,7 @@ class SongService:
                 del self.pending[body.id]
         if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
             await events.aclose()
+            log.info("song cancelled before it was accepted", extra={"song": body.id})
             return error_response(409, f"song {body.id} was cancelled before it was accepted")
         if not isinstance(first, Accepted):
             await events.aclose()
@@ -333,7 +336,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
         service.cancel(song_id)
         return Response(status_code=204)
 
-    @app.get("/health", response_model=None)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # load balancers probe with either
     async def health() -> Response:
         why = engine.unavailable()
         if why is not None:
@@ -365,40 +368,44 @@ class StreamsCutAtShutdown(logging.Filter):
 
 
 # Open files kept beside one connection per song held: the engine's own (weights, pipes, shared memory) and the
-# connections of clients being answered or refused meanwhile.
+# connections of clients being answered or refused meanwhile. Of these, ENGINE_FILES are never given to connections.
 FILES_RESERVE = 256
+ENGINE_FILES = 128
 
 
-def fit_open_files(engine: Engine) -> None:
+def fit_open_files(engine: Engine) -> int | None:
     """Every song held keeps its client's connection, an open file, until it ends, and a server out of files
     accepts no one (clients wait unanswered while the event loop logs EMFILE in a loop). So where the soft limit on
     open files has no room for engine.max_songs connections beside FILES_RESERVE (systemd services get a soft
-    1024), raise it to the hard one; where even that is short, hold fewer songs: past them a client gets 429."""
+    1024), raise it to the hard one; where even that is short, hold fewer songs: past them a client gets 429.
+    Returns the most connections to keep open (the limit less ENGINE_FILES), None where files are not limited."""
     try:
         import resource
     except ImportError:  # not Unix: no such limit
-        return
+        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = engine.max_songs + FILES_RESERVE
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else hard
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
+    if soft == resource.RLIM_INFINITY:
+        return None
+    if soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else hard
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
     if soft < needed:
         songs = max(1, soft - FILES_RESERVE)
         log.warning("too few open files allowed for the engine's songs: it holds fewer (raise the hard limit, "
                     "e.g. systemd LimitNOFILE or ulimit -Hn)", extra={"open_files": soft, "max_songs": songs})
         engine.max_songs = songs
+    return max(1, soft - ENGINE_FILES)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
-    fit_open_files(engine)
+    max_connections = fit_open_files(engine)
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, StreamsCutAtShutdown) for f in uvicorn_log.filters):
         uvicorn_log.addFilter(StreamsCutAtShutdown())
     app = create_app(engine, close_engine=True)
     uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=guarded_protocol(max_connections))

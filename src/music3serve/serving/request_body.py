@@ -20,6 +20,7 @@ SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads
 
 # Far above a request at the caption and lyrics limits (25,000 characters, at most 4 UTF-8 bytes each).
 MAX_BODY_BYTES = 1 << 20
+MAX_ERRORS = 5  # an error message names at most this many problems, then says how many more there are
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -97,22 +98,30 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 async def plain_json_object(request: Request) -> None:
     """The song body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
-    last value of a repeated key. (Bodies it cannot parse are its to report: it ran first.)"""
+    last value of a repeated key. An object with more keys than a song request has is refused here, in one short
+    message, before validation would build (and send back) an error per key. (Bodies it cannot parse are its to
+    report: it ran first.)"""
     raw = await request.body()
     try:
-        json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:
         raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
     except _RepeatedKey as exc:
         raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
     except ValueError:
-        pass
+        return
+    if isinstance(body, dict) and len(body) > len(SongBody.model_fields):
+        unknown = [key for key in body if key not in SongBody.model_fields]
+        named = ", ".join([f"{key!r:.40}" for key in unknown[:MAX_ERRORS]] + ["..."] * (len(unknown) > MAX_ERRORS))
+        raise HTTPException(400, f"the body has {len(unknown)} unknown keys ({named}); a song request takes "
+                                 f"{', '.join(SongBody.model_fields)}")
 
 
 def describe(exc: RequestValidationError) -> str:
-    """One message for every way the body failed validation."""
+    """One message for the ways the body failed validation (the first MAX_ERRORS, then a count)."""
     parts = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_ERRORS]:
         if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing":
             parts.append("the body is empty: send the song request as a JSON object")
             continue
@@ -125,4 +134,6 @@ def describe(exc: RequestValidationError) -> str:
             continue
         where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    if len(errors) > MAX_ERRORS:
+        parts.append(f"and {len(errors) - MAX_ERRORS} more")
     return "; ".join(parts) or "invalid request"
