@@ -497,9 +497,10 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
 
     assert any(isinstance(f, StreamsCutAtShutdown) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
-    from music3serve.serving.http_guard import GuardedH11Protocol
+    from music3serve.serving.http_guard import AcceptErrorsOncePerMinute, GuardedH11Protocol
 
     assert issubclass(calls["http"], GuardedH11Protocol)
+    assert any(isinstance(f, AcceptErrorsOncePerMinute) for f in logging.getLogger("asyncio").filters)
     assert {r.path for r in calls["app"].routes} >= {"/v1/songs", "/v1/songs/{song_id}", "/health", "/metrics"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import time
 
 import pytest
@@ -106,3 +107,24 @@ def test_connections_past_the_cap_are_closed_at_once(guarded, monkeypatch, caplo
         assert not closed_within(first, 0.3)
         second.sendall(request(b"hello"))
         assert response(second).startswith(b"HTTP/1.1 200")
+
+
+def test_accept_errors_are_logged_once_a_minute_with_the_count_held_back():
+    """asyncio logged accept()'s EMFILE with a traceback for every attempt: 7,910 in a few seconds of one flood."""
+    log = logging.getLogger("asyncio")
+    accept = "socket.accept() out of system resource"
+
+    def record(message: str) -> logging.LogRecord:
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError:
+            return log.makeRecord("asyncio", logging.ERROR, __file__, 1, message, (), sys.exc_info())
+
+    errors = http_guard.AcceptErrorsOncePerMinute()
+    first = record(accept)
+    assert errors.filter(first) and first.exc_info is None and "0 such errors held back" in first.getMessage()
+    assert [errors.filter(record(accept)) for _ in range(3)] == [False] * 3
+    assert errors.filter(record("Task exception was never retrieved"))  # anything else passes untouched
+    errors.last -= http_guard.WARN_EVERY_S
+    later = record(accept)
+    assert errors.filter(later) and "3 such errors held back" in later.getMessage()

@@ -27,7 +27,7 @@ from ..errors import EngineBusy, InputError, Music3Error
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
-from .http_guard import guarded_protocol
+from .http_guard import AcceptErrorsOncePerMinute, guarded_protocol
 from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
 
 log = logging.getLogger(__name__)
@@ -403,9 +403,10 @@ def fit_open_files(engine: Engine) -> int | None:
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
     max_connections = fit_open_files(engine)
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, StreamsCutAtShutdown) for f in uvicorn_log.filters):
-        uvicorn_log.addFilter(StreamsCutAtShutdown())
+    for name, kind in (("uvicorn.error", StreamsCutAtShutdown), ("asyncio", AcceptErrorsOncePerMinute)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
     app = create_app(engine, close_engine=True)
     uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=guarded_protocol(max_connections))

@@ -4,7 +4,8 @@
   kept-alive connection) to the request's last body byte. uvicorn has none, so a client that opens a connection and
   never finishes its request would hold it, and an open file, forever.
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
-  never runs out of files (it then fails and logs thousands of times a second, and the server stops answering).
+  does not run out of files (it then fails, and asyncio logs each failure with a traceback, thousands a second;
+  AcceptErrorsOncePerMinute keeps one a minute for bursts that get past the cap).
 
 Server-only (imports uvicorn and h11), like serving/api.py.
 """
@@ -80,6 +81,29 @@ class GuardedH11Protocol(H11Protocol):
         log.debug("connection closed: its request was not read in time", extra={"client": self.client,
                                                                                   "limit_s": REQUEST_READ_S})
         self.transport.close()
+
+
+class AcceptErrorsOncePerMinute(logging.Filter):
+    """For the asyncio logger: when accept() runs out of files anyway (connections arrive in bursts, accepted before
+    the cap can close them), asyncio logs the error with a traceback for every attempt, thousands a second; let one
+    through per WARN_EVERY_S, saying how many it held back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_back, self.last = 0, float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("socket.accept() out of system resource"):
+            return True
+        now = time.monotonic()
+        if now - self.last < WARN_EVERY_S:
+            self.held_back += 1
+            return False
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            f"socket.accept() out of open files (raise the open-files limit; {self.held_back} such errors held back "
+            f"since the last one)", (), None, None)
+        self.held_back, self.last = 0, now
+        return True
 
 
 def guarded_protocol(max_connections: int | None) -> type[GuardedH11Protocol]:
