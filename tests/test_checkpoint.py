@@ -332,6 +332,28 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("language_model", "rope_theta", float("inf"), "'rope_theta' must be a positive float, got inf"),
     ("language_model", "rope_parameters", ["default"], "'rope_parameters' must be a JSON object"),
     ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
+    # Values that name another architecture or change the math we run (these all loaded, and generated, silently).
+    ("language_model", "hidden_act", "gelu", "hidden_act is 'gelu', we support only 'silu'"),
+    ("language_model", "attention_bias", True, "attention_bias is True, we support only False"),
+    ("language_model", "tie_word_embeddings", True, "tie_word_embeddings is True, we support only False"),
+    ("language_model", "use_sliding_window", True, "use_sliding_window is True, we support only False"),
+    ("language_model", "layer_types", ["full_attention", "sliding_attention"],
+     "layer_types is ['full_attention', 'sliding_attention'], we support only 'full_attention' (each item)"),
+    ("language_model", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+     "rope_scaling.rope_type is 'yarn', we support only 'default'"),
+    ("language_model", "rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.type is 'linear'"),
+    ("language_model", "rope_scaling", "yarn", "'rope_scaling' must be a JSON object, got 'yarn'"),
+    ("language_model", "rope_parameters", {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0},
+     "rope_parameters.rope_type is 'llama3'"),
+    ("language_model", "model_type", "llama", "model_type is 'llama', we support only 'qwen3'"),
+    ("language_model", "architectures", ["LlamaForCausalLM"], "architectures is ['LlamaForCausalLM']"),
+    ("language_model", "quantization_config", {"quant_method": "bitsandbytes"}, "quantization_config is {"),
+    ("language_model", "torch_dtype", "int8", "torch_dtype is 'int8', we support only 'bfloat16' or"),
+    ("language_model", "attention_bias", 0, "attention_bias is 0"),  # a number is no bool
+    ("dit", "_class_name", "Foo", "_class_name is 'Foo', we support only 'MiniMaxMusic3Transformer1DModel'"),
+    ("vocoder", "_class_name", "MiniMaxMusic3Transformer1DModel", "we support only 'MiniMaxMusic3Vocoder'"),
+    ("depth_decoder", "_class_name", None, "_class_name is None"),
+    ("condition_encoder", "_class_name", "MiniMaxMusic3Vocoder", "we support only 'MiniMaxMusic3ConditionEncoder'"),
 ])
 def test_a_config_value_is_checked_at_load(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
     """Every field of a component's config is a positive value of its type once loaded, also those the model reads
@@ -341,6 +363,82 @@ def test_a_config_value_is_checked_at_load(tiny_dir: Path, tmp_path: Path, name:
     config[key] = value
     (folder / "config.json").write_text(json.dumps(config))
     expect_error(root, name, str(folder / "config.json"), fragment)
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("language_model", "torch_dtype", "float16"),  # a hint of the stored dtype only: each tensor says its own
+    ("language_model", "torch_dtype", DELETE),
+    ("language_model", "dtype", "float32"),  # what transformers v5 writes
+    ("language_model", "rope_scaling", {"rope_type": "default"}),
+    ("language_model", "rope_parameters", {"rope_type": "default", "rope_theta": 1e6}),
+    ("language_model", "layer_types", ["full_attention", "full_attention"]),
+    ("language_model", "hidden_act", DELETE),  # a missing key means the library default, which is what we run
+    ("language_model", "model_type", DELETE),
+    ("language_model", "architectures", DELETE),
+    ("language_model", "tie_word_embeddings", DELETE),
+    ("dit", "_class_name", DELETE),
+])
+def test_a_supported_config_value_loads(tiny_dir: Path, tmp_path: Path, name: str, key: str, value) -> None:
+    root, folder = copy_component(tiny_dir, tmp_path, name)
+    config = json.loads((folder / "config.json").read_text())
+    if value is DELETE:
+        del config[key]
+    else:
+        config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    load_component(root, name, "cpu", torch.float32)
+
+
+def scheduler_with(tiny_dir: Path, tmp_path: Path, **changes) -> Path:
+    """The tiny checkpoint (linked) with its scheduler config changed (a value DELETE: the key removed)."""
+    root = tmp_path / "checkpoint"
+    root.mkdir()
+    for entry in tiny_dir.iterdir():
+        if entry.name != "scheduler":
+            (root / entry.name).symlink_to(entry)
+    config = json.loads((tiny_dir / "scheduler" / "scheduler_config.json").read_text())
+    config = {key: value for key, value in {**config, **changes}.items() if value is not DELETE}
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("_class_name", "DDIMScheduler", "_class_name is 'DDIMScheduler', we support only 'FlowMatchEulerDiscreteScheduler'"),
+    ("shift", 3.0, "shift is 3.0, we support only 1.0"),
+    ("num_train_timesteps", 1000, "num_train_timesteps is 1000, we support only 1"),
+    ("num_train_timesteps", True, "num_train_timesteps is True"),
+    ("invert_sigmas", DELETE, "invert_sigmas is absent (read as False), we support only True"),
+    ("use_karras_sigmas", True, "use_karras_sigmas is True"),
+    ("use_dynamic_shifting", True, "use_dynamic_shifting is True"),
+    ("shift_terminal", 0.1, "shift_terminal is 0.1, we support only None"),
+    ("stochastic_sampling", True, "stochastic_sampling is True"),
+])
+def test_a_scheduler_value_we_do_not_run(tiny_dir: Path, tmp_path: Path, key: str, value, fragment: str) -> None:
+    root = scheduler_with(tiny_dir, tmp_path, **{key: value})
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_models(root, "cpu")
+    assert fragment in str(info.value) and str(root / "scheduler" / "scheduler_config.json") in str(info.value)
+
+
+def test_configs_as_tiny_and_diffusers_write_them_pass(tiny_dir: Path, saved_by_reference, tmp_path: Path) -> None:
+    """The checks refuse nothing the released layout (mirrored by tiny.py) or diffusers' / transformers' own
+    save_pretrained write, with every key they add (architectures, dtype, layer_types, rope_parameters, the
+    scheduler's options)."""
+    checkpoint.check_layout(tiny_dir)
+    checkpoint.check_fit(tiny_dir)
+    root, _ = saved_by_reference
+    lm = json.loads((root / "language_model" / "config.json").read_text())
+    assert {"architectures", "layer_types", "rope_parameters", "model_type"} <= set(lm), sorted(lm)
+    for name in COMPONENTS:
+        checkpoint.load_config(root, name)
+    diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1, invert_sigmas=True).save_pretrained(tmp_path)
+    saved = tmp_path / "scheduler_config.json"
+    assert "use_karras_sigmas" in json.loads(saved.read_text())
+    checkpoint.check_supported(saved, json.loads(saved.read_text()), checkpoint.SUPPORTED["scheduler"])
 
 
 def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:
@@ -560,6 +658,7 @@ def checkpoint_with(tiny_dir: Path, tmp_path: Path, name: str, **changes) -> Pat
     ("language_model", "vocab_size", 160_000, "vocab_size is 160000, expected at least 168059"),
     ("language_model", "num_attention_heads", 3, "num_key_value_heads is 2, expected a divisor of"),
     ("language_model", "head_dim", 15, "head_dim is 15, expected an even number"),
+    ("language_model", "max_position_embeddings", 2048, "max_position_embeddings is 2048, expected at least 10240"),
     ("depth_decoder", "num_attention_heads", 3, "num_attention_heads is 3, expected a divisor of hidden_size (64)"),
     ("dit", "rotary_dim", 32, "rotary_dim is 32, expected an even number up to attention_head_dim (16)"),
     ("dit", "rotary_dim", 7, "rotary_dim is 7, expected an even number"),

@@ -60,6 +60,95 @@ COMPONENTS: dict[str, Component] = {
 }
 
 
+class Supported(typing.NamedTuple):
+    """The values of one config key that the code we run implements. absent: what the reference library reads where
+    the key is missing, checked like a value found (Ellipsis: the first supported value, the library's default); each:
+    the value is a list whose every item must be supported. A dotted key reads inside a JSON object."""
+
+    values: tuple[Any, ...]
+    absent: Any = ...
+    each: bool = False
+
+
+# torch_dtype / dtype are only a hint of how the weights were stored: each tensor's dtype is read from its safetensors
+# header (refused unless one of WEIGHT_DTYPES) and cast to the dtype we run in, which the hint never chooses. So any
+# float name leaves our math alone, and comparing it with the disk would only refuse working checkpoints; a name that
+# is no float type would announce quantized weights, and is refused.
+DTYPE_HINT = Supported(("bfloat16", "float16", "float32", "float64", None), absent=None)
+ROPE_TYPE = Supported(("default",))  # plain rotary embeddings: no scaling (yarn, linear, dynamic, llama3, ...)
+
+# Per component (and the scheduler), every config value that would change the math we run or name another
+# architecture; a key not listed here is either read by the component's from_json or has no effect on inference.
+SUPPORTED: dict[str, dict[str, Supported]] = {
+    "language_model": {
+        "model_type": Supported(("qwen3",)),
+        "architectures": Supported(("Qwen3ForCausalLM",), each=True),
+        "hidden_act": Supported(("silu",)),
+        "attention_bias": Supported((False,)),
+        "tie_word_embeddings": Supported((False,)),  # our head is lm_head.weight, a tensor of its own
+        "use_sliding_window": Supported((False,)),
+        "layer_types": Supported(("full_attention",), each=True),
+        "rope_scaling.rope_type": ROPE_TYPE,
+        "rope_scaling.type": ROPE_TYPE,
+        "rope_parameters.rope_type": ROPE_TYPE,
+        "rope_parameters.type": ROPE_TYPE,
+        "quantization_config": Supported((None,)),
+        "torch_dtype": DTYPE_HINT,
+        "dtype": DTYPE_HINT,
+    },
+    "depth_decoder": {"_class_name": Supported(("MiniMaxMusic3RVQDepthDecoder",))},
+    "condition_encoder": {"_class_name": Supported(("MiniMaxMusic3ConditionEncoder",))},
+    "dit": {"_class_name": Supported(("MiniMaxMusic3Transformer1DModel",))},
+    "vocoder": {"_class_name": Supported(("MiniMaxMusic3Vocoder",))},
+    "scheduler": {
+        "_class_name": Supported(("FlowMatchEulerDiscreteScheduler",)),
+        "num_train_timesteps": Supported((1,), absent=1000),
+        "shift": Supported((1.0,)),
+        "invert_sigmas": Supported((True,), absent=False),
+        "use_dynamic_shifting": Supported((False,)),
+        "shift_terminal": Supported((None,)),
+        "use_karras_sigmas": Supported((False,)),
+        "use_exponential_sigmas": Supported((False,)),
+        "use_beta_sigmas": Supported((False,)),
+        "stochastic_sampling": Supported((False,)),
+    },
+}
+_ABSENT = object()
+
+
+def check_supported(path: Path, config: dict[str, Any], supported: dict[str, Supported]) -> None:
+    """Every listed key of a config holds a value we implement (a missing one: the value the library reads for it),
+    or a CheckpointError naming the file, the key, the value and what we support."""
+    for key, want in supported.items():
+        found = _lookup(path, config, key)
+        value = (want.values[0] if want.absent is ... else want.absent) if found is _ABSENT else found
+        items = value if want.each and isinstance(value, list) else [value]
+        if not all(any(_same(item, ok) for ok in want.values) for item in items):
+            shown = f"absent (read as {value!r})" if found is _ABSENT else repr(found)
+            allowed = " or ".join(repr(ok) for ok in want.values)
+            raise CheckpointError(f"{path}: {key} is {shown}, we support only {allowed}{' (each item)' if want.each else ''}")
+
+
+def _lookup(path: Path, config: dict[str, Any], key: str) -> Any:
+    """config["a"]["b"] for the key "a.b"; _ABSENT where a level is missing or null."""
+    value: Any = config
+    for depth, part in enumerate(key.split(".")):
+        if value is None:
+            return _ABSENT
+        if not isinstance(value, dict):
+            outer = ".".join(key.split(".")[:depth])
+            raise CheckpointError(f"{path}: '{outer}' must be a JSON object, got {value!r:.80}")
+        if part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def _same(found: Any, supported: Any) -> bool:
+    """Equal, where a bool is no number (1 is not True, 0 is not False) and an int may stand for its float."""
+    return isinstance(found, bool) == isinstance(supported, bool) and found == supported
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from disk, or a CheckpointError naming the file."""
     if not path.is_file():
@@ -94,9 +183,11 @@ def config_values(path: Path) -> Iterator[None]:
 
 def load_config(root: Path, name: str) -> Any:
     path = component_folder(root, name) / "config.json"
+    raw = read_json(path)
+    check_supported(path, raw, SUPPORTED[name])
     with config_values(path):
         try:
-            return checked_fields(COMPONENTS[name].config(read_json(path)))
+            return checked_fields(COMPONENTS[name].config(raw))
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
 
@@ -288,7 +379,6 @@ def checkpoint_tensors(name: str, cfg: Any) -> dict[str, tuple[int, ...]]:
 
 
 PIPELINE_CLASS = "MiniMaxMusic3ModularPipeline"
-SCHEDULER_EXPECTED = {"num_train_timesteps": 1, "shift": 1.0, "invert_sigmas": True}
 
 
 @dataclass
@@ -309,10 +399,8 @@ def check_layout(root: Path) -> None:
     index = read_json(Path(root) / "modular_model_index.json")
     if index.get("_class_name") != PIPELINE_CLASS:
         raise CheckpointError(f"{root}/modular_model_index.json is not a {PIPELINE_CLASS} (got {index.get('_class_name')!r})")
-    scheduler = read_json(Path(root) / "scheduler" / "scheduler_config.json")
-    for key, expected in SCHEDULER_EXPECTED.items():
-        if scheduler.get(key) != expected:
-            raise CheckpointError(f"scheduler_config.json: {key} is {scheduler.get(key)!r}, this model needs {expected!r}")
+    scheduler = Path(root) / "scheduler" / "scheduler_config.json"
+    check_supported(scheduler, read_json(scheduler), SUPPORTED["scheduler"])
 
 
 def check_fit(root: Path) -> None:
@@ -328,6 +416,8 @@ def check_fit(root: Path) -> None:
         ("language_model", "num_key_value_heads", lm.kv_heads, lm.heads % lm.kv_heads == 0,
          f"a divisor of num_attention_heads ({lm.heads})"),
         ("language_model", "head_dim", lm.head_dim, lm.head_dim % 2 == 0, "an even number (rotary pairs)"),
+        ("language_model", "max_position_embeddings", lm.max_positions, lm.max_positions >= contract.MAX_CONTEXT,
+         f"at least {contract.MAX_CONTEXT}, the context (prompt + song) the engine gives a row"),
         ("depth_decoder", "num_attention_heads", depth.heads, depth.hidden % depth.heads == 0,
          f"a divisor of hidden_size ({depth.hidden})"),
         ("depth_decoder", "hidden_size", depth.hidden, depth.hidden == lm.hidden, lm_hidden),
