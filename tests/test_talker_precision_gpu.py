@@ -15,6 +15,7 @@ from music3serve.bench.common import FULL_CONFIGS
 from music3serve.checkpoint import COMPONENTS, load_component, load_config
 from music3serve.models.depth_decoder import DepthKV
 from music3serve.models.fusion import disable_fusion, enable_fusion
+from music3serve.models.layers import linear
 from music3serve.talker.slots import SlotCache
 from music3serve.tiny import write_tiny_checkpoint
 
@@ -104,13 +105,16 @@ def depth_inputs(hidden: int, seed: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def our_depth_logits(root: Path, x: torch.Tensor) -> torch.Tensor:
-    """Head logits [7, rows, codes] of the seven depth calls as the talker makes them: the first two positions
-    together, then one position at a time on cached keys and values."""
+    """Head logits [7, rows, codes] of the seven depth calls as the talker makes them (talker/frame.py): the first two
+    positions projected in one GEMM, their position embeddings added after it; then one position at a time, its
+    position embedding added in its projection GEMM's epilogue, on cached keys and values."""
     depth = load_component(root, "depth_decoder", DEVICE, torch.bfloat16)
-    projected = depth.projection(x.to(DEVICE))
+    x, weight, positions = x.to(DEVICE), depth.projection.weight, depth.positions.weight
     cache = DepthKV(in_buffers=True)
-    out = [depth(projected[:, :2], cache)[:, -1]]
-    out += [depth(projected[:, t : t + 1], cache)[:, -1] for t in range(2, contract.NUM_CODEBOOKS)]
+    out = [depth(linear(x[:, :2], weight) + positions[:2], cache, positioned=True)[:, -1]]
+    for t in range(2, contract.NUM_CODEBOOKS):
+        new = linear(x[:, t], weight, residual=positions[t].expand(x.shape[0], -1))[:, None]
+        out.append(depth(new, cache, positioned=True)[:, -1])
     return torch.stack([depth.head_logits(h, codebook) for codebook, h in enumerate(out, start=1)]).cpu()
 
 

@@ -1,11 +1,11 @@
 """The HTTP/1.1 protocol the API server runs: uvicorn's h11 protocol with two guards it lacks.
 
-- A deadline for reading each request, from the connection's opening (or the first byte of the next request on a
-  kept-alive connection) to the request's last body byte. uvicorn has none, so a client that opens a connection and
-  never finishes its request would hold it, and an open file, forever.
+- A deadline for reading each request, from the connection's opening (or the start of a request after an answered
+  one) to the request's last body byte. uvicorn has none, so a client that opens a connection and never finishes
+  its request would hold it, and an open file, forever.
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
   does not run out of files (it then fails, and asyncio logs each failure with a traceback, thousands a second;
-  AcceptErrorsOncePerMinute keeps one a minute for bursts that get past the cap).
+  AcceptErrorsOncePerMinute turns bursts that get past the cap into one line a minute with a count).
 
 Server-only (imports uvicorn and h11), like serving/api.py.
 """
@@ -13,8 +13,10 @@ Server-only (imports uvicorn and h11), like serving/api.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from typing import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -22,46 +24,76 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger(__name__)
 
 REQUEST_READ_S = 30.0  # the largest body (1 MiB) arrives well within this even over a slow link
-WARN_EVERY_S = 60.0  # refused connections are logged once per this interval, with their count
+WARN_EVERY_S = 60.0  # refused connections and accept() failures are logged once per this interval, with a count
 
 
-class _Refusals:
-    """Connections closed at the cap since the last warning (shared by all connections of the process)."""
+class Throttled:
+    """One log line per WARN_EVERY_S for an event that may come thousands of times a second: the first at once, the
+    ones after it as a count, with the next line or WARN_EVERY_S after the last (inside an event loop)."""
 
-    count = 0
-    last_warning = float("-inf")
+    def __init__(self, emit: Callable[[int], None]):
+        self.emit, self.held, self.last = emit, 0, float("-inf")
+        self.flush: asyncio.TimerHandle | None = None
 
-    @classmethod
-    def record(cls, open_connections: int, cap: int) -> None:
-        cls.count += 1
+    def __call__(self) -> None:
         now = time.monotonic()
-        if now - cls.last_warning >= WARN_EVERY_S:
-            log.warning("connections refused: too many open", extra={"refused": cls.count, "open": open_connections,
-                                                                      "max_connections": cap})
-            cls.count, cls.last_warning = 0, now
+        if now - self.last >= WARN_EVERY_S:
+            self._emit(self.held + 1)
+            return
+        self.held += 1
+        if self.flush is None:
+            with contextlib.suppress(RuntimeError):  # no loop running: the count waits for the next event
+                self.flush = asyncio.get_running_loop().call_later(self.last + WARN_EVERY_S - now, self._flushed)
+
+    def _flushed(self) -> None:
+        self.flush = None
+        if self.held:
+            self._emit(self.held)
+
+    def _emit(self, count: int) -> None:
+        if self.flush is not None:
+            self.flush.cancel()
+            self.flush = None
+        self.held, self.last = 0, time.monotonic()
+        self.emit(count)
+
+
+def _refused(count: int) -> None:
+    log.warning("connections refused: too many open", extra={"refused": count})
+
+
+def _accept_failed(count: int) -> None:
+    log.error("accept() ran out of open files: connections wait in the kernel's queue (raise the open-files limit)",
+              extra={"failures": count})
 
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a request-read deadline and a connection cap (`max_connections`, set by
-    `guarded_protocol`)."""
+    `guarded_protocol`). The deadline runs while a request is being received: from the connection's opening, or
+    from the first byte of a request that comes after an answered one (pipelined, or on a kept-alive connection),
+    until its last body byte; uvicorn's own keep-alive timer covers the idle time between requests."""
 
     max_connections: int | None = None
+    refusals = Throttled(_refused)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
-            _Refusals.record(len(self.connections), self.max_connections)
+            self.refusals()
             transport.abort()
             return
         self._arm()
 
-    def data_received(self, data: bytes) -> None:
-        if self._deadline is None and self.conn.their_state is h11.IDLE:
-            self._arm()  # the next request on a kept-alive connection begins
-        super().data_received(data)
-        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
-            self._disarm()  # the request is read (or the connection is done)
+    def handle_events(self) -> None:
+        """Runs on every arrival of data and after every answered request (which may start a pipelined one)."""
+        super().handle_events()
+        state = self.conn.their_state
+        receiving = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
+        if not receiving or self.transport.get_protocol() is not self:  # read, idle, done, or upgraded away
+            self._disarm()
+        elif self._deadline is None:
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -85,25 +117,18 @@ class GuardedH11Protocol(H11Protocol):
 
 class AcceptErrorsOncePerMinute(logging.Filter):
     """For the asyncio logger: when accept() runs out of files anyway (connections arrive in bursts, accepted before
-    the cap can close them), asyncio logs the error with a traceback for every attempt, thousands a second; let one
-    through per WARN_EVERY_S, saying how many it held back."""
+    the cap can close them), asyncio logs the error with a traceback for every attempt, thousands a second; they
+    become one line of ours per WARN_EVERY_S, with their count."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.held_back, self.last = 0, float("-inf")
+        self.failures = Throttled(_accept_failed)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.getMessage().startswith("socket.accept() out of system resource"):
             return True
-        now = time.monotonic()
-        if now - self.last < WARN_EVERY_S:
-            self.held_back += 1
-            return False
-        record.msg, record.args, record.exc_info, record.exc_text = (
-            f"socket.accept() out of open files (raise the open-files limit; {self.held_back} such errors held back "
-            f"since the last one)", (), None, None)
-        self.held_back, self.last = 0, now
-        return True
+        self.failures()
+        return False
 
 
 def guarded_protocol(max_connections: int | None) -> type[GuardedH11Protocol]:
