@@ -5,6 +5,7 @@ the same tokens). The measured errors go into docs/precision.md; `pytest -s` pri
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,15 @@ def errors(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     ours - ref over the RMS of ref (every logit's drift)."""
     diff, ref = ours.double() - ref.double(), ref.double()
     return (diff.abs().max() / ref.abs().max()).item(), (diff.square().mean() / ref.square().mean()).sqrt().item()
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """Gives back the models' memory after each test: the engine tests that follow size their KV cache and check their
+    weights' share from what the card has free."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
