@@ -25,7 +25,7 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 # Ours may be this many times further from float32 than the reference's own bf16 run. Measured on the H200
-# (docs/precision.md): RMS ratio 1.00, max ratio 0.89-1.12 at the released widths; equal logits at the tiny ones.
+# (docs/precision.md): RMS ratio 1.00, max ratio 0.93-1.27 at the released widths; equal logits at the tiny ones.
 RATIO = 1.5
 LEGAL_ROWS = [contract.AUDIO_END, *range(contract.AUDIO_CODE_OFFSET, contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES)]
 PROMPT, DECODE_STEPS = 40, 24
