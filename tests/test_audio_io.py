@@ -12,7 +12,7 @@ import pytest
 soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
 
 from music3serve.errors import InputError
-from music3serve.serving.audio_io import resample, to_pcm16, write_audio
+from music3serve.serving.audio_io import check_output, resample, to_pcm16, write_audio
 
 SOURCE, TARGET = 44_100, 32_000
 EDGE = 64  # output samples skipped at each end (the filter reaches 32 source samples, ~23 output samples)
@@ -85,6 +85,14 @@ def test_write_audio_rejects_other_suffixes(tmp_path: Path, name: str):
         write_audio(tmp_path / name, np.zeros((2, 10), dtype=np.float32), SOURCE)
     assert name in str(info.value)
     assert not (tmp_path / name).exists()
+
+
+def test_an_output_named_as_a_folder_is_refused(tmp_path: Path):
+    """`-o out/song.wav/` wrote out/song.wav: Path drops the trailing separator."""
+    with pytest.raises(InputError, match="got a folder name"):
+        check_output(f"{tmp_path}/song.wav/")
+    assert not (tmp_path / "song.wav").exists()
+    assert check_output(tmp_path / "song.wav") == tmp_path / "song.wav"
 
 
 def stereo_noise(samples: int) -> np.ndarray:

@@ -111,6 +111,8 @@ def test_valid_request_reaches_model_work(text_only_pipeline: Pipeline):
         ("synth pop", 5, "lyrics"),
         ("synth pop", ["la"], "lyrics"),
         ("synth pop", "", "lyrics"),
+        ("\u200b", "[verse]\nla", "caption"),  # a zero-width space: nothing visible
+        ("synth pop", "\x00 \ufeff\u2060", "lyrics"),  # NUL, a byte-order mark, a word joiner
     ],
 )
 def test_generate_rejects_bad_text_before_model_work(text_only_pipeline: Pipeline, caption, lyrics, field):

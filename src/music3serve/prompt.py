@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from tokenizers import Tokenizer
 
@@ -25,6 +26,7 @@ _LINE_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
 # Text checks: surrogate code points (half a UTF-16 pair) cannot be encoded as UTF-8 or tokenized.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_INVISIBLE = ("Cc", "Cf")  # Unicode control and format characters (NUL, zero-width space, byte-order mark, ...)
 # Length limits, far above real captions and lyrics: they bound the cleaning work before the token count can be
 # known (clean_caption's regexes take quadratic time on some text: long runs of blank lines, deeply nested bold).
 MAX_CAPTION_CHARS = 5_000
@@ -81,16 +83,17 @@ def prompt_text(caption: str, lyrics: str) -> str:
 
 
 def check_text(field: str, value: object, max_chars: int) -> None:
-    """Raise InputError unless `value` is valid Unicode text of at most `max_chars` characters with something other
-    than whitespace in it."""
+    """Raise InputError unless `value` is valid Unicode text of at most `max_chars` characters with something visible
+    in it (not only whitespace, control and format characters such as NUL or a zero-width space)."""
     if not isinstance(value, str):
         raise InputError(f"{field} must be a non-empty string, got {type(value).__name__}: {value!r:.80}")
     if not value:
         raise InputError(f"{field} must be a non-empty string, got an empty string")
     if len(value) > max_chars:
         raise InputError(f"{field} is {len(value)} characters long; the limit is {max_chars} characters")
-    if not value.strip():
-        raise InputError(f"{field} must be a non-empty string, got only whitespace ({value!r:.80})")
+    if all(ch.isspace() or unicodedata.category(ch) in _INVISIBLE for ch in value):
+        raise InputError(f"{field} must be a non-empty string, got only whitespace or invisible characters "
+                         f"({value!r:.80})")
     surrogate = _SURROGATE.search(value)
     if surrogate:
         raise InputError(

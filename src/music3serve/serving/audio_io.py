@@ -73,7 +73,10 @@ def check_output(path: Path | str) -> Path:
 
 
 def _song_name(path: Path | str) -> Path:
-    """`path` checked as a song file: NAME.wav or NAME.flac (with the package .flac needs), not a folder."""
+    """`path` checked as a song file: NAME.wav or NAME.flac (with the package .flac needs), not a folder (nor named
+    as one, with a trailing separator: Path would drop it)."""
+    if str(path).endswith(("/", os.sep)):
+        raise InputError(f"output file must be NAME.wav or NAME.flac, got a folder name {str(path)!r}")
     path = Path(path)
     if path.suffix.lower() not in FORMATS or not path.stem:
         raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
