@@ -30,4 +30,4 @@ demo: install
 	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @lyrics.txt --duration 60 -o song.wav"
 
 test: install-test
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
