@@ -9,8 +9,8 @@ import shutil
 import socket
 import sys
 import tempfile
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 from . import contract
 from .errors import Music3Error

@@ -143,15 +143,15 @@ def write_tiny_checkpoint(
 ) -> Path:
     """Write every component folder, config, index and the tokenizer; returns the directory. overrides: config values
     per component that replace the tiny ones (a wider model for the GPU precision tests)."""
-    directory = Path(directory)
-    unknown = set(overrides or {}) - set(COMPONENTS)
+    directory, overrides = Path(directory), overrides or {}
+    unknown = set(overrides) - set(COMPONENTS)
     if unknown:
         raise ValueError(f"overrides for unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
     gen = torch.Generator().manual_seed(seed)
     for name, component in COMPONENTS.items():
         folder = directory / component.folder
         folder.mkdir(parents=True, exist_ok=True)
-        raw = {**TINY_CONFIGS[name], **(overrides or {}).get(name, {})}
+        raw = {**TINY_CONFIGS[name], **overrides.get(name, {})}
         if "_class_name" in raw:
             raw["_diffusers_version"] = DIFFUSERS_VERSION
         (folder / "config.json").write_text(json.dumps(raw, indent=2))
