@@ -110,3 +110,16 @@ def test_the_snake_compiles_once_for_every_vocoder_width():
             torch.testing.assert_close(snake(x), x + snake.alpha.reciprocal() * torch.sin(snake.alpha * x) ** 2)
     finally:
         fusion.disable_fusion()
+
+
+@torch.inference_mode()
+def test_a_process_may_compile_the_hot_paths_for_many_model_widths():
+    """Weight shapes are static to dynamo: each width compiles anew. Dynamo's default limit of 8 compilations per
+    function failed the GPU suite, whose engines are built for several checkpoints in one process."""
+    from music3serve.models.layers import normed, rms_norm
+
+    enable_fusion(backend="aot_eager")
+    for width in range(1, 11):
+        x = torch.randn(3, width)
+        weight = torch.nn.Parameter(torch.rand(width), requires_grad=False)
+        torch.testing.assert_close(normed(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=0, atol=0)

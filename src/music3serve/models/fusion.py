@@ -11,6 +11,7 @@ import functools
 from typing import Callable, TypeVar
 
 import torch
+import torch._dynamo.config
 import torch._inductor.config
 
 from ..kernels.pdl import inductor_pdl
@@ -19,6 +20,7 @@ F = TypeVar("F", bound=Callable)
 _plain: dict[str, Callable] = {}
 _fused: dict[str, Callable] = {}
 _between_library_calls: set[str] = set()
+RECOMPILE_LIMIT = 64
 
 
 def _name(fn: Callable) -> str:
@@ -51,6 +53,10 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     (bench/dit_autotune.py tries "max-autotune-no-cudagraphs")."""
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
     torch._inductor.config.emulate_precision_casts = True
+    # Weights are parameters, whose shapes dynamo keeps static: each model width is one more compilation of every
+    # hot function (backbone and depth decoder are two). Dynamo's default of 8 per function then fails a process that
+    # builds engines for several checkpoints (the GPU tests do); a bounded number of widths is expected here.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for name, fn in _plain.items():
         if backend == "inductor":  # a mode is a set of options: merged with ours (torch.compile takes one or the other)
             options = {**(torch._inductor.list_mode_options(mode, True) if mode else {}), **_inductor_options(name)}
