@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 # The pinned torch (where pip is set up with a local CPU build, as on our CI, that one): named in every install, so
 # a later install never swaps it for another version; a plain `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+# Test worker processes, each handed whole files (their module fixtures build engines once): CI has two cores, and
+# the tests run single-threaded (tests/conftest.py); 10.5 min in one process, 6.3 min in two on our 2-core machine.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install install-test
 
@@ -30,4 +33,4 @@ demo: install
 	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @lyrics.txt --duration 60 -o song.wav"
 
 test: install-test
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests

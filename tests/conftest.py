@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 from music3serve import contract
 from music3serve.tiny import write_tiny_checkpoint
 
-# CI runs on 2 cores, often next to other jobs. The tiny models here are made of small ops where a second
-# intra-op thread buys little, and a busy core turns OpenMP's spin-waits into seconds per call; so one thread
-# unless OMP_NUM_THREADS asks otherwise (torch reads it itself), and one inter-op thread. Set in the environment, so
-# that the stage-1 worker processes the split tests spawn run with one thread too.
+# CI runs on 2 cores, often next to other jobs, and `make test` runs two test processes (pytest-xdist). The tiny
+# models here are made of small ops where a second intra-op thread buys little, and a busy core turns OpenMP's
+# spin-waits into seconds per call; so one thread unless OMP_NUM_THREADS asks otherwise (torch reads it itself), and
+# one inter-op thread. Set in the environment, so that the stage-1 worker processes the split tests spawn run with
+# one thread too.
 if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
