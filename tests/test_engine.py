@@ -28,7 +28,9 @@ from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
+from music3serve.serving.engine import (
+    PCM_BYTES_PER_SAMPLE, Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
+)
 from music3serve.serving.heartbeat import StageWatch
 
 
@@ -421,7 +423,7 @@ def test_duplicate_id_is_refused_while_the_first_runs(engine, solo):
             assert isinstance(await next_event(first), Accepted)
             requests = samples(engine)["music3_requests_total"]
             second = engine.submit(request(0, id="twice"))
-            with pytest.raises(InputError, match="'twice' is taken by a song still running"):
+            with pytest.raises(InputError, match="'twice' is taken by a song whose stream has not ended"):
                 await next_event(second)
             await close_stream(second)
             assert samples(engine)["music3_requests_total"] == requests
@@ -827,27 +829,63 @@ def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_
     assert np.array_equal(chunk.pcm, pcm(solo(7)))
 
 
-def test_audio_callers_have_not_read_refuses_new_songs_until_they_do(engine, monkeypatch):
-    """Past max_unread_bytes of PCM written but not yet taken by its callers, a submit raises EngineBusy (HTTP 429):
-    a crowd of slow readers cannot fill the host's memory. Once read, songs are taken again."""
-    monkeypatch.setattr(engine, "max_unread_bytes", 100_000)
+def test_songs_are_taken_only_while_their_whole_audio_fits_beside_what_callers_have_not_read(engine, monkeypatch):
+    """A song is held only if all its audio fits in max_unread_bytes beside what the songs held may still queue for
+    their callers: a crowd of slow readers cannot fill the host's memory (it was checked against audio already
+    written only, so songs taken meanwhile queued 21x the limit). Past it, a submit raises EngineBusy (HTTP 429);
+    a song larger than the whole limit is refused as such; once read, songs are taken again."""
+    audio = {seconds: song_samples(int(seconds * contract.FRAME_RATE)) * PCM_BYTES_PER_SAMPLE for seconds in (2, 3, 4)}
+    monkeypatch.setattr(engine, "max_unread_bytes", audio[4] + audio[2])
 
     async def scenario() -> None:
         slow = engine.submit(request(0, duration_s=4.0, id="slow-reader"))
         try:
-            assert isinstance(await next_event(slow), Accepted)
+            assert isinstance(await next_event(slow), Accepted)  # and then not read until its song is written
+            with pytest.raises(EngineBusy, match="callers have not read; this song's .* would pass"):
+                await next_event(engine.submit(request(1, duration_s=3.0, id="refused")))
+            beside = await collect(engine, request(1, duration_s=2.0, id="fits"))
+            assert isinstance(beside[-1], Done), beside[-1]
             key = engine._keys["slow-reader"]
-            await wait_until(lambda: engine._clients[key].unread_bytes > 100_000, "its audio waits unread")
-            with pytest.raises(EngineBusy, match="not yet read"):
-                await next_event(engine.submit(request(1, id="refused")))
+            await wait_until(lambda: engine._clients[key].events.qsize() >= 2, "the slow reader's song is written")
+            with pytest.raises(EngineBusy, match="not read"):
+                await next_event(engine.submit(request(1, duration_s=3.0, id="still-refused")))
             while not isinstance(await next_event(slow), Done):  # the caller reads its song
                 pass
         finally:
             await close_stream(slow)
-        events = await collect(engine, request(1, duration_s=2.0, id="taken"))
+        events = await collect(engine, request(1, duration_s=3.0, id="taken"))
         assert isinstance(events[0], Accepted) and isinstance(events[-1], Done)
+        with pytest.raises(InputError, match=r"a song of 8 s is .* MiB of audio, more than the engine holds"):
+            await next_event(engine.submit(request(1, duration_s=8.0, id="too-long")))
 
     run(scenario())
+
+
+def test_cancel_takes_a_string_id_and_ignores_one_not_held(engine):
+    assert engine.cancel("nobody") is False
+    with pytest.raises(InputError, match=r"cancel takes a song's id \(a string\), got list: \[\]"):
+        engine.cancel([])  # unhashable: it raised a bare TypeError
+
+
+def test_a_stream_read_on_another_event_loop_is_refused_clearly_and_its_song_freed(engine):
+    first = asyncio.new_event_loop()
+    try:
+        stream = engine.submit(request(0, id="two-loops"))
+        assert isinstance(first.run_until_complete(next_event(stream)), Accepted)
+        with pytest.raises(RuntimeError, match="read on the event loop that started it, not another"):
+            run(next_event(stream))  # asyncio's "bound to a different event loop" from deep inside, before
+        run(wait_until(lambda: "two-loops" not in callers(engine.talker.songs), "the talker drops the song"))
+        assert "two-loops" not in engine._keys
+    finally:
+        first.close()
+
+
+def test_an_engine_used_as_a_context_manager_is_closed_after(models, deploy):
+    with Engine(models, deploy) as engine:
+        assert isinstance(run(collect(engine, request(0, duration_s=1.0)))[-1], Done)
+    assert not any(thread.is_alive() for thread in engine._threads)
+    with pytest.raises(Music3Error, match="closed"):
+        run(next_event(engine.submit(request(0))))
 
 
 def test_a_stage_placed_on_a_gpu_the_machine_lacks_is_refused_before_loading(monkeypatch):

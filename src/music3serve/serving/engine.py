@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..acoustic.renderer import RenderedWindow, WindowPayload
+from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
@@ -45,15 +46,16 @@ log = logging.getLogger(__name__)
 # Songs one engine holds, running and waiting: beyond the talker's rows they queue, and past this many a submit
 # raises EngineBusy (HTTP 429) instead of growing the queue without bound.
 MAX_SONGS = 1024
-# Audio the engine has written and its callers have not read yet (a client playing a song in real time reads it
-# over minutes; a six-minute song is 127 MB of float32 PCM): past this, a submit raises EngineBusy until they read.
+# Audio the songs held may still queue for callers who have not read it (a client playing a song in real time
+# reads it over minutes; a six-minute song is 127 MB of float32 PCM). A song is admitted only if its whole audio
+# fits beside what the others may still hold: the engine's memory for unread audio is bounded, however slowly its
+# callers read.
 MAX_UNREAD_BYTES = 4 << 30
+PCM_BYTES_PER_SAMPLE = 2 * 4  # stereo float32
 
 
 def _deliver(client: "_Client", event: Event) -> None:
-    """On the caller's loop: queue the event, counting its PCM as unread until the caller takes it."""
-    if isinstance(event, AudioChunk):
-        client.unread_bytes += event.pcm.nbytes
+    """On the caller's loop: queue the event."""
     client.events.put_nowait(event)
 
 
@@ -76,7 +78,7 @@ class _Client:
     first_audio: float | None = None
     finished: SongFinished | None = None
     ended: bool = False  # done, failed or cancelled, once: the caller gets nothing after its Done or Failed
-    unread_bytes: int = 0  # PCM queued on `events`, not yet taken by the caller (kept on the caller's loop)
+    unread_bytes: int = 0  # PCM the song may still queue on `events`: its whole audio less what the caller took
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -179,19 +181,13 @@ class Engine:
         # Tokenizing a long caption takes a while: off the caller's event loop (the other streams keep flowing).
         cond, uncond = await asyncio.to_thread(encode_prompt, self.tokenizer, request.caption, request.lyrics)
         song, budget_request, seed, steps = self._validate(request)
-        client = _Client(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
-        if len(self._clients) >= self.max_songs:
-            raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
-        unread = sum(held.unread_bytes for held in list(self._clients.values()))
-        if unread > self.max_unread_bytes:
-            raise EngineBusy(f"callers have {unread / 2**30:.1f} GiB of audio not yet read, over the engine's "
-                             f"{self.max_unread_bytes / 2**30:.1f} GiB; try again when they have read it")
+        audio = song_samples(budget_request) * PCM_BYTES_PER_SAMPLE
+        if audio > self.max_unread_bytes:
+            raise InputError(f"a song of {request.duration_s:g} s is {audio / 2**20:.1f} MiB of audio, more than the "
+                             f"engine holds for its callers ({self.max_unread_bytes / 2**20:.1f} MiB)")
+        client = _Client(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), unread_bytes=audio)
         key = self._key(song)
-        with self._failing:  # the id's check and claim at once (callers on other threads or loops may race for it)
-            if song in self._keys:
-                raise InputError(f"request id {song!r:.80} is taken by a song still running: wait for it or pick "
-                                 "another")
-            self._clients[key], self._keys[song] = client, key
+        self._hold(key, client)
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
             self._forget(key)
             raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
@@ -199,6 +195,8 @@ class Engine:
         ended = False
         try:
             while not ended:
+                if asyncio.get_running_loop() is not client.loop:
+                    raise RuntimeError("a song's stream is read on the event loop that started it, not another")
                 event = await client.events.get()
                 if isinstance(event, AudioChunk):
                     client.unread_bytes -= event.pcm.nbytes
@@ -210,10 +208,29 @@ class Engine:
             if self._forget(key):
                 self._cancel(key)
 
+    def _hold(self, key: str, client: _Client) -> None:
+        """Take the submission if the engine has room for it and its id is free: checked and claimed at once
+        (callers on other threads or loops may race)."""
+        with self._failing:
+            if len(self._clients) >= self.max_songs:
+                raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
+            unread = sum(held.unread_bytes for held in list(self._clients.values()))
+            if unread + client.unread_bytes > self.max_unread_bytes:
+                raise EngineBusy(f"the songs held have up to {unread / 2**30:.2f} GiB of audio their callers have "
+                                 f"not read; this song's {client.unread_bytes / 2**20:.1f} MiB would pass the "
+                                 f"engine's {self.max_unread_bytes / 2**30:.2f} GiB: try again when they have read it")
+            if client.song in self._keys:
+                raise InputError(f"request id {client.song!r:.80} is taken by a song whose stream has not ended: "
+                                 "wait for it or pick another")
+            self._clients[key], self._keys[client.song] = client, key
+
     def cancel(self, song: str) -> bool:
         """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed.
         Whether it did: an id the engine does not hold, or whose song has ended (its Done or Failed is on its way to
-        the caller), is ignored."""
+        the caller), is ignored. A song is held from the first read of its stream (submit starts nothing until
+        then): cancelling it earlier returns False; closing the unread stream is how to drop it."""
+        if not isinstance(song, str):
+            raise InputError(f"cancel takes a song's id (a string), got {type(song).__name__}: {song!r:.80}")
         key = self._keys.get(song)
         if key is None or not self._count_cancel(key):
             return False
@@ -267,6 +284,12 @@ class Engine:
         if self._broken:
             return self._broken
         return "the engine is closed" if self._stop.is_set() else None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop both stages; every open stream ends with Failed("engine closed"), later submits raise Music3Error.
