@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,11 @@ import yaml
 from music3serve import contract
 from music3serve.errors import Music3Error
 from music3serve.serving.deploy_config import (
+    MAX_GPU_INDEX,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    MAX_WAIT_MS,
+    MIN_SLEEP_S,
     CompilationConfig,
     ConfigError,
     DeployConfig,
@@ -156,13 +162,18 @@ def test_talker_config_mapping():
         [(("stages", 0, "dtype"), "float32"), (("stages", 1, "dtype"), "bfloat16")],
         [(("stages", 0, "max_model_len"), 1000), (("stages", 1, "max_model_len"), 9),
          (("stages", 1, "default_sampling_params", "max_tokens"), 9)],  # 999 frames: 9 windows
-        [(("stages", 0, "default_sampling_params", "seed"), 2**63 - 1),
-         (("stages", 1, "default_sampling_params", "seed"), None)],
+        [(("stages", 0, "default_sampling_params", "seed"), 2**63 - 1)],
         [(("stages", 0, "default_sampling_params", "temperature"), 1),
          (("stages", 1, "default_sampling_params", "temperature"), 0)],
         [(("trust_remote_code",), True), (("async_chunk",), False),
          (("connectors", "connector_of_shared_memory", "extra", "codec_streaming"), False)],
-        [(("connectors", "spare"), {"name": "SharedMemoryConnector"})],  # defined, unused
+        [(("stages", 0, "max_num_seqs"), MAX_NUM_SEQS), (("stages", 1, "max_num_seqs"), MAX_NUM_SEQS),
+         (("stages", 0, "max_num_batched_tokens"), MAX_NUM_BATCHED_TOKENS),
+         (("stages", 1, "max_num_batched_tokens"), MAX_NUM_BATCHED_TOKENS)],  # the sanity bounds themselves
+        [(("connectors", "connector_of_shared_memory", "extra", "connector_get_max_wait"), MAX_WAIT_MS),
+         (("connectors", "connector_of_shared_memory", "extra", "connector_get_max_wait_first_chunk"), MAX_WAIT_MS),
+         (("connectors", "connector_of_shared_memory", "extra", "connector_get_sleep_s"), MIN_SLEEP_S)],
+        [(("stages", 0, "devices"), "0007"), (("stages", 1, "devices"), MAX_GPU_INDEX)],
     ],
 )
 def test_accepted_variants(changes):
@@ -186,10 +197,14 @@ INVALID: list[tuple[tuple, Any]] = [
     (EXTRA + ("connector_get_sleep_s",), 11), (EXTRA + ("connector_get_sleep_s",), float("nan")),
     (EXTRA + ("connector_get_max_wait_first_chunk",), 0), (EXTRA + ("connector_get_max_wait_first_chunk",), 1.5),
     (EXTRA + ("connector_get_max_wait_first_chunk",), True), (EXTRA + ("connector_get_max_wait",), 0),
+    (EXTRA + ("connector_get_max_wait_first_chunk",), MAX_WAIT_MS + 1), (EXTRA + ("connector_get_max_wait",), 10**20),
+    (EXTRA + ("connector_get_sleep_s",), 1e-5), (EXTRA + ("connector_get_sleep_s",), 1e-300),
     (("stages",), {}), (("stages", 0), 5),
     (S0 + ("stage_id",), 2), (S0 + ("stage_id",), True), (S0 + ("stage_id",), "0"), (S1 + ("stage_id",), 0),
     (S0 + ("max_num_seqs",), 15), (S0 + ("max_num_seqs",), 0), (S0 + ("max_num_seqs",), True),
     (S0 + ("max_num_seqs",), 16.0), (S1 + ("max_num_seqs",), 0), (S1 + ("max_num_seqs",), True),
+    (S0 + ("max_num_seqs",), MAX_NUM_SEQS + 2), (S1 + ("max_num_seqs",), MAX_NUM_SEQS + 1),
+    (S1 + ("max_num_seqs",), 30_000_000), (S1 + ("max_num_seqs",), 10**20),  # the default capture sizes count to it
     (S0 + ("gpu_memory_utilization",), 0), (S0 + ("gpu_memory_utilization",), 1.5),
     (S0 + ("gpu_memory_utilization",), True), (S0 + ("gpu_memory_utilization",), "0.6"),
     (S1 + ("gpu_memory_utilization",), -0.1), (S1 + ("gpu_memory_utilization",), 0.41),  # 0.6 + 0.41 on GPU 0
@@ -197,7 +212,8 @@ INVALID: list[tuple[tuple, Any]] = [
     (S0 + ("max_model_len",), 10241), (S0 + ("max_model_len",), 0), (S0 + ("max_model_len",), True),
     (S1 + ("max_model_len",), 88), (S1 + ("max_model_len",), "4096"),
     (S0 + ("max_num_batched_tokens",), 1), (S0 + ("max_num_batched_tokens",), False),
-    (S1 + ("max_num_batched_tokens",), 0),
+    (S1 + ("max_num_batched_tokens",), 0), (S0 + ("max_num_batched_tokens",), MAX_NUM_BATCHED_TOKENS + 1),
+    (S1 + ("max_num_batched_tokens",), 10**20),
     (S0 + ("enforce_eager",), "false"), (S1 + ("enforce_eager",), 0),
     (C0, []), (C0 + ("mode",), 3), (C0 + ("mode",), False), (C0 + ("mode",), "0"), (C1 + ("mode",), 1),
     (C0 + ("cudagraph_capture_sizes",), [0, 2]), (C0 + ("cudagraph_capture_sizes",), [2, 32]),
@@ -214,6 +230,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (S0 + ("enable_prefix_caching",), True), (S1 + ("enable_prefix_caching",), True),
     (S0 + ("devices",), "0,1"), (S0 + ("devices",), "a"), (S0 + ("devices",), -1), (S0 + ("devices",), "-1"),
     (S0 + ("devices",), True), (S0 + ("devices",), 1.5), (S0 + ("devices",), ""), (S1 + ("devices",), ["0"]),
+    (S0 + ("devices",), "1024"), (S0 + ("devices",), 1024), (S0 + ("devices",), "0,"), (S0 + ("devices",), "\u0661"),
     (S0 + ("output_connectors",), "shm"), (S0 + ("output_connectors", "to_stage_1"), "nope"),
     (S1 + ("input_connectors", "from_stage_0"), "nope"), (S1 + ("input_connectors", "from_stage_0"), None),
     (P0, None), (P0 + ("temperature",), 0.7), (P0 + ("temperature",), True), (P0 + ("temperature",), "1.0"),
@@ -222,6 +239,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (P0 + ("extra_args", "cfg_role"), "uncond"), (P0 + ("extra_args", "cfg_scale"), 2.0),
     (P0 + ("extra_args", "cfg_scale"), True), (P0 + ("extra_args",), "cond"),
     (P1 + ("temperature",), 1.0), (P1 + ("max_tokens",), 88), (P1 + ("seed",), "0"),
+    (P1 + ("seed",), 7), (P1 + ("seed",), None), (P1 + ("seed",), False),
 ]
 UNKNOWN: list[tuple] = [
     (), ("connectors", "connector_of_shared_memory"), EXTRA, S0, S1, C0, C1, P0, P1, P0 + ("extra_args",),
@@ -266,8 +284,19 @@ def test_unknown_key_at_every_level(where):
          "at least one even size"),
         ([(C0 + ("cudagraph_mode",), "FULL")], "stages[0].compilation_config.cudagraph_mode", "refused: prefill"),
         ([(C0 + ("mode",), 3)], "stages[0].compilation_config.mode", "refused: nothing is compiled"),
-        ([(S0 + ("async_scheduling",), True)], "stages[0].async_scheduling", "sampled"),
-        ([(EXTRA + ("connector_get_max_wait",), 5)], path_text(EXTRA + ("connector_get_sleep_s",)), "(0, 0.005]"),
+        ([(S0 + ("async_scheduling",), True)], "stages[0].async_scheduling", "cond/uncond pair must be sampled"),
+        ([(S0 + ("enable_prefix_caching",), True)], "stages[0].enable_prefix_caching", "static slot per song pair"),
+        ([(S1 + ("async_scheduling",), True)], "stages[1].async_scheduling", "its overlap carry handed to the song's"),
+        ([(S1 + ("enable_prefix_caching",), True)], "stages[1].enable_prefix_caching", "stage 1 has no KV cache"),
+        ([(EXTRA + ("connector_get_max_wait",), 5)], path_text(EXTRA + ("connector_get_sleep_s",)),
+         "[0.0001, 0.005]: a poll must fit in the shorter max wait, and a shorter one only spins a CPU core"),
+        ([(P1 + ("seed",), 7)], "stages[1].default_sampling_params.seed", "DiT noise is keyed by the song's seed"),
+        ([(("connectors", "spare"), {"name": "SharedMemoryConnector"})], "connectors.spare",
+         "unused: no stage writes to or reads from it; allowed: only the connector the stages use, "
+         "'connector_of_shared_memory' (stages[0].output_connectors.to_stage_1)"),
+        ([(("connectors", "other"), {}), (S0 + ("output_connectors", "to_stage_1"), "other"),
+          (S1 + ("input_connectors", "from_stage_0"), "other")], "connectors.connector_of_shared_memory", "unused"),
+        ([(S0 + ("devices",), "0, 1")], "stages[0].devices", "one GPU index (each stage runs on one GPU"),
         ([(S1 + ("gpu_memory_utilization",), 0.5)], "stages[1].gpu_memory_utilization", "sum over the stages on GPU 0"),
     ],
 )
@@ -290,7 +319,8 @@ def test_cross_checks_and_hints(changes, path, says):
         ("just text\n", "<top level>: got 'just text'"),
         ("", "<top level>: got None"),
         ("pipeline: !!python/object:os.system x\n", "not valid YAML"),
-        ("stages: [{stage_id: 0, max_num_seqs: 1" + "0" * 5000 + "}]\n", "a value cannot be read (Exceeds the limit"),
+        ("stages: [{stage_id: 0, max_num_seqs: 1" + "0" * 5000 + "}]\n", "as !!int (Exceeds the limit (4300 digits)"),
+        ("pipeline: a\x01b\n", "unacceptable character #x0001"),
     ],
 )
 def test_file_errors_name_the_file(tmp_path, text, says):
@@ -306,6 +336,114 @@ def test_missing_file(tmp_path):
         load_deploy_config(tmp_path / "absent.yaml")
     assert isinstance(info.value, ValueError) and isinstance(info.value, Music3Error)
     assert str(tmp_path / "absent.yaml") in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "path, says",
+    [
+        ("", "'' (an empty path): cannot read the deploy config: the path is empty"),  # not the package, not "."
+        ("a\0b.yaml", "a\0b.yaml: cannot read the deploy config: embedded null byte"),
+    ],
+)
+def test_paths_that_name_no_file(path, says):
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(path)
+    assert str(info.value).startswith(says), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("async_chunk: !!bool maybe\n", "async_chunk: not valid YAML: cannot read 'maybe' as !!bool"),
+        ("pipeline: !!timestamp foo\n", "pipeline: not valid YAML: cannot read 'foo' as !!timestamp"),
+        ("pipeline: 2001-13-45\n", "pipeline: not valid YAML: cannot read '2001-13-45' as !!timestamp (month must"),
+        ('stages: [{stage_id: !!int ""}, {stage_id: 1}]\n', "stages[0].stage_id: not valid YAML: cannot read '' as "
+         "!!int"),
+        ('stages:\n  - stage_id: 0\n    gpu_memory_utilization: !!float ""\n',
+         "stages[0].gpu_memory_utilization: not valid YAML: cannot read '' as !!float"),
+        ("connectors: !!map [x]\n", "connectors: not valid YAML: expected a mapping node, but found sequence"),
+        ("connectors: !!map abc\n", "connectors: not valid YAML: expected a mapping node, but found scalar"),
+        ("stages: [{stage_id: 0, stage_id: 1}]\n", "stages[0]: not valid YAML: duplicate key 'stage_id'"),
+        ("pipeline: " + "{a: " * 300 + "1" + "}" * 300 + "\n",
+         "not valid YAML: nested deeper than 32 levels (at pipeline.a.a.a."),
+        ("pipeline: " + "[" * 2000 + "]" * 2000 + "\n",
+         "not valid YAML: nested deeper than 32 levels (at pipeline[0][0][0]"),
+    ],
+)
+def test_yaml_that_cannot_be_built_names_the_key_and_line(tmp_path, text, says):
+    """PyYAML's own errors for these are KeyError, IndexError, AttributeError, TypeError or RecursionError."""
+    path = tmp_path / "tags.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {says}") and f'in "{path}", line ' in message, message
+
+
+def alias_bomb(levels: int) -> str:
+    """A list of 9**levels strings in a few hundred bytes: each level is nine aliases of the one below."""
+    rows = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    rows += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(rows) + "]"
+
+
+@pytest.mark.parametrize(
+    "template, path",
+    [
+        ("{}\n", "<top level>"),
+        ("pipeline: {}\n", "pipeline"),
+        ("stages: [{}, {{stage_id: 1}}]\n", "stages[0]"),
+        ("stages: [{{stage_id: 0, compilation_config: {{cudagraph_capture_sizes: {}}}}}, {{stage_id: 1}}]\n",
+         "stages[0].compilation_config.cudagraph_capture_sizes"),
+    ],
+)
+def test_an_alias_bomb_is_refused_at_once(tmp_path, template, path):
+    """The refusal quotes the value cut short, without building its full repr (9**9 strings)."""
+    file = tmp_path / "bomb.yaml"
+    file.write_text(template.format(alias_bomb(9)))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(file)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert message.startswith(f"{file}: {path}: got [['lol', 'lol'") and len(message) < 1000, message
+
+
+def test_merges_of_merges_do_not_multiply(tmp_path):
+    """Nine levels of mappings, each merging nine aliases of the one below: PyYAML before 6.0.4 copied the merged
+    pairs once per alias, 9**9 of them at the top."""
+    rows = ["x0: &m0 {a: 1, b: 2}"] + [f"x{i}: &m{i} {{<<: [" + ", ".join([f"*m{i - 1}"] * 9) + "]}"
+                                       for i in range(1, 10)]
+    file = tmp_path / "merges.yaml"
+    file.write_text("\n".join(rows) + "\n")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="x0: unknown key"):
+        load_deploy_config(file)
+    assert time.perf_counter() - start < 1.0
+
+
+HUGE = 10**400  # float() of it overflows
+
+
+@pytest.mark.parametrize(
+    "changes, path",
+    [
+        ([(S0 + ("gpu_memory_utilization",), HUGE)], "stages[0].gpu_memory_utilization"),
+        ([(P0 + ("temperature",), HUGE)], "stages[0].default_sampling_params.temperature"),
+        ([(P0 + ("extra_args", "cfg_scale"), HUGE)], "stages[0].default_sampling_params.extra_args.cfg_scale"),
+        ([(EXTRA + ("connector_get_sleep_s",), HUGE)], path_text(EXTRA + ("connector_get_sleep_s",))),
+        ([(EXTRA + ("connector_get_max_wait_first_chunk",), HUGE), (EXTRA + ("connector_get_max_wait",), HUGE)],
+         path_text(EXTRA + ("connector_get_max_wait_first_chunk",))),
+        ([(S0 + ("devices",), HUGE)], "stages[0].devices"),
+        ([(S0 + ("devices",), "1" * 4400)], "stages[0].devices"),  # int() refuses over 4300 digits
+        ([((2**16000,), 1)], "<an integer of about 4816 digits>"),  # an unknown key: str() refuses it too
+    ],
+)
+def test_huge_values_are_refused_and_quoted_short(changes, path):
+    with pytest.raises(ConfigError) as info:
+        parse_deploy_config(mutated(*changes), SOURCE)
+    message = str(info.value)
+    assert message.startswith(f"{SOURCE}: {path}: ") and len(message) < 600, message
 
 
 def test_merge_keys_are_not_duplicates(tmp_path):

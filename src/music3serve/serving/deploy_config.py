@@ -16,7 +16,12 @@ from typing import Any
 from .. import contract
 from .deploy_schema import (
     CONNECTOR,
+    MAX_GPU_INDEX,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    MAX_WAIT_MS,
     MAX_WINDOWS,
+    MIN_SLEEP_S,
     MIN_STAGE0_MAX_TOKENS,
     PIPELINE,
     SEED_LIMIT,
@@ -30,13 +35,18 @@ from .deploy_schema import (
     Stage1Config,
     Stage1Sampling,
 )
-from .deploy_yaml import ConfigError, Section, bad, is_int, read_deploy_yaml
+from .deploy_yaml import ConfigError, Section, bad, is_int, quote, read_deploy_yaml
 
 __all__ = [
     "CONNECTOR",
     "CONNECTOR_CLASSES",
     "CUDAGRAPH_MODES",
+    "MAX_GPU_INDEX",
+    "MAX_NUM_BATCHED_TOKENS",
+    "MAX_NUM_SEQS",
+    "MAX_WAIT_MS",
     "MAX_WINDOWS",
+    "MIN_SLEEP_S",
     "MIN_STAGE0_MAX_TOKENS",
     "PIPELINE",
     "SEED_LIMIT",
@@ -112,6 +122,12 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
             m, s = users[-1]
             raise m.bad("gpu_memory_utilization", s.gpu_memory_utilization,
                         f"a fraction that keeps the sum over the stages on GPU {device} <= 1 (it is {total:g})")
+    used = s0.output_connectors["to_stage_1"]  # stage 1 reads from the same one
+    for name in connectors:
+        if name != used:  # its settings would be validated, then never applied
+            raise ConfigError(f"{source}: connectors.{name}: unused: no stage writes to or reads from it; allowed: "
+                              f"only the connector the stages use, {quote(used)} "
+                              f"({maps[0].key('output_connectors.to_stage_1')})")
     return DeployConfig(pipeline, async_chunk, trust_remote_code, connectors, (s0, s1), source)
 
 
@@ -128,22 +144,24 @@ def _connectors(top: Section) -> dict[str, ConnectorConfig]:
     if not isinstance(raw, dict) or not raw:
         raise top.bad("connectors", raw, "a non-empty mapping of connector names to {name, extra}")
     out, d = {}, SharedMemoryExtra()
+    waits = f"an integer in [1, {MAX_WAIT_MS}] (milliseconds: up to a day)"
     for cname in raw:
         if not (isinstance(cname, str) and cname.strip()):
             raise top.bad("connectors", cname, "connector names that are non-empty strings")
         m = Section(raw[cname], f"connectors.{cname}", top.source, ("name", "extra"))
         name = m.choice("name", "SharedMemoryConnector", CONNECTOR_CLASSES, "the only connector this engine has")
         e = m.sub("extra", _EXTRA_KEYS)
-        first = e.int("connector_get_max_wait_first_chunk", d.connector_get_max_wait_first_chunk_ms, 1,
-                      allowed="an integer >= 1 (milliseconds)")
-        later = e.int("connector_get_max_wait", d.connector_get_max_wait_ms, 1,
-                      allowed="an integer >= 1 (milliseconds)")
+        first = e.int("connector_get_max_wait_first_chunk", d.connector_get_max_wait_first_chunk_ms, 1, MAX_WAIT_MS,
+                      waits)
+        later = e.int("connector_get_max_wait", d.connector_get_max_wait_ms, 1, MAX_WAIT_MS, waits)
         limit = min(first, later) / 1000
         extra = SharedMemoryExtra(
             codec_streaming=e.bool("codec_streaming", d.codec_streaming),
             shm_threshold_bytes=e.int("shm_threshold_bytes", d.shm_threshold_bytes, 0),
-            connector_get_sleep_s=e.number("connector_get_sleep_s", d.connector_get_sleep_s, lambda v: 0 < v <= limit,
-                                           f"seconds in (0, {limit:g}]: a poll must fit in the shorter max wait"),
+            connector_get_sleep_s=e.number(
+                "connector_get_sleep_s", d.connector_get_sleep_s, lambda v: MIN_SLEEP_S <= v <= limit,
+                f"seconds in [{MIN_SLEEP_S:g}, {limit:g}]: a poll must fit in the shorter max wait, and a shorter one "
+                "only spins a CPU core (a payload wakes the reader at once)"),
             connector_get_max_wait_first_chunk_ms=first,
             connector_get_max_wait_ms=later,
         )
@@ -151,24 +169,43 @@ def _connectors(top: Section) -> dict[str, ConnectorConfig]:
     return out
 
 
-def _common(m: Section, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...], dtype_why: str) -> dict[str, Any]:
+# Why each stage refuses async_scheduling and enable_prefix_caching, by stage_id.
+_SYNC_WHY = (
+    "steps here are synchronous: a song's cond/uncond pair must be sampled inside one step (the guidance blend, and "
+    "the code copied to both rows)",
+    "steps here are synchronous: a window must be rendered, and its overlap carry handed to the song's next window, "
+    "before that window is planned",
+)
+_PREFIX_WHY = (
+    "KV lives in one static slot per song pair and is never shared; a cached uncond prefix would skew a pair's "
+    "positions",
+    "stage 1 has no KV cache: its tokens are windows, each rendered once from the talker's frames",
+)
+_GPU_LIST = re.compile(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)+")
+_GPU = re.compile(r"\s*0*([0-9]{1,4})\s*")  # at most 4 digits past leading zeros: int() refuses over 4300
+
+
+def _devices(m: Section, d: Stage0Config | Stage1Config) -> tuple[int]:
+    """The stage's one GPU index; a bare integer reads as its digits."""
     devices = m.data.get("devices", ",".join(map(str, d.devices)))
-    text = str(devices) if is_int(devices) and devices >= 0 else devices
-    if not (isinstance(text, str) and re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*", text)):
-        raise m.bad("devices", devices, 'a string of comma-separated GPU indices, e.g. "0"')
-    ids = tuple(int(x) for x in text.split(","))
-    if len(ids) != 1:
+    text = str(devices) if is_int(devices) and 0 <= devices <= MAX_GPU_INDEX else devices
+    if isinstance(text, str) and _GPU_LIST.fullmatch(text):
         raise m.bad("devices", devices, "one GPU index (each stage runs on one GPU: no tensor or data parallelism)")
+    match = _GPU.fullmatch(text) if isinstance(text, str) else None
+    if not (match and int(match[1]) <= MAX_GPU_INDEX):
+        raise m.bad("devices", devices, f'one GPU index in [0, {MAX_GPU_INDEX}] as a string, e.g. "0"')
+    return (int(match[1]),)
+
+
+def _common(m: Section, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...], dtype_why: str) -> dict[str, Any]:
     return dict(
         gpu_memory_utilization=m.number("gpu_memory_utilization", d.gpu_memory_utilization, lambda v: 0 < v <= 1,
                                         "a number in (0, 1]"),
         dtype=m.choice("dtype", d.dtype, dtypes, dtype_why),
         enforce_eager=m.bool("enforce_eager", d.enforce_eager),
-        async_scheduling=m.bool("async_scheduling", False, "steps here are synchronous: a song's pair is sampled, and "
-                                "its window carry handed on, inside one step before the next is planned"),
-        enable_prefix_caching=m.bool("enable_prefix_caching", False, "KV lives in one static slot per song pair and "
-                                     "is never shared; a cached uncond prefix would skew a pair's positions"),
-        devices=ids,
+        async_scheduling=m.bool("async_scheduling", False, _SYNC_WHY[d.stage_id]),
+        enable_prefix_caching=m.bool("enable_prefix_caching", False, _PREFIX_WHY[d.stage_id]),
+        devices=_devices(m, d),
     )
 
 
@@ -213,14 +250,15 @@ def _edge(m: Section, key: str, edge: str, connectors: dict[str, ConnectorConfig
 
 def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
     d = Stage0Config()
-    seqs = m.int("max_num_seqs", d.max_num_seqs, 2, even=True,
-                 allowed="an even integer >= 2 (rows: every song is a cond/uncond pair)")
+    seqs = m.int("max_num_seqs", d.max_num_seqs, 2, MAX_NUM_SEQS, even=True,
+                 allowed=f"an even integer in [2, {MAX_NUM_SEQS}] (rows: every song is a cond/uncond pair)")
     kw = _common(m, d, STAGE0_DTYPES, "the talker's weights and KV")
     kw.update(
         max_model_len=m.int("max_model_len", d.max_model_len, 1, contract.MAX_CONTEXT,
                             f"an integer in [1, {contract.MAX_CONTEXT}] (the checkpoint's max_position_embeddings)"),
-        max_num_batched_tokens=m.int("max_num_batched_tokens", d.max_num_batched_tokens, 2,
-                                     allowed="an integer >= 2 (a prefill chunk gives both rows of a pair a token)"),
+        max_num_batched_tokens=m.int("max_num_batched_tokens", d.max_num_batched_tokens, 2, MAX_NUM_BATCHED_TOKENS,
+                                     f"an integer in [2, {MAX_NUM_BATCHED_TOKENS}] (a prefill chunk gives both rows "
+                                     "of a pair a token; at most every row prefilling a whole context)"),
     )
     s = m.sub("default_sampling_params", ("temperature", "max_tokens", "seed", "extra_args"))
     e = s.sub("extra_args", ("cfg_role", "cfg_scale"))
@@ -252,20 +290,23 @@ def _stage1(m: Section, connectors: dict[str, ConnectorConfig], s0: Stage0Config
     longest = max(1, min(contract.MAX_FRAMES, s0.max_model_len - 1))  # frames of the longest song stage 0 can write
     windows = len(contract.window_starts(longest))
     need = f"an integer >= {windows} (windows of the longest song stage 0 can write: {longest} frames)"
-    seqs = m.int("max_num_seqs", d.max_num_seqs, 1, allowed="an integer >= 1 (songs stage 1 holds and batches)")
-    batched = m.int("max_num_batched_tokens", seqs, 1, allowed="an integer >= 1 (windows per render call)")
+    seqs = m.int("max_num_seqs", d.max_num_seqs, 1, MAX_NUM_SEQS,
+                 f"an integer in [1, {MAX_NUM_SEQS}] (songs per render call)")
+    batched = m.int("max_num_batched_tokens", seqs, 1, MAX_NUM_BATCHED_TOKENS,
+                    f"an integer in [1, {MAX_NUM_BATCHED_TOKENS}] (windows per render call)")
     kw = _common(m, d, STAGE1_DTYPES, "the DiT and vocoder precision policy")
     inputs = _edge(m, "input_connectors", "from_stage_0", connectors)
     if inputs["from_stage_0"] != s0.output_connectors["to_stage_1"]:
         raise m.sub("input_connectors", ("from_stage_0",)).bad(
-            "from_stage_0", inputs["from_stage_0"], f"{s0.output_connectors['to_stage_1']!r}, the connector stage 0 "
-            f"writes to ({s0_output})")
+            "from_stage_0", inputs["from_stage_0"],
+            f"{quote(s0.output_connectors['to_stage_1'])}, the connector stage 0 writes to ({s0_output})")
     s = m.sub("default_sampling_params", ("temperature", "max_tokens", "seed"))
     sampling = Stage1Sampling(
         temperature=s.number("temperature", 0.0, lambda v: v == 0.0, "0.0 (stage 1 samples nothing: its output is "
                              "a deterministic function of the song's seed)"),
         max_tokens=s.int("max_tokens", d.default_sampling_params.max_tokens, windows, allowed=need),
-        seed=s.seed("seed", 0),
+        seed=s.int("seed", 0, 0, 0, "0 (stage 1 draws nothing: its DiT noise is keyed by the song's seed, which "
+                   "the request or stage 0's seed sets, so another value here would change nothing)"),
     )
     return Stage1Config(
         max_num_seqs=seqs,

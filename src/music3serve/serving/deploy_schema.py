@@ -19,6 +19,15 @@ CONNECTOR = "connector_of_shared_memory"  # the default connector's name
 MIN_STAGE0_MAX_TOKENS = contract.MAX_FRAMES + 1  # steps of the longest song: the first sampled frame is not emitted
 SEED_LIMIT = contract.SEED_LIMIT
 MAX_WINDOWS = len(contract.window_starts(contract.MAX_FRAMES))  # windows of the longest song: 89
+# Sanity bounds on integers that size memory, lists or waits; far past any card (1024 full-context rows are 1.5 TB
+# of KV), they keep a typo such as an extra zero from building huge lists or overflowing a float.
+MAX_NUM_SEQS = 1024  # stage 0 rows, stage 1 songs per render call
+MAX_NUM_BATCHED_TOKENS = MAX_NUM_SEQS * contract.MAX_CONTEXT  # every row prefilling a whole context in one step
+MAX_GPU_INDEX = 1023
+MAX_WAIT_MS = 24 * 3600 * 1000  # a day
+# The reader's poll wakes as soon as a payload arrives; the interval only sets how often it checks its deadline and
+# whether the connector was closed. Shorter than 0.1 ms, that check turns into a busy loop holding a CPU core.
+MIN_SLEEP_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,7 @@ class Stage0Sampling:
 class Stage1Sampling:
     temperature: float = 0.0
     max_tokens: int = MAX_WINDOWS
-    seed: int | None = 0  # draws nothing at temperature 0; DiT noise is keyed by the song's seed
+    seed: int = 0  # the only value: stage 1 draws nothing at temperature 0, its DiT noise is keyed by the song's seed
 
 
 class _Stage:

@@ -1,12 +1,14 @@
-"""Reading the deploy YAML: a loader that refuses duplicate keys, and typed reads of one mapping at a time whose
-errors name the file, the key path, the value and what is allowed."""
+"""Reading the deploy YAML: a loader that refuses duplicate keys, deep nesting and scalars their tag cannot read,
+naming the key path; and typed reads of one mapping at a time whose errors name the file, the key path, the value
+(quoted at a bounded length) and what is allowed."""
 
 from __future__ import annotations
 
 import math
+import reprlib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -18,37 +20,115 @@ _UNKNOWN_KEY_HINTS = {
     "output_connectors": " (stage 1 is the last stage: its PCM goes to the API server; only stage 0 has them)",
     "extra_args": " (only stage 0 has extra_args; stage 1's guidance is fixed by the checkpoint)",
 }
+# Far deeper than the seed file's six levels (scalars counted). PyYAML composes and builds nodes recursively, so a
+# document nested a few hundred levels deep would end in a RecursionError instead of a message.
+MAX_DEPTH = 32
 
 
 class ConfigError(Music3Error, ValueError):
     """A deploy configuration that cannot be served as written."""
 
 
+class _Quote(reprlib.Repr):
+    """repr() of a config value cut to a few hundred characters, built without walking more than it shows: anchors
+    and aliases let a small file hold a list whose full repr would take gigabytes (a "billion laughs")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 2, 80, 80
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdict = 6
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of a huge int takes quadratic time, and past 4300 digits raises (YAML reads hex without that limit)
+        if x.bit_length() <= 128:
+            return repr(x)
+        return f"<an integer of about {int(x.bit_length() * math.log10(2))} digits>"
+
+
+quote = _Quote().repr
+
+
 def read_deploy_yaml(path: Path | str | None) -> tuple[Any, str]:
     """The loaded document of a deploy YAML and the name errors give it; None reads default_deploy.yaml."""
+    if path == "":  # Path("") is the current folder: an error about reading "." would not say what went wrong
+        raise ConfigError("'' (an empty path): cannot read the deploy config: the path is empty; leave it out for "
+                          "the built-in default")
+    if path is None:
+        file = resources.files(__package__).joinpath("default_deploy.yaml")
+        source = f"{file} (built-in default)"
+    else:
+        file, source = Path(path), str(path)
     try:
-        if path is None:
-            resource = resources.files(__package__).joinpath("default_deploy.yaml")
-            source, text = f"{resource} (built-in default)", resource.read_text(encoding="utf-8")
-        else:
-            source, text = str(path), Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path or __package__}: cannot read the deploy config: {exc}") from None
+        text = file.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path, or text that is not UTF-8
+        raise ConfigError(f"{source}: cannot read the deploy config: {exc}") from None
+    loader = None
     try:
-        return yaml.load(text, Loader=_Loader), source  # noqa: S506 - a SafeLoader subclass
+        loader = _Loader(text, source)  # its reader refuses control characters here already
+        return loader.get_single_data(), source
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    except ValueError as exc:  # an integer past Python's digit limit for converting text
-        raise ConfigError(f"{source}: a value cannot be read ({exc})") from None
+        where = loader.key_path(exc) if loader is not None else ""
+        raise ConfigError(f"{source}: {where}not valid YAML: {exc}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (PyYAML would keep the last silently)."""
+    """SafeLoader that refuses a key written twice in one mapping (PyYAML would keep the last silently), nesting
+    deeper than MAX_DEPTH, and scalars its tag cannot read; it remembers each node's key path to name it in errors."""
+
+    def __init__(self, text: str, source: str):
+        super().__init__(text)
+        self.name = source  # marks in YAML errors name the file, not "<unicode string>"
+        self.path: list[str] = []  # the steps to the node being composed
+        self.paths: dict[int, tuple[str, ...]] = {}  # the steps to each node, by where it starts in the text
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if len(self.path) >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels (at "
+                                              f"{_joined(self.path)})", self.peek_event().start_mark)
+        self.path.append(_step(index))
+        try:
+            if not self.check_event(yaml.AliasEvent):  # an alias's node has its path already
+                self.paths.setdefault(self.peek_event().start_mark.index, tuple(self.path))
+            return super().compose_node(parent, index)
+        finally:
+            self.path.pop()
+
+    def key_path(self, exc: yaml.YAMLError) -> str:
+        """'path: ' of the node a construction error is about, or '' (a syntax error stands between nodes)."""
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        steps = self.paths.get(mark.index) if mark else None
+        return "" if steps is None else f"{_joined(steps) or '<top level>'}: "
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        super().flatten_mapping(node)
+        # PyYAML before 6.0.4 copies a merged mapping's pairs once per alias to it, so merges of merges grow
+        # exponentially. A key node belongs to one pair, so its copies are the same pair: keep the last, which wins.
+        last = {id(key): i for i, (key, _) in enumerate(node.value)}
+        node.value = [pair for i, pair in enumerate(node.value) if last[id(pair[0])] == i]
 
 
-def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _step(index: Any) -> str:
+    """compose_node's index as a step of a key path: a position in a sequence, or the key node of a mapping value
+    (None for a key, which takes its mapping's path)."""
+    if isinstance(index, int):
+        return f"[{index}]"
+    if isinstance(index, yaml.ScalarNode):
+        return f".{index.value}"
+    return "" if index is None else ".?"  # a key that is a list or mapping: construct_mapping refuses it
+
+
+def _joined(steps: list[str] | tuple[str, ...]) -> str:
+    return "".join(steps).lstrip(".")
+
+
+def _mapping(loader: _Loader, node: yaml.Node, deep: bool = False) -> dict:
     seen: set[Any] = set()
-    for key_node, _ in node.value:
+    # !!map on a scalar or a list has no pairs to check: construct_mapping refuses it below
+    pairs = node.value if isinstance(node, yaml.MappingNode) else []
+    for key_node, _ in pairs:
         if key_node.tag == "tag:yaml.org,2002:merge":
             continue
         key = loader.construct_object(key_node, deep=True)
@@ -58,15 +138,33 @@ def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dic
         except TypeError:  # unhashable: construct_mapping reports it
             continue
         if duplicate:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quote(key)}", key_node.start_mark)
     return loader.construct_mapping(node, deep=deep)
 
 
+def _checked(construct: Callable[[_Loader, yaml.Node], Any]) -> Callable[[_Loader, yaml.Node], Any]:
+    """A scalar constructor whose failures on bad text are YAML errors at the scalar: PyYAML's own raise KeyError
+    (!!bool maybe), IndexError (!!int ""), AttributeError (!!timestamp foo) or ValueError (an int over 4300 digits)."""
+
+    def checked(loader: _Loader, node: yaml.Node) -> Any:
+        try:
+            return construct(loader, node)
+        except (LookupError, AttributeError, ValueError) as exc:
+            detail = f" ({exc})" if isinstance(exc, ValueError) else ""
+            tag = node.tag.rpartition(":")[2]
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read {quote(node.value)} as !!{tag}{detail}",
+                                                    node.start_mark) from None
+
+    return checked
+
+
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+for _tag in (f"tag:yaml.org,2002:{name}" for name in ("bool", "int", "float", "timestamp")):
+    _Loader.add_constructor(_tag, _checked(yaml.SafeLoader.yaml_constructors[_tag]))
 
 
 def bad(source: str, path: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{source}: {path}: got {value!r:.200}; allowed: {allowed}")
+    return ConfigError(f"{source}: {path}: got {quote(value)}; allowed: {allowed}")
 
 
 def is_int(v: Any) -> bool:
@@ -76,7 +174,7 @@ def is_int(v: Any) -> bool:
 
 def is_number(v: Any) -> bool:
     """A finite int or float that is not a bool."""
-    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    return is_int(v) or (isinstance(v, float) and math.isfinite(v))  # isfinite() overflows on a 400-digit int
 
 
 class Section:
@@ -94,7 +192,8 @@ class Section:
 
     def key(self, key: Any) -> str:
         """The key's path from the top of the file."""
-        return f"{self.path}.{key}" if self.path else str(key)
+        text = key if isinstance(key, str) else quote(key)  # str() refuses an int of over 4300 digits
+        return f"{self.path}.{text}" if self.path else text
 
     def bad(self, key: str, value: Any, allowed: str) -> ConfigError:
         return bad(self.source, self.key(key), value, allowed)
@@ -122,7 +221,7 @@ class Section:
         v = self.data.get(key, default)
         if not (is_number(v) and ok(v)):
             if isinstance(v, str) and _reads_as_number(v):  # YAML 1.1 takes 5e-1 (no dot) for text
-                allowed += f"; {v!r} was read as text: write it with a dot, as {float(v)!r}"
+                allowed += f"; {quote(v)} was read as text: write it with a dot, as {float(v)!r}"
             raise self.bad(key, v, allowed)
         return float(v)
 
