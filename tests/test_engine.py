@@ -902,6 +902,20 @@ def test_a_stage_placed_on_a_gpu_the_machine_lacks_is_refused_before_loading(mon
         Engine.from_pretrained("unused", deploy)
 
 
+def test_a_device_override_that_puts_both_stages_on_one_gpu_checks_their_memory_shares(monkeypatch):
+    """The file's check that stages on one GPU share at most all of it saw two GPUs; --device cuda puts both on one."""
+    from music3serve.serving.deploy_config import parse_deploy_config
+    from music3serve.serving.deploy_yaml import read_deploy_yaml
+
+    data, source = read_deploy_yaml(None)
+    for stage, gpu in zip(data["stages"], ("0", "1")):
+        stage["devices"], stage["gpu_memory_utilization"] = gpu, 0.8
+    deploy = parse_deploy_config(data, source)
+    monkeypatch.setattr("music3serve.serving.engine.load_models", lambda *a, **k: pytest.fail("models loaded"))
+    with pytest.raises(Music3Error, match=r"both stages run on cuda:0 .* add up to 1\.6 > 1"):
+        Engine.from_pretrained("unused", deploy, device="cuda:0")
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_stages_on_different_gpus_split_only_where_there_are_gpus(monkeypatch, cuda):
     """The seed layout (stage 1 on another GPU) runs split on a machine with two GPUs; on a machine without CUDA both

@@ -149,6 +149,11 @@ class Engine:
             log.warning("no CUDA device: both stages run on the CPU in this process (deploy `devices` ignored)")
         else:
             device0 = device1 = device
+            shares = s0.gpu_memory_utilization + s1.gpu_memory_utilization
+            if torch.device(device).type == "cuda" and shares > 1:  # the file's own check saw two GPUs
+                raise Music3Error(f"both stages run on {device} (the device override), but their deploy config "
+                                  f"gpu_memory_utilization add up to {shares:g} > 1: lower them, or leave the stages "
+                                  "on the GPUs their `devices` name")
         split = device0 != device1 if split is None else split
         talker_dtype = getattr(torch, s0.dtype) if device0 != "cpu" else torch.float32
         models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split,
