@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import weakref
@@ -330,6 +331,9 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("depth_decoder", "num_attention_heads", True, "'heads' must be a positive int"),
     ("language_model", "rms_norm_eps", float("inf"), "'eps' must be a positive float, got inf"),  # outputs all 0
     ("language_model", "rope_theta", float("inf"), "'rope_theta' must be a positive float, got inf"),
+    ("language_model", "rope_theta", True, "'rope_theta' must be a positive float, got True"),  # loaded as 1.0
+    ("language_model", "rope_theta", "1e6", "'rope_theta' must be a positive float, got '1e6'"),  # was accepted
+    ("language_model", "rms_norm_eps", "1e-6", "'eps' must be a positive float, got '1e-6'"),
     ("language_model", "rope_parameters", ["default"], "'rope_parameters' must be a JSON object"),
     ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
     # Values that name another architecture or change the math we run (these all loaded, and generated, silently).
@@ -374,6 +378,7 @@ DELETE = object()
     ("language_model", "dtype", "float32"),  # what transformers v5 writes
     ("language_model", "rope_scaling", {"rope_type": "default"}),
     ("language_model", "rope_parameters", {"rope_type": "default", "rope_theta": 1e6}),
+    ("language_model", "rope_theta", 1_000_000),  # an int stands for its float, as for rms_norm_eps
     ("language_model", "layer_types", ["full_attention", "full_attention"]),
     ("language_model", "hidden_act", DELETE),  # a missing key means the library default, which is what we run
     ("language_model", "model_type", DELETE),
@@ -424,6 +429,14 @@ def test_a_scheduler_value_we_do_not_run(tiny_dir: Path, tmp_path: Path, key: st
     assert fragment in str(info.value) and str(root / "scheduler" / "scheduler_config.json") in str(info.value)
 
 
+@pytest.mark.parametrize("text", ['{"hidden_size": 1' + "0" * 5000 + "}", "[" * 200_000 + "]" * 200_000])
+def test_config_json_past_the_parser_limits(tiny_dir: Path, tmp_path: Path, text: str) -> None:
+    """An integer of 5000 digits (ValueError) or 200k levels of nesting (RecursionError) fail naming the file."""
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    (folder / "config.json").write_text(text)
+    expect_error(root, "dit", f"cannot read {folder / 'config.json'}")
+
+
 def test_configs_as_tiny_and_diffusers_write_them_pass(tiny_dir: Path, saved_by_reference, tmp_path: Path) -> None:
     """The checks refuse nothing the released layout (mirrored by tiny.py) or diffusers' / transformers' own
     save_pretrained write, with every key they add (architectures, dtype, layer_types, rope_parameters, the
@@ -447,6 +460,52 @@ def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "condition_encoder", str(folder), "diffusion_pytorch_model.safetensors")
 
 
+def test_weights_without_tensors(tiny_dir: Path, tmp_path: Path) -> None:
+    """An empty weight map or a single file of no tensors fail by name (both raised a raw IndexError)."""
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    expect_error(root, "dit", f"{index} lists no tensors")
+    root, folder = copy_component(tiny_dir, tmp_path / "single", "vocoder")
+    save_file({}, folder / "diffusion_pytorch_model.safetensors")
+    expect_error(root, "vocoder", f"{folder / 'diffusion_pytorch_model.safetensors'} holds no tensors")
+
+
+def test_unreadable_weight_file(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight file that exists but cannot be opened reports why (safetensors said "No such file or directory");
+    opening is patched to fail, as tests may run as root, where chmod 000 does not keep a file from being read."""
+    root, folder = copy_component(tiny_dir, tmp_path, "vocoder")
+    path = folder / "diffusion_pytorch_model.safetensors"
+    original = Path.open
+
+    def locked_open(self: Path, *args, **kwargs):
+        if self == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", locked_open)
+    message = expect_error(root, "vocoder", f"cannot read {path}: Permission denied")
+    assert "No such file" not in message
+
+
+@pytest.mark.parametrize("locked", ["", "transformer", "tokenizer", "scheduler"])
+def test_folder_that_cannot_be_entered(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, locked: str) -> None:
+    """A folder of mode 000 (the root or one inside it): a CheckpointError naming the path, not the raw
+    PermissionError that Path.is_file passes through. Path.stat is patched to fail as it would there, since tests may
+    run as root, whom permissions do not stop."""
+    folder = tiny_dir / locked if locked else tiny_dir
+    original = Path.stat
+
+    def stat(self: Path, *, follow_symlinks: bool = True):
+        if folder in self.parents:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return original(self, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    with pytest.raises(CheckpointError, match=f"cannot access {folder}/.*: Permission denied"):
+        checkpoint.load_models(tiny_dir, "cpu")
+
+
 def test_missing_tensor(tiny_dir: Path, tmp_path: Path) -> None:
     root, folder = copy_component(tiny_dir, tmp_path, "condition_encoder")
     rewrite(folder / "diffusion_pytorch_model.safetensors", lambda t: t.pop("proj.bias"))
@@ -467,6 +526,14 @@ def test_missing_tensor_from_index(tiny_dir: Path, tmp_path: Path) -> None:
     del data["weight_map"]["transformer_blocks.1.ff_out.bias"]
     index.write_text(json.dumps(data))
     expect_error(root, "dit", str(folder), "'transformer_blocks.1.ff_out.bias'")
+
+
+def test_shard_holds_a_tensor_its_index_does_not_list(tiny_dir: Path, tmp_path: Path) -> None:
+    """A tensor in a shard but not in the index (neither a missing nor an extra one) is refused, not ignored."""
+    root, folder = copy_component(tiny_dir, tmp_path, "dit")
+    shard = folder / "diffusion_pytorch_model-00002-of-00002.safetensors"
+    rewrite(shard, lambda t: t.update({"pos_embed": torch.zeros(3)}))
+    expect_error(root, "dit", f"{shard} holds tensors its index does not list: ['pos_embed']")
 
 
 def test_shard_lacks_a_tensor_its_index_lists(tiny_dir: Path, tmp_path: Path) -> None:
@@ -531,6 +598,52 @@ def test_config_sizes_far_beyond_the_weights(tiny_dir: Path, tmp_path: Path, hid
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": hidden}))
     expect_error(root, "depth_decoder", str(folder), str(hidden))
+
+
+@pytest.mark.parametrize("name,key,value,fragment", [
+    ("language_model", "num_hidden_layers", 10**9, "num_hidden_layers is 1000000000, expected at most 2"),
+    ("depth_decoder", "num_layers", 10**9, "num_layers is 1000000000, expected at most 2"),
+    ("dit", "num_layers", 10**9, "num_layers is 1000000000, expected at most 2, the blocks ('transformer_blocks.N.*')"),
+    ("vocoder", "upsampling_ratios", [8, 8, 4, 2] + [1] * 10**6, "upsampling_ratios has 1000004 items, expected at most 4"),
+])
+def test_block_count_far_beyond_the_weights(tiny_dir: Path, tmp_path: Path, name: str, key: str, value, fragment: str) -> None:
+    """A count of blocks the weights do not hold fails at once, naming the config: the module, built block by block
+    on the meta device before the tensor names were compared, hung and exhausted the memory."""
+    root, folder = copy_component(tiny_dir, tmp_path, name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    expect_error(root, name, str(folder / "config.json"), fragment)
+
+
+def weights_with(tiny_dir: Path, tmp_path: Path, name: str, key: str, value: torch.Tensor) -> tuple[Path, Path]:
+    """A copy of one component whose tensor `key` is replaced by `value`; returns (root, the file that holds it)."""
+    root, folder = copy_component(tiny_dir, tmp_path, name)
+    index = folder / f"{COMPONENTS[name].weights}.safetensors.index.json"
+    file = json.loads(index.read_text())["weight_map"][key] if index.is_file() else f"{COMPONENTS[name].weights}.safetensors"
+    rewrite(folder / file, lambda t: t.update({key: value.expand(t[key].shape).clone()}))
+    return root, folder / file
+
+
+@pytest.mark.parametrize("name,key,value,dtype,fragment", [
+    ("vocoder", "conv_out.bias", torch.tensor([float("nan")]), torch.float32, "(as float32)"),  # FloatingPointError
+    ("language_model", "model.norm.weight", torch.tensor([float("inf")], dtype=torch.bfloat16), None, "(as bfloat16)"),
+    ("language_model", "lm_head.weight", torch.tensor([1e300], dtype=torch.float64), None, "(as bfloat16)"),  # cast
+    ("dit", "transformer_blocks.1.ff_out.bias", torch.tensor([-float("inf")]), torch.float32, "(as float32)"),
+    ("vocoder", "blocks.2.res_unit1.conv1.weight_v", torch.tensor([float("nan")]), torch.float32, "(as float32)"),
+])
+def test_nonfinite_weights(tiny_dir: Path, tmp_path: Path, name: str, key: str, value: torch.Tensor, dtype, fragment: str) -> None:
+    """NaN or inf in a weight, on disk or once cast to the dtype we run in, fails naming the tensor and its file (it
+    loaded silently, and failed only in the first song, if at all)."""
+    root, path = weights_with(tiny_dir, tmp_path, name, key, value)
+    with pytest.raises(CheckpointError) as info:
+        load_component(root, name, "cpu", dtype)
+    assert f"tensor '{key}' in {path} holds NaN or infinite values {fragment}" == str(info.value)
+
+
+def test_weight_norm_folded_to_nan(tiny_dir: Path, tmp_path: Path) -> None:
+    """Finite g and v whose fold is not (a zero direction) fail naming both."""
+    root, _ = weights_with(tiny_dir, tmp_path, "vocoder", "conv_out.weight_v", torch.tensor([0.0]))
+    expect_error(root, "vocoder", "['conv_out.weight_g', 'conv_out.weight_v']", "give parameter 'conv_out.weight' NaN")
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])

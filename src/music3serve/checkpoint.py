@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,6 +29,15 @@ from .models.vocoder import Vocoder, VocoderConfig
 from .models.weights import ParamSource, WeightNormSource
 
 
+class Blocks(typing.NamedTuple):
+    """A config value that counts a component's repeated blocks (an int, or a list with an item per block), the field
+    of our config that holds it, and the prefix of the blocks' tensor names on disk (each followed by its index)."""
+
+    key: str
+    field: str
+    prefix: str
+
+
 @dataclass(frozen=True)
 class Component:
     """One model folder of the checkpoint."""
@@ -38,14 +48,17 @@ class Component:
     weights: str  # safetensors file stem
     disk_dtype: torch.dtype
     shards: int  # shard count of the released checkpoint (the tiny one mirrors it)
+    blocks: Blocks | None = None
 
 
 COMPONENTS: dict[str, Component] = {
     "language_model": Component(
-        "language_model", LanguageModel, LanguageModelConfig.from_json, "model", torch.bfloat16, 4
+        "language_model", LanguageModel, LanguageModelConfig.from_json, "model", torch.bfloat16, 4,
+        Blocks("num_hidden_layers", "layers", "model.layers."),
     ),
     "depth_decoder": Component(
-        "rvq_depth_decoder", DepthDecoder, DepthDecoderConfig.from_json, "diffusion_pytorch_model", torch.bfloat16, 1
+        "rvq_depth_decoder", DepthDecoder, DepthDecoderConfig.from_json, "diffusion_pytorch_model", torch.bfloat16, 1,
+        Blocks("num_layers", "layers", "layers."),
     ),
     "condition_encoder": Component(
         "condition_encoder",
@@ -55,8 +68,14 @@ COMPONENTS: dict[str, Component] = {
         torch.float32,
         1,
     ),
-    "dit": Component("transformer", DiT, DiTConfig.from_json, "diffusion_pytorch_model", torch.float32, 2),
-    "vocoder": Component("vocoder", Vocoder, VocoderConfig.from_json, "diffusion_pytorch_model", torch.float32, 1),
+    "dit": Component(
+        "transformer", DiT, DiTConfig.from_json, "diffusion_pytorch_model", torch.float32, 2,
+        Blocks("num_layers", "layers", "transformer_blocks."),
+    ),
+    "vocoder": Component(
+        "vocoder", Vocoder, VocoderConfig.from_json, "diffusion_pytorch_model", torch.float32, 1,
+        Blocks("upsampling_ratios", "strides", "blocks."),
+    ),
 }
 
 
@@ -149,13 +168,23 @@ def _same(found: Any, supported: Any) -> bool:
     return isinstance(found, bool) == isinstance(supported, bool) and found == supported
 
 
+@contextmanager
+def access_errors() -> Iterator[None]:
+    """An OSError from looking at the checkpoint's files (a folder that cannot be entered: Python 3.11's Path.is_file
+    passes EACCES through) becomes a CheckpointError naming the path."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"cannot access {exc.filename or 'the checkpoint'}: {exc.strerror or exc}") from exc
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from disk, or a CheckpointError naming the file."""
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON, an integer of 5000 digits
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
@@ -219,13 +248,18 @@ def weight_files(folder: Path, stem: str) -> dict[str, Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map'")
+        if not weight_map:
+            raise CheckpointError(f"{index} lists no tensors (its 'weight_map' is empty)")
         for key, file in weight_map.items():
             if not isinstance(file, str) or Path(file).name != file:  # shards sit beside their index
                 raise CheckpointError(f"{index} maps tensor '{key}' to {file!r}, expected a file name in {folder}")
         return {key: folder / file for key, file in weight_map.items()}
     if single.is_file():
         with ExitStack() as stack:
-            return {key: single for key in _open(single, stack).keys()}
+            keys = _open(single, stack).keys()
+        if not keys:
+            raise CheckpointError(f"{single} holds no tensors")
+        return {key: single for key in keys}
     raise CheckpointError(f"no weights in {folder}: expected {single.name} or {index.name}")
 
 
@@ -233,9 +267,10 @@ def _open(path: Path, stack: ExitStack):
     if not path.is_file():
         raise CheckpointError(f"missing weight file {path}")
     try:
+        path.open("rb").close()  # safetensors reports every file it cannot open as "No such file or directory"
         return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise CheckpointError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 # safetensors dtypes a weight may have on disk; integers, booleans and fp8 (which needs scales) would be cast wrongly.
@@ -245,8 +280,8 @@ WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 class _TensorReader:
     """Memory-mapped access to the tensors of one component, with file-and-name errors."""
 
-    def __init__(self, files: dict[str, Path], stack: ExitStack):
-        self.files = files
+    def __init__(self, folder: Path, files: dict[str, Path], stack: ExitStack):
+        self.folder, self.files = folder, files
         for path in sorted(set(files.values())):
             if not path.is_file():
                 listed = sorted(key for key, where in files.items() if where == path)
@@ -257,11 +292,17 @@ class _TensorReader:
         for key, path in files.items():
             if key not in self.handles[path].keys():
                 raise CheckpointError(f"{path} lacks tensor '{key}' that its index lists")
+        for path, handle in self.handles.items():  # a shard's tensor the index leaves out would be ignored silently
+            unlisted = sorted(set(handle.keys()) - set(files))
+            if unlisted:
+                raise CheckpointError(
+                    f"{path} holds tensors its index does not list: {unlisted[:5]}{' ...' if len(unlisted) > 5 else ''}"
+                )
 
     def view(self, key: str, shape: tuple[int, ...]) -> Any:
         """The tensor's unread slice, once it is there with the expected shape and a weight dtype."""
         if key not in self.files:
-            raise CheckpointError(f"missing tensor '{key}' in {sorted(set(self.files.values()))[0].parent}")
+            raise CheckpointError(f"missing tensor '{key}' in {self.folder}")
         path = self.files[key]
         view = self.handles[path].get_slice(key)
         found = tuple(view.get_shape())
@@ -308,9 +349,8 @@ def _tensors_of(source: ParamSource, reader: _TensorReader) -> list[tuple[str, t
     for g_key, v_key in source.candidates():
         if g_key in reader.files:
             return [(g_key, g_shape), (v_key, source.shape)]
-    folder = sorted(set(reader.files.values()))[0].parent
     raise CheckpointError(
-        f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v' in {folder}"
+        f"missing weight-norm tensors '{source.prefix}.weight_g' / '{source.prefix}.weight_v' in {reader.folder}"
     )
 
 
@@ -332,6 +372,39 @@ def check_nonempty(module: nn.Module, path: Path) -> None:
             raise CheckpointError(f"{path}: the sizes give parameter '{name}' the empty shape {list(param.shape)}")
 
 
+def check_block_count(path: Path, cfg: Any, blocks: Blocks, names: Iterable[str]) -> None:
+    """The config asks for no more blocks than the weights hold (the distinct indices after their prefix): the module
+    is built block by block before its tensor names are compared, and a count of 10**9 would exhaust the memory."""
+    value = getattr(cfg, blocks.field)
+    count = len(value) if isinstance(value, tuple) else value
+    pattern = re.compile(re.escape(blocks.prefix) + r"(\d+)\.")
+    held = len({match[1] for match in map(pattern.match, names) if match})
+    if count > held:
+        shown = f"has {count} items" if isinstance(value, tuple) else f"is {count}"
+        raise CheckpointError(
+            f"{path}: {blocks.key} {shown}, expected at most {held}, the blocks ('{blocks.prefix}N.*') the weights in "
+            f"{path.parent} hold"
+        )
+
+
+def nonfinite_error(module: nn.Module, sources: dict[str, ParamSource], reader: _TensorReader) -> CheckpointError:
+    """The error naming the first checkpoint tensor that holds NaN or inf in its parameter's dtype (looked for only
+    once the load has seen one, so a clean load pays no sync per tensor)."""
+    for param_name, param in module.named_parameters():
+        if torch.isfinite(param).all():
+            continue
+        keys = _tensors_of(sources[param_name], reader)
+        for key, shape in keys:
+            if not torch.isfinite(reader.read(key, shape).to(param.dtype)).all():
+                dtype = str(param.dtype).removeprefix("torch.")
+                return CheckpointError(f"tensor '{key}' in {reader.files[key]} holds NaN or infinite values (as {dtype})")
+        # Each finite on its own: a weight norm's fold divided by a zero direction.
+        names = [key for key, _ in keys]
+        return CheckpointError(f"tensors {names} in {reader.folder} give parameter '{param_name}' NaN or infinite values")
+    raise AssertionError("no parameter holds NaN or inf")
+
+
+@access_errors()
 def load_component(
     root: Path, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, progress: bool = False
 ) -> nn.Module:
@@ -340,28 +413,34 @@ def load_component(
     component = COMPONENTS[name]
     folder = component_folder(root, name)
     cfg = load_config(root, name)
+    files = weight_files(folder, component.weights)
+    if component.blocks:
+        check_block_count(folder / "config.json", cfg, component.blocks, files)
     with config_values(folder / "config.json"), torch.device("meta"):
         module = component.model(cfg)
         sources = component.model.checkpoint_sources(cfg)
     check_nonempty(module, folder / "config.json")
     params = {param_name for param_name, _ in module.named_parameters()}
     assert set(sources) == params, f"{name}: sources and parameters differ: {set(sources) ^ params}"
-    files = weight_files(folder, component.weights)
     wanted = set().union(*(source_keys(s, set(files)) for s in sources.values()))
     unexpected = sorted(set(files) - wanted)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in {folder}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     with ExitStack() as stack:
-        reader = _TensorReader(files, stack)
+        reader = _TensorReader(folder, files, stack)
         for source in sources.values():  # every name, shape and dtype, before the module takes its memory
             for key, shape in _tensors_of(source, reader):
                 reader.view(key, shape)
         module = module.to(dtype or component.disk_dtype).to_empty(device=device)
         size = sum(param.numel() * param.element_size() for param in module.parameters())
+        extremes: list[torch.Tensor] = []  # each parameter's min and max, where NaN and inf show, kept on the device
         with tqdm(total=size, desc=f"loading {name}", unit="B", unit_scale=True, disable=not progress) as bar:
             for param_name, param in module.named_parameters():
                 _fill(param, sources[param_name], reader)
+                extremes.append(torch.stack(torch.aminmax(param)).float())
                 bar.update(param.numel() * param.element_size())
+        if not torch.isfinite(torch.stack(extremes)).all():  # one host sync per component (57 GB load to CUDA)
+            raise nonfinite_error(module, sources, reader)
     return module.eval().requires_grad_(False)
 
 
@@ -447,6 +526,7 @@ def check_fit(root: Path) -> None:
             raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {found!r}, expected {expected}")
 
 
+@access_errors()
 def load_models(
     root: Path,
     device: torch.device | str = "cpu",

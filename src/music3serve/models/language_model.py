@@ -43,7 +43,7 @@ class LanguageModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             mlp=require(cfg, "intermediate_size"),
             eps=require(cfg, "rms_norm_eps"),
-            rope_theta=float(require({"rope_theta": theta}, "rope_theta")),
+            rope_theta=require({"rope_theta": theta}, "rope_theta"),
             vocab=require(cfg, "vocab_size"),
             max_positions=require(cfg, "max_position_embeddings"),
         )
