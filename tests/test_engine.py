@@ -711,6 +711,31 @@ def test_a_failed_frame_step_fails_the_songs_in_it_not_those_queued(models):
     assert queued[-1].frames == 25
 
 
+def test_a_failed_frame_step_also_drops_the_windows_its_songs_had_sent_to_stage_1(models, deploy):
+    """The step fails after stage 1 rendered the song's window 0: stage 1 forgets the song at once (it kept the song's
+    carry, and the talker loop its held windows and Euler steps, until the caller read its stream to the end)."""
+    engine = make_engine(models, deploy)
+    rendered = lambda: bool(engine.renderer.songs)  # noqa: E731  (window 0 rendered: stage 1 holds the song's carry)
+    engine.talker.step_fn = FailingStep(engine.talker.step_fn, rendered)
+
+    async def scenario():
+        stream = engine.submit(SongRequest("pop", "[verse]\nla", 12.0, 1, 1, id="failing"))
+        try:
+            assert isinstance(await next_event(stream), Accepted)
+            await wait_until(lambda: engine.talker.step_fn.failed, "the step fails")
+            # Before its caller reads on (which frees the song everywhere, however it ended).
+            await wait_until(lambda: not engine.renderer.songs, "stage 1 forgets the failed song", timeout=30)
+            events = [event async for event in stream]
+        finally:
+            await close_stream(stream)
+        assert isinstance(events[-1], Failed) and "injected step failure" in events[-1].message
+
+    try:
+        run(scenario())
+    finally:
+        shut(engine)
+
+
 def test_a_step_that_fails_with_no_song_decoding_fails_the_queue_instead_of_repeating(models, deploy):
     """A step that raises before any song decodes (say the device is gone) fails the songs waiting for it; failing
     only the decoding songs (none) would meet the same failure at every step while the queue waits forever."""

@@ -377,7 +377,7 @@ class Engine:
                     # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
                     # which would otherwise meet the same failure at every step, forever.
                     for song in [s.id for s in self.talker.active] or list(self.talker.songs):
-                        self.talker.cancel(song)
+                        self._drop(song, steps, held)  # its windows held here or sent on to stage 1 too
                         self._fail(song, f"stage 0 failed: {exc}")
                     failures_in_a_row += 1
                     if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
@@ -447,14 +447,18 @@ class Engine:
                 finally:
                     watch.busy(None)
             elif item[0] == "cancel":
-                self.talker.cancel(item[1])
-                steps.pop(item[1], None)
-                held.pop(item[1], None)
-                self.stage1.cancel(item[1])
+                self._drop(item[1], steps, held)
             try:
                 item = self._control.get_nowait()
             except queue.Empty:
                 return
+
+    def _drop(self, song: str, steps: dict[str, int], held: dict[str, list]) -> None:
+        """Stop a song in both stages and forget what the talker loop keeps of it."""
+        self.talker.cancel(song)
+        steps.pop(song, None)
+        held.pop(song, None)
+        self.stage1.cancel(song)
 
     # The watch: of the stage threads here for a call that never ends, and of stage 1's own needs (the worker).
     def _watch_loop(self) -> None:
