@@ -61,12 +61,8 @@ COMPONENTS: dict[str, Component] = {
         Blocks("num_layers", "layers", "layers."),
     ),
     "condition_encoder": Component(
-        "condition_encoder",
-        ConditionEncoder,
-        ConditionEncoderConfig.from_json,
-        "diffusion_pytorch_model",
-        torch.float32,
-        1,
+        "condition_encoder", ConditionEncoder, ConditionEncoderConfig.from_json, "diffusion_pytorch_model",
+        torch.float32, 1,
     ),
     "dit": Component(
         "transformer", DiT, DiTConfig.from_json, "diffusion_pytorch_model", torch.float32, 2,
