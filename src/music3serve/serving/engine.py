@@ -32,6 +32,7 @@ from ..errors import EngineBusy, InputError, Music3Error
 from ..pipeline import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
+from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import (
@@ -51,7 +52,7 @@ MAX_SONGS = 1024
 # fits beside what the others may still hold: the engine's memory for unread audio is bounded, however slowly its
 # callers read.
 MAX_UNREAD_BYTES = 4 << 30
-PCM_BYTES_PER_SAMPLE = 2 * 4  # stereo float32
+PCM_BYTES_PER_SAMPLE = CHANNELS * np.dtype(np.float32).itemsize  # the PCM an AudioChunk carries
 
 
 def _deliver(client: "_Client", event: Event) -> None:
