@@ -976,3 +976,18 @@ def test_the_renderer_captures_the_stage_1_sizes_the_deploy_config_names(models,
     monkeypatch.setattr(Renderer, "warmup", lambda self, batches, *a, **k: warmed.append(tuple(batches)))
     shut(Engine(models, dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))))
     assert warmed == [(8, 2)]
+
+
+def test_close_mid_song_leaves_nothing_held_in_either_stage(models, deploy):
+    async def start_a_song(engine: Engine) -> None:
+        stream = engine.submit(request(0, duration_s=12.0))
+        assert isinstance(await next_event(stream), Accepted)
+        await wait_until(lambda: engine.talker.frames_written > 0, "the talker writes a frame")
+        shut(engine)  # with the song's stream still open on this loop
+
+    engine = make_engine(models, deploy)
+    try:
+        run(start_a_song(engine))
+    finally:
+        shut(engine)
+    assert not engine.talker.songs and not engine.talker.busy and engine.renderer.songs == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -138,6 +138,22 @@ def _write_weights(folder: Path, stem: str, tensors: dict[str, torch.Tensor], sh
     (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
+def write_component(
+    directory: Path, name: str, overrides: dict[str, Any], tensor: Callable[[str, tuple[int, ...]], torch.Tensor]
+) -> None:
+    """One component's folder: its config (the tiny one with `overrides`) and weights, tensor(key, shape) each."""
+    component = COMPONENTS[name]
+    folder = Path(directory) / component.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = {**TINY_CONFIGS[name], **overrides}
+    if "_class_name" in raw:
+        raw["_diffusers_version"] = DIFFUSERS_VERSION
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    shapes = checkpoint_tensors(name, component.config(raw))
+    tensors = {key: tensor(key, shape).to(component.disk_dtype) for key, shape in shapes.items()}
+    _write_weights(folder, component.weights, tensors, component.shards)
+
+
 def write_tiny_checkpoint(
     directory: Path, seed: int = 0, overrides: dict[str, dict[str, Any]] | None = None
 ) -> Path:
@@ -148,19 +164,8 @@ def write_tiny_checkpoint(
     if unknown:
         raise ValueError(f"overrides for unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
     gen = torch.Generator().manual_seed(seed)
-    for name, component in COMPONENTS.items():
-        folder = directory / component.folder
-        folder.mkdir(parents=True, exist_ok=True)
-        raw = {**TINY_CONFIGS[name], **overrides.get(name, {})}
-        if "_class_name" in raw:
-            raw["_diffusers_version"] = DIFFUSERS_VERSION
-        (folder / "config.json").write_text(json.dumps(raw, indent=2))
-        cfg = component.config(raw)
-        tensors = {
-            key: random_tensor(key, shape, gen).to(component.disk_dtype)
-            for key, shape in checkpoint_tensors(name, cfg).items()
-        }
-        _write_weights(folder, component.weights, tensors, component.shards)
+    for name in COMPONENTS:
+        write_component(directory, name, overrides.get(name, {}), lambda key, shape: random_tensor(key, shape, gen))
     (directory / "scheduler").mkdir(exist_ok=True)
     (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2))
     write_tokenizer(directory / "tokenizer")

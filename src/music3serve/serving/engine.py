@@ -390,6 +390,7 @@ class Engine:
                 failures_in_a_row = 0
                 self.metrics.talker_steps.inc()
                 self._hand_on(events, steps, held)
+            self.talker.cancel_all()  # closing: songs cut mid-stream give back their rows and buffers now
 
     def _hand_on(self, events: list, steps: dict[str, int], held: dict[str, list]) -> None:
         """A step's events to the songs' clients and their windows to stage 1 (held until the song's last frame with

@@ -184,6 +184,12 @@ class Talker:
                 self._release(state)
         return True
 
+    def cancel_all(self) -> None:
+        """Drop every song and the step in flight, whose results nobody will read (the engine is closing)."""
+        for song in list(self.songs):
+            self.cancel(song)
+        self._in_flight, self._failed = None, []
+
     def _on_stream(self) -> contextlib.AbstractContextManager:
         """Run on the talker's stream, after whatever the caller queued on its own."""
         if self.stream is None:
