@@ -490,7 +490,9 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
         return FakeEngine()
 
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(app=app, **kw))
+    from music3serve.serving.api import ForceQuitServer
+
+    monkeypatch.setattr(ForceQuitServer, "run", lambda self, sockets=None: calls.update(vars(self.config)))
     assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8123"]) == 0
     assert calls["engine"] == (tmp_path, 16, "cpu") and calls["closed"]
     from music3serve.serving.api import StreamsCutAtShutdown
@@ -513,7 +515,7 @@ def test_serve_lifts_the_soft_limit_on_open_files_so_every_songs_connection_fits
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard < 2 * MAX_SONGS:
         pytest.skip(f"needs a finite hard limit on open files of at least {2 * MAX_SONGS}")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(api.ForceQuitServer, "run", lambda self, sockets=None: None)
     engine = SimpleNamespace(max_songs=MAX_SONGS)
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
     try:
@@ -531,7 +533,7 @@ def test_serve_holds_fewer_songs_when_the_hard_limit_on_open_files_is_too_low(mo
     limits, served = [(300, 600)], {}
     monkeypatch.setattr(resource, "getrlimit", lambda which: limits[-1])
     monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.append(value))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(kw))
+    monkeypatch.setattr(api.ForceQuitServer, "run", lambda self, sockets=None: served.update(vars(self.config)))
     engine = SimpleNamespace(max_songs=MAX_SONGS)
     api.serve(engine)  # type: ignore[arg-type]
     assert limits[-1] == (600, 600) and engine.max_songs == 600 - api.FILES_RESERVE  # past them: 429, not a hang
@@ -712,3 +714,49 @@ def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
     for error in RuntimeError("a real bug"), asyncio.CancelledError():  # only the shutdown's own cancellation
         other = record(error)
         assert StreamsCutAtShutdown().filter(other) and other.levelno == logging.ERROR and other.exc_info is not None
+
+
+def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(tiny_dir: Path, caplog):
+    """uvicorn's force quit (a second Ctrl-C) skips the app's shutdown: the engine was left open and the event
+    loop's teardown cancelled the streams, logging a traceback for each and one for the app."""
+    import socket
+
+    from music3serve.serving.api import ForceQuitServer, StreamsCutAtShutdown, create_app
+
+    own = Engine.from_pretrained(tiny_dir, device="cpu")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = ForceQuitServer(uvicorn.Config(create_app(own, close_engine=True), log_config=None, log_level="info"))
+    logging.getLogger("uvicorn.error").addFilter(cut := StreamsCutAtShutdown())
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    got: list = []
+
+    def listen() -> None:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as other:
+            with other.stream("POST", "/v1/songs", json={**SONG, "duration": 60, "id": "forced"}) as response:
+                try:
+                    got.extend(response.iter_bytes())
+                except httpx.RemoteProtocolError as exc:
+                    got.append(exc)
+
+    listener = threading.Thread(target=listen)
+    try:
+        with caplog.at_level(logging.INFO):
+            thread.start()
+            wait_until(lambda: server.started)
+            listener.start()
+            wait_until(lambda: "forced" in own._keys)
+            server.force_exit = server.should_exit = True  # what uvicorn's handler sets on the second SIGINT
+            thread.join(timeout=30)
+            listener.join(timeout=30)
+            closed_by_the_server = own.unavailable() == "the engine is closed"
+            stages_left = [t.name for t in own._threads if t.is_alive()]
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(cut)
+        sock.close()
+        own.close()
+    assert not thread.is_alive() and isinstance(got[-1], httpx.RemoteProtocolError)
+    assert closed_by_the_server and not stages_left
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or "Traceback" in r.getMessage()]
+    assert any("cut at shutdown" in r.getMessage() for r in caplog.records)

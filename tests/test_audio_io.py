@@ -130,3 +130,18 @@ def test_a_written_file_gets_the_permissions_open_would_give(tmp_path: Path):
         os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["song.wav"]
+
+
+def test_a_song_named_by_a_symbolic_link_goes_to_the_file_it_points_to(tmp_path: Path):
+    (tmp_path / "songs").mkdir()
+    real, link = tmp_path / "songs" / "real.wav", tmp_path / "latest.wav"
+    real.write_bytes(b"old song")
+    link.symlink_to(real)
+    waveform = np.zeros((2, 441), dtype=np.float32)
+    assert check_output(link) == real
+    assert write_audio(link, waveform, 44100) == real
+    assert link.is_symlink() and link.resolve() == real
+    with wave.open(str(real)) as song:
+        assert song.getnframes() == 441
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.wav", "songs"]
+    assert [p.name for p in (tmp_path / "songs").iterdir()] == ["real.wav"]

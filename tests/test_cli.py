@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+import threading
 import wave
 from pathlib import Path
 
@@ -524,3 +525,70 @@ def test_log_level_is_taken_after_the_subcommand_too(tmp_path: Path, capsys, rec
     code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", "m", "--log-level", "warning"), capsys)
     assert code == 0, err
     assert logging.getLogger().level == logging.WARNING
+
+
+def test_make_tiny_never_empties_a_folder_that_holds_no_checkpoint(tmp_path: Path, capsys, monkeypatch):
+    """`make-tiny "" --force` resolved to the working directory, removed everything in it, then failed to rename."""
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", lambda *a, **k: pytest.fail("wrote a checkpoint"))
+    (tmp_path / "precious.txt").write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    for argv in (["make-tiny", "", "--force"], ["make-tiny", ".", "--force"], ["make-tiny", str(tmp_path), "--force"]):
+        code, err = run_cli(argv, capsys)
+        assert code == 2 and err.startswith("error: "), (argv, err)
+    assert "empty path" in run_cli(["make-tiny", ""], capsys)[1]
+    assert "no checkpoint" in run_cli(["make-tiny", ".", "--force"], capsys)[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_make_tiny_force_replaces_a_checkpoint_and_keeps_it_when_the_new_one_cannot_take_its_place(
+    tmp_path: Path, capsys, monkeypatch
+):
+    def write(directory, seed=0):
+        (Path(directory) / "modular_model_index.json").write_text(f'{{"seed": {seed}}}')
+
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", write)
+    target = tmp_path / "ckpt"
+    assert run_cli(["make-tiny", str(target), "--seed", "1"], capsys)[0] == 0
+    assert run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)[0] == 0
+    assert (target / "modular_model_index.json").read_text() == '{"seed": 2}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing staged or set aside is left
+
+    rename = Path.rename
+
+    def staging_cannot_move(self: Path, to):
+        if self.name.startswith(".tiny-") and not self.name.startswith(".tiny-old-"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return rename(self, to)
+
+    monkeypatch.setattr(Path, "rename", staging_cannot_move)
+    code, err = run_cli(["make-tiny", str(target), "--seed", "3", "--force"], capsys)
+    assert code == 2 and "cross-device" in err
+    assert (target / "modular_model_index.json").read_text() == '{"seed": 2}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers: main thread")
+def test_sigterm_while_the_tiny_checkpoint_is_written_leaves_no_staging_folder(tmp_path: Path, monkeypatch):
+    """SIGTERM (systemd, docker stop) killed the process outright, leaving a 52 MB staging folder per run."""
+    import signal
+
+    def terminated(directory, seed=0):
+        (Path(directory) / "language_model").mkdir()
+        assert signal.getsignal(signal.SIGTERM) is cli.exit_on_sigterm, "main() did not take SIGTERM"
+        signal.raise_signal(signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", terminated)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["make-tiny", str(tmp_path / "t")])
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_prompt_over_the_token_limit_is_refused_before_the_model_loads(tiny_dir: Path, tmp_path, capsys, recorder):
+    lyrics = "的" * (MAX_LYRICS_CHARS - 1000)  # within the character limit, far past the token limit
+    code, err = run_cli(generate_args(tmp_path / "song.wav", "--model", str(tiny_dir), lyrics=lyrics), capsys)
+    assert code == 2 and "tokens long; the limit is" in err
+    assert recorder.calls == []

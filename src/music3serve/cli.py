@@ -6,10 +6,13 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 from . import contract
@@ -60,12 +63,27 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
     try:
         write_tiny_checkpoint(staging, seed=seed)
         if replace or not (target / "modular_model_index.json").is_file():
-            shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)
+            put_in_place(staging, target)
     except OSError as exc:  # named by the target, not by the staging folder the user never asked for
         raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; here on a failure or a lost race
+
+
+def put_in_place(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`; a folder already there is moved aside first and removed only once the new one
+    is in place (put back if that fails), so a failed replace loses nothing."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-old-"))
+    target.rename(aside)  # an empty folder is replaced; the working directory itself cannot move: nothing lost
+    try:
+        staging.rename(target)
+    except BaseException:
+        aside.rename(target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def hf_cache_snapshot() -> Path | None:
@@ -176,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--force", action="store_true", help="replace a folder that is not empty")
+    tiny.add_argument("--force", action="store_true", help="replace a checkpoint already in the folder")
     for sub in (gen, serve, bench, tiny):  # also accepted after the subcommand
         sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS)
     return parser
@@ -186,7 +204,8 @@ def run_generate(args: argparse.Namespace) -> None:
     import torch
 
     from .pipeline import Pipeline, check_seed, check_steps, frames_for_duration
-    from .prompt import check_text
+    from .prompt import check_text, encode_prompt
+    from .tokenizer import load_tokenizer
 
     check_output(args.output)
     # Bad values fail before the model loads (the pipeline checks them again).
@@ -199,6 +218,8 @@ def run_generate(args: argparse.Namespace) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
     root = resolve_model(args.model, args.tiny)
+    if (root / "tokenizer" / "tokenizer.json").is_file():  # the prompt's token limit too, before minutes of loading
+        encode_prompt(load_tokenizer(root / "tokenizer"), args.caption, args.lyrics)
     log.info("loading model", extra={"path": str(root), "device": device})
     progress = show_progress()
     pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress)
@@ -256,11 +277,16 @@ def run_make_tiny(args: argparse.Namespace) -> None:
     from .pipeline import check_seed
 
     check_seed(args.seed)
+    if not args.directory:
+        raise Music3Error("the folder to write is an empty path; name one (say ./tiny)")
     target = Path(args.directory)
     if target.exists() and not target.is_dir():
         raise Music3Error(f"{target} is a file; make-tiny writes a folder (remove the file or pick another path)")
-    if target.exists() and any(target.iterdir()) and not args.force:
-        raise Music3Error(f"{target} exists and is not an empty folder; pass --force to replace it")
+    if target.exists() and any(target.iterdir()):
+        if not (target / "modular_model_index.json").is_file():  # --force or not: never someone's other files
+            raise Music3Error(f"{target} holds files and no checkpoint; make-tiny replaces only a checkpoint folder")
+        if not args.force:
+            raise Music3Error(f"{target} holds a checkpoint; pass --force to replace it")
     write_tiny(target, seed=args.seed)
     print(f"wrote a tiny random MiniMax-Music3 checkpoint to {target}")
 
@@ -289,9 +315,17 @@ def run_bench(args: argparse.Namespace) -> None:
         print(run(peers=not args.no_peers))
 
 
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
+    """SIGTERM (systemd, docker stop) unwinds the program as Ctrl-C does, so what a `finally` cleans up (a staging
+    folder, a temporary audio file, the engine) is cleaned up; the exit status stays 128 + 15."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    on_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm) if on_main_thread else None
     try:
         if args.command == "generate":
             run_generate(args)
@@ -307,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -288,7 +288,8 @@ class SongService:
 
 def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
     """The HTTP API over a running engine; the caller owns the engine. close_engine: the app closes it when the
-    server shuts down (uvicorn re-raises SIGTERM after its shutdown, so a `finally` after uvicorn.run never runs)."""
+    server shuts down (uvicorn re-raises SIGTERM after its shutdown: under the default handler a `finally` after
+    uvicorn.run never runs)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -363,8 +364,26 @@ class StreamsCutAtShutdown(logging.Filter):
                 and record.getMessage().startswith("Exception in ASGI")):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.msg, record.args, record.exc_info, record.exc_text = (
-                "a response was cut at shutdown (the grace period was over)", (), None, None)
+                "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)", (), None, None)
         return True
+
+
+class ForceQuitServer(uvicorn.Server):
+    """uvicorn's server, except that a second Ctrl-C (its force quit) still cuts the responses left and shuts the
+    app down, so the engine closes; uvicorn skips both and the event loop's teardown cancelled them instead, logging
+    a traceback per open response and one for the app."""
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        await super().shutdown(sockets)
+        if not self.force_exit:
+            return
+        tasks = list(self.server_state.tasks)
+        for task in tasks:
+            task.cancel(msg="Task cancelled, graceful shutdown cut short by a second Ctrl-C")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        done = getattr(self.lifespan, "shutdown_event", None)  # None: lifespan off, nothing to shut down
+        if done is not None and not done.is_set():
+            await self.lifespan.shutdown()
 
 
 # Open files kept beside one connection per song held: the engine's own (weights, pipes, shared memory) and the
@@ -408,5 +427,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: 
         if not any(isinstance(f, kind) for f in logger.filters):
             logger.addFilter(kind())
     app = create_app(engine, close_engine=True)
-    uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=guarded_protocol(max_connections))
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=guarded_protocol(max_connections))
+    # Not uvicorn.run: it swallows the Ctrl-C that stopped the server, which then exited 0 like a clean stop.
+    ForceQuitServer(config).run()

@@ -57,8 +57,9 @@ def check_output(path: Path | str) -> Path:
     it in (made only when the song is written, so a failed run leaves no folders behind)."""
     path = _song_name(path)
     try:
-        folder = next(p for p in (path.parent, *path.parent.parents) if os.path.lexists(p) or p == p.parent)
-        _check_name_length(path, folder)
+        _check_name_length(path, _nearest_existing(path.parent))
+        path = _through_link(path)
+        folder = _nearest_existing(path.parent)
         if not folder.is_dir():
             raise InputError(f"cannot write {path}: {folder} is not a folder")
         if folder == path.parent:
@@ -70,6 +71,17 @@ def check_output(path: Path | str) -> Path:
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """`folder`, or its nearest parent that exists (as a folder, a file or a link)."""
+    return next(p for p in (folder, *folder.parents) if os.path.lexists(p) or p == p.parent)
+
+
+def _through_link(path: Path) -> Path:
+    """Where a song named by a symbolic link goes: the file the link points to (written as `cp` would write it; the
+    rename that puts the song in place would otherwise replace the link itself)."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def _song_name(path: Path | str) -> Path:
@@ -121,15 +133,17 @@ def write_audio(path: Path | str, waveform: np.ndarray, sample_rate: int) -> Pat
     not at all: into a temporary file beside it, renamed over `path` once complete (a failed write, say a full
     disk, leaves no partial file and keeps what was there)."""
     path = _song_name(path)
+    kind = path.suffix.lower()
     pcm = to_pcm16(waveform)
     try:
+        path = _through_link(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = _create_temporary(path)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with open(handle, "wb") as file:
-            if path.suffix.lower() == ".wav":
+            if kind == ".wav":
                 with wave.open(file, "wb") as out:
                     out.setnchannels(pcm.shape[1])
                     out.setsampwidth(2)
