@@ -886,6 +886,35 @@ def test_songs_are_taken_only_while_their_whole_audio_fits_beside_what_callers_h
     run(scenario())
 
 
+def test_audio_a_caller_has_read_no_longer_counts_against_the_songs_it_holds(engine, monkeypatch):
+    """A song's reservation shrinks by each chunk its caller reads: beside a song whose caller keeps up, a song that
+    fits only thanks to what was read is taken before the first ends (the whole reservation kept until the end
+    refused it)."""
+    audio = {seconds: song_samples(int(seconds * contract.FRAME_RATE)) * PCM_BYTES_PER_SAMPLE for seconds in (2, 8.4)}
+    monkeypatch.setattr(engine, "max_unread_bytes", audio[8.4] + audio[2] - 1)
+
+    async def scenario() -> None:
+        reader = engine.submit(request(0, duration_s=8.4, id="keeps-up"))  # 210 frames, two windows: two chunks
+        try:
+            assert isinstance(await next_event(reader), Accepted)
+            with pytest.raises(EngineBusy, match="not read"):
+                await next_event(engine.submit(request(1, duration_s=2.0, id="too-early")))
+            while not isinstance(chunk := await next_event(reader), AudioChunk):
+                pass
+            held = engine._clients[engine._keys["keeps-up"]]
+            assert held.unread_bytes == audio[8.4] - chunk.pcm.nbytes > 0
+            fits = engine.submit(request(1, duration_s=2.0, id="fits-once-read"))
+            try:
+                assert isinstance(await next_event(fits), Accepted)
+                assert held in engine._clients.values()  # taken while the first song's stream is still held
+            finally:
+                await close_stream(fits)
+        finally:
+            await close_stream(reader)
+
+    run(scenario())
+
+
 def test_cancel_takes_a_string_id_and_ignores_one_not_held(engine):
     assert engine.cancel("nobody") is False
     with pytest.raises(InputError, match=r"cancel takes a song's id \(a string\), got list: \[\]"):

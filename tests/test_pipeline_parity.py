@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+import diffusers.modular_pipelines.minimax_music3.before_denoise as ref_before_denoise
+import diffusers.modular_pipelines.minimax_music3.decoders as ref_decoders
 import diffusers.modular_pipelines.minimax_music3.denoise as ref_denoise
 import diffusers.modular_pipelines.minimax_music3.encoders as ref_encoders
 from diffusers.modular_pipelines import MiniMaxMusic3Blocks
@@ -31,7 +33,11 @@ from music3serve.talker.sampling import sample_top_k
 
 CAPTION = "## Upbeat synth-pop\n- **female** vocals, 120 bpm"
 LYRICS = "[Verse]\nneon lights are calling\n[Chorus] ignored text\nwe run ^ we fly"
-LEGAL = torch.tensor([contract.AUDIO_END, *range(contract.AUDIO_CODE_OFFSET, contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES)])
+# The stand-in takes the reference's own constants, so that a contract constant changed on our side shows as a
+# difference (test_contract_constants_are_the_references names it).
+LEGAL = torch.tensor([ref_encoders._AUDIO_END_TOKEN_ID, *range(
+    ref_encoders._AUDIO_CODE_OFFSET, ref_encoders._AUDIO_CODE_OFFSET + ref_encoders._SEMANTIC_VOCAB_SIZE
+)])
 
 
 class SharedDraws:
@@ -44,7 +50,9 @@ class SharedDraws:
         frame, codebook = divmod(self.calls, contract.NUM_CODEBOOKS)
         self.calls += 1
         legal = logits[:, LEGAL] if codebook == 0 else logits
-        column = sample_top_k(legal, contract.AR_TOP_K, torch.tensor([self.seed]), torch.tensor([frame]), codebook)
+        column = sample_top_k(
+            legal, ref_encoders._AR_SAMPLING_TOP_K, torch.tensor([self.seed]), torch.tensor([frame]), codebook
+        )
         return LEGAL[column] if codebook == 0 else column
 
     def randn_tensor(self, shape, generator=None, device=None, dtype=None):
@@ -125,7 +133,30 @@ def test_same_seed_same_song_and_other_seed_differs(ours):
     again = ours.generate(CAPTION, LYRICS, 2.0, 7, steps=2)
     other = ours.generate(CAPTION, LYRICS, 2.0, 8, steps=2)
     assert torch.equal(first.codes, again.codes) and np.array_equal(first.waveform, again.waveform)
-    assert not torch.equal(first.codes, other.codes)
+    assert not torch.equal(first.codes, other.codes) and not np.array_equal(first.waveform, other.waveform)
+
+
+def test_contract_constants_are_the_references(reference):
+    """Exact: the numbers contract.py pins are those the reference's modules and components hold. The stand-ins
+    above read the reference's own, so a changed constant fails the parity runs too; this names it (the stand-in
+    sampler once read our AR_TOP_K, and a top-k of 40 passed every parity test)."""
+    assert (contract.AR_TOP_K, contract.AR_CFG_TOP_K, contract.AR_CFG_SCALE) == (
+        ref_encoders._AR_SAMPLING_TOP_K, ref_encoders._AR_CFG_TOP_K, ref_encoders._AR_CFG_SCALE
+    )
+    assert (contract.AUDIO_END, contract.AUDIO_CFG, contract.AUDIO_CODE_OFFSET, contract.SEMANTIC_CODES) == (
+        ref_encoders._AUDIO_END_TOKEN_ID, ref_encoders._AUDIO_CFG_TOKEN_ID, ref_encoders._AUDIO_CODE_OFFSET,
+        ref_encoders._SEMANTIC_VOCAB_SIZE,
+    )
+    assert (contract.MAX_PROMPT_TOKENS, contract.MAX_FRAMES) == (
+        ref_encoders._MAX_PROMPT_TOKENS, ref_encoders._MAX_AUDIO_FRAMES
+    )
+    assert (contract.WINDOW_FRAMES, contract.WINDOW_HOP, contract.OVERLAP_LATENT) == (
+        ref_before_denoise._CHUNK_FRAMES, ref_before_denoise._CHUNK_HOP, ref_denoise._OVERLAP_LATENT_LENGTH
+    )
+    assert (contract.CROP_LEFT_LATENT, contract.CROP_RIGHT_LATENT) == (
+        ref_decoders._CROP_LEFT_LATENT, ref_decoders._CROP_RIGHT_LATENT
+    )
+    assert contract.DIT_CFG_SCALE == reference.guider.guidance_scale
 
 
 def test_time_grid_is_the_reference_schedule_for_every_step_count(reference):

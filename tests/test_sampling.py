@@ -38,3 +38,34 @@ def test_guided_draw_widens_bf16_logits_before_any_arithmetic():
     for cond_top_k in (0, 200):
         draws = [guided_draw(x, 1.5, 50, seeds, frames, 3, cond_top_k=cond_top_k) for x in (logits, logits.float())]
         assert torch.equal(*draws)
+
+
+def test_draws_depend_on_every_bit_of_the_seed():
+    """Seeds are 63-bit: the high 32 bits key the draws too, so seeds 2**32 apart draw different songs."""
+    seeds = torch.tensor([7, 7 + 2**32, 7 + 2**62])
+    u = uniform_draws(seeds, torch.full((3,), 5), codebook=2, columns=1000)
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert not torch.equal(u[a], u[b]), (seeds[a], seeds[b])
+
+
+def test_each_codebook_of_a_frame_draws_its_own_uncorrelated_uniforms():
+    seeds, frames = torch.tensor([7]), torch.tensor([3])
+    u = torch.cat([uniform_draws(seeds, frames, codebook, 4096) for codebook in range(8)])  # [8, 4096]
+    corr = torch.corrcoef(u.double())
+    for a in range(8):
+        for b in range(a + 1, 8):
+            assert not torch.equal(u[a], u[b]), (a, b)
+            assert abs(float(corr[a, b])) < 0.05, (a, b, float(corr[a, b]))
+
+
+def test_nan_logits_are_never_drawn_and_draw_as_minus_infinity():
+    """A NaN logit (say a bad row from the model) counts as -inf: argmax would pick a NaN column over any other."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=generator) * 3
+    top = logits.topk(5, dim=-1).indices
+    nan = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True)  # the 5 largest of each row
+    seeds, frames = torch.arange(64) * 31, torch.arange(64) + 2
+    codes = sample_top_k(logits.masked_fill(nan, float("nan")), 50, seeds, frames, 1)
+    assert not nan.gather(1, codes[:, None]).any()
+    assert torch.equal(codes, sample_top_k(logits.masked_fill(nan, float("-inf")), 50, seeds, frames, 1))

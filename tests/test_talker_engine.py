@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,28 @@ def test_a_prefill_budget_below_one_pair_token_fails_at_startup(models):
     with pytest.raises(Music3Error, match="max_num_batched_tokens"):
         Talker(models.language_model, models.depth_decoder, models.condition_encoder,
                TalkerConfig(max_num_batched_tokens=1))
+
+
+@pytest.mark.parametrize("budget", [6, 7])
+def test_a_step_prefills_no_more_prompt_tokens_than_its_budget(models, budget):
+    """max_num_batched_tokens counts both rows: a step prefills at most budget // 2 tokens of each row, spread over
+    the songs waiting, so a prompt of N tokens alone takes ceil(N / (budget // 2)) steps to prefill."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder,
+                    TalkerConfig(max_num_batched_tokens=budget))
+    for index in (0, 1):
+        talker.submit(str(index), *prompt(models, index), seed=index, requested_frames=5)
+    songs = [talker.songs["0"], talker.songs["1"]]
+    steps_to_prefill = {}
+    for step in range(1, 100):
+        before = sum(song.prefilled for song in songs)
+        talker.step()
+        assert 0 < 2 * (sum(song.prefilled for song in songs) - before) <= budget, step
+        for song in songs:
+            if song.prefilled == song.ids.shape[1]:
+                steps_to_prefill.setdefault(song.id, step)
+        if len(steps_to_prefill) == 2:
+            break
+    assert steps_to_prefill["0"] == math.ceil(songs[0].ids.shape[1] / (budget // 2))
 
 
 class FailingPrefill:
