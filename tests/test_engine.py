@@ -10,6 +10,7 @@ queueing happen on the first `__anext__`, which is where InputError surfaces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import threading
@@ -29,7 +30,7 @@ from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import (
-    PCM_BYTES_PER_SAMPLE, Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
+    PCM_BYTES_PER_SAMPLE, Accepted, AudioChunk, Done, Engine, Failed, SongRequest, _callers_ids, caller_id
 )
 from music3serve.serving.heartbeat import StageWatch
 
@@ -775,6 +776,40 @@ def test_a_talker_whose_steps_keep_failing_stops_and_the_engine_says_why(models,
         shut(engine)
 
 
+def test_failed_steps_count_toward_stopping_only_while_no_step_succeeds_between_them(models, deploy):
+    """Two failed steps, a song that finishes, then one more failed step: three failures over the engine's life, but
+    never three in a row, so stage 0 goes on serving (a success resets the count)."""
+    engine = make_engine(models, deploy)
+    failing = threading.Event()
+
+    def sometimes_gone():
+        if failing.is_set():
+            raise RuntimeError("injected passing device error")
+        return contextlib.nullcontext()
+
+    engine.talker._on_stream = sometimes_gone
+
+    def song(i: int) -> list:
+        return run(collect(engine, SongRequest("pop", "[verse]\nla", 1.0, i, 1, id=f"song{i}")))
+
+    try:
+        for i, fails in enumerate([True, True, False, True]):
+            if fails:
+                failing.set()
+            else:
+                failing.clear()
+            events = song(i)
+            if fails:
+                assert isinstance(events[-1], Failed) and "injected passing device error" in events[-1].message
+            else:
+                assert isinstance(events[-1], Done), events[-1]
+        failing.clear()
+        assert isinstance(song(4)[-1], Done)
+        assert engine.unavailable() is None
+    finally:
+        shut(engine)
+
+
 @pytest.mark.parametrize("stage, where", [
     ("stage 0", "step"), ("stage 0", "hand-over"), ("stage 0", "admission"), ("stage 1", "render"),
 ])
@@ -886,6 +921,13 @@ def test_songs_are_taken_only_while_their_whole_audio_fits_beside_what_callers_h
     run(scenario())
 
 
+def test_a_song_whose_audio_is_exactly_the_engines_limit_is_taken(engine, monkeypatch):
+    """max_unread_bytes is the most audio the engine holds: a song of exactly that much fits."""
+    monkeypatch.setattr(engine, "max_unread_bytes", song_samples(contract.FRAME_RATE) * PCM_BYTES_PER_SAMPLE)  # 1 s
+    events = run(collect(engine, request(0, duration_s=1.0, id="exactly-the-limit")))
+    assert isinstance(events[0], Accepted) and isinstance(events[-1], Done), events[-1]
+
+
 def test_audio_a_caller_has_read_no_longer_counts_against_the_songs_it_holds(engine, monkeypatch):
     """A song's reservation shrinks by each chunk its caller reads: beside a song whose caller keeps up, a song that
     fits only thanks to what was read is taken before the first ends (the whole reservation kept until the end
@@ -913,6 +955,31 @@ def test_audio_a_caller_has_read_no_longer_counts_against_the_songs_it_holds(eng
             await close_stream(reader)
 
     run(scenario())
+
+
+def test_stage_messages_name_songs_by_the_callers_ids_not_the_engines_keys():
+    """A stage quotes a song by its key ('id#n', Engine._key); the caller's Failed names the id it gave."""
+    message = "stage 1 lost a window of song 'ab#7' (and of 'c.d-e#12'); 'plain' and 'x#y' are no keys"
+    assert _callers_ids(message) == "stage 1 lost a window of song 'ab' (and of 'c.d-e'); 'plain' and 'x#y' are no keys"
+
+
+def test_a_song_whose_windows_stage_1_answers_within_send_still_ends_done(models, deploy):
+    """The talker emits a song's last window before its SongFinished, in one step; the engine takes the SongFinished
+    first, so a stage 1 that renders and answers a window inside send() (no queue between) finds the song finished
+    (its Done needs the frame count), where the talker thread died on it and the song failed."""
+    engine = make_engine(models, deploy)
+
+    def at_once(payload, ready) -> None:
+        for out in engine.renderer.render([payload]):
+            engine._on_chunk(out)
+
+    engine.stage1.send = at_once
+    try:
+        events = run(collect(engine, request(0, duration_s=1.0, id="at-once")))
+    finally:
+        shut(engine)
+    assert isinstance(events[-1], Done) and events[-1].frames == 25, events[-1]
+    assert engine.unavailable() == "the engine is closed"
 
 
 def test_cancel_takes_a_string_id_and_ignores_one_not_held(engine):
@@ -1013,6 +1080,11 @@ def test_close_mid_song_leaves_nothing_held_in_either_stage(models, deploy):
         assert isinstance(await next_event(stream), Accepted)
         await wait_until(lambda: engine.talker.frames_written > 0, "the talker writes a frame")
         shut(engine)  # with the song's stream still open on this loop
+        # The open stream ends with Failed("engine closed"), where a caller of the Python API waited forever (a
+        # window rendered before the close may come first).
+        while isinstance(event := await asyncio.wait_for(stream.__anext__(), 30), AudioChunk):
+            pass
+        assert isinstance(event, Failed) and event.message == "engine closed", event
 
     engine = make_engine(models, deploy)
     try:
