@@ -125,6 +125,7 @@ BAD_BODIES = {
     "empty body": ("", "the body is empty: send the song request as a JSON object"),
     "null body": ("null", "the body must be a JSON object"),
     "list body": ("[1, 2]", "the body must be a JSON object"),
+    "id of 129 characters": (raw(id="a" * 129), "id: String should match pattern"),
 }
 
 
@@ -195,7 +196,22 @@ def test_bodies_without_a_length_or_over_the_limit_are_refused_unread(client, en
     assert requests_total(engine) == before
 
 
+def test_a_body_of_exactly_the_limit_with_an_id_of_128_characters_is_taken(client):
+    """The limits are inclusive: MAX_BODY_BYTES of JSON (padded with spaces) is read, and an id of 128 characters
+    names its song (a byte more is refused; a character more: see BAD_BODIES)."""
+    body = raw(id="a" * 128).encode()
+    response = client.post("/v1/songs", content=body + b" " * (MAX_BODY_BYTES - len(body)), headers=JSON)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-song-id"] == "a" * 128
+    response = client.post("/v1/songs", content=body + b" " * (MAX_BODY_BYTES + 1 - len(body)), headers=JSON)
+    assert response.status_code == 413
+
+
 def test_a_full_engine_answers_429_with_retry_after(client, engine):
+    def busy_refusals() -> float:
+        return engine.metrics.registry.get_sample_value("music3_refusals_total", {"reason": "busy"})
+
+    before = busy_refusals()
     engine.max_songs = len(engine._clients)
     try:
         response = client.post("/v1/songs", json=SONG)
@@ -205,6 +221,7 @@ def test_a_full_engine_answers_429_with_retry_after(client, engine):
         engine.max_songs = MAX_SONGS
     assert response.status_code == 429 and response.headers["retry-after"] == "10"
     assert "its limit" in response.json()["error"]
+    assert busy_refusals() == before + 2  # the POST's and the Python API's, each counted as busy
     assert client.post("/v1/songs", json={**SONG, "stream": False}).status_code == 200
 
 
