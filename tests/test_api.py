@@ -27,9 +27,10 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 from music3serve import cli, contract
+from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Engine, SongRequest, caller_id
+from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
@@ -116,6 +117,7 @@ def test_streaming_wav_equals_the_song_and_arrives_before_it_ends(client, songs)
         assert response.status_code == 200, response.read()
         headers = response.headers
         assert headers["content-type"] == "audio/wav"
+        assert headers["x-accel-buffering"] == "no"  # proxies pass the stream on as it comes
         assert (headers["x-seed"], headers["x-frame-budget"], headers["x-sample-rate"]) == ("0", "250", "44100")
         body, status_while_streaming = b"", None
         for piece in response.iter_bytes():
@@ -134,10 +136,31 @@ def test_streaming_wav_equals_the_song_and_arrives_before_it_ends(client, songs)
 def test_streaming_32k_has_no_gaps_between_windows(client, songs):
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": LONG, "sample_rate": 32000}) as response:
         assert response.status_code == 200 and response.headers["x-sample-rate"] == "32000"
-        body = response.read()
+        song, body = response.headers["x-song-id"], response.read()
     rate, pcm = parse_wav(body, streaming=True)
     assert rate == 32000
     assert_close_pcm(pcm, to_pcm16(resample(songs[LONG], 44100, 32000)))
+    assert client.get(f"/v1/songs/{song}").json()["samples_sent"] == len(pcm)  # the resampler's tail counted too
+
+
+def test_a_resampler_tail_flushed_at_done_is_counted_as_sent():
+    """A Done after a chunk not marked last (the engine marks its last chunk, which flushes the 32 kHz resampler
+    then; the API does not rely on it): the tail the resampler held back is sent at Done and counted in
+    samples_sent (GET /v1/songs/{id})."""
+    from music3serve.serving import api
+
+    async def events():
+        yield AudioChunk("tail", 0, np.full((2, 4410), 0.1, np.float32), False)
+        yield Done("tail", 1, "budget", {})
+
+    async def scenario():
+        song, service = api.SongState("tail", 1, 100, "pcm", 32000), api.SongService(None)  # type: ignore[arg-type]
+        pieces = [piece async for piece in service.audio(song, events(), api.PcmEncoder(32000))]
+        return song, pieces
+
+    song, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert song.state == "done" and len(pieces) == 2  # the chunk's samples, then the tail
+    assert song.samples_sent == sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
 
 
 def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
@@ -153,6 +176,7 @@ def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
 def test_non_streaming_response_is_a_complete_wav(client, songs):
     response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "sample_rate": 32000})
     assert response.status_code == 200 and response.headers["content-length"] == str(len(response.content))
+    assert "x-accel-buffering" not in response.headers  # one body, sent whole: nothing for a proxy to hold back
     rate, pcm = parse_wav(response.content, streaming=False)
     with wave.open(io.BytesIO(response.content)) as f:
         assert (f.getframerate(), f.getnchannels(), f.getnframes()) == (32000, 2, len(pcm))
@@ -190,6 +214,21 @@ def test_bad_requests_are_400_and_never_reach_the_engine(client, change, needle)
     assert response.status_code == 400
     assert needle in response.json()["error"]
     assert metric(client, "music3_requests") == requests
+
+
+def test_a_prompt_the_talker_refuses_is_a_400_with_its_reason(client, engine, monkeypatch):
+    """The talker's own checks (say a prompt that leaves no frames within max_model_len) refuse a song after the
+    engine queued it: still a 400 with the talker's message, counted as an invalid request, not a 500."""
+
+    def refuse(*args):
+        raise InputError("the prompt has 9 tokens and leaves no frames within max_model_len 9")
+
+    monkeypatch.setattr(engine.talker, "submit", refuse)
+    invalid = metric(client, "music3_refusals", 'reason="invalid"')
+    response = client.post("/v1/songs", json={**SONG, "duration": SHORT})
+    assert response.status_code == 400
+    assert response.json()["error"] == "the prompt has 9 tokens and leaves no frames within max_model_len 9"
+    assert metric(client, "music3_refusals", 'reason="invalid"') == invalid + 1
 
 
 def test_refusals_and_held_songs_are_exported(client):
@@ -410,6 +449,19 @@ def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
     status = client.get(f"/v1/songs/{song}").json()
     assert status["state"] == "failed" and "out of tiny memory" in status["error"]
     assert metric(client, "music3_failures") == failures + 1
+
+
+def test_a_whole_song_that_fails_answers_500_with_the_reason(client, engine, monkeypatch):
+    """stream: false and the render fails: a 500 saying the song failed and why (not a 409 "cancelled")."""
+
+    def broken(batch):
+        raise RuntimeError("out of tiny memory")
+
+    monkeypatch.setattr(engine.renderer, "render", broken)
+    response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "id": "whole-fails"})
+    assert response.status_code == 500
+    assert response.json()["error"] == "song whole-fails failed: stage 1 failed: out of tiny memory"
+    assert client.get("/v1/songs/whole-fails").json()["state"] == "failed"
 
 
 # --- service endpoints and wiring -------------------------------------------------------------------------
