@@ -548,6 +548,24 @@ def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits
     assert waits.overdue() == [] and not waits.songs
 
 
+def test_a_songs_first_window_gets_the_first_chunk_wait_and_later_ones_the_shorter_wait():
+    """The first window of a song waits first_chunk_s (its render may start cold), each later one later_s."""
+    from music3serve.serving.worker import ChunkDeadlines
+
+    waits = ChunkDeadlines(first_chunk_s=0.4, later_s=0.1)
+    before = time.monotonic()
+    waits.sent("song")
+    waits.sent("song")  # its second window out too
+    after = time.monotonic()
+    assert before + 0.4 <= waits.songs["song"][1] <= after + 0.4
+    time.sleep(0.2)
+    assert waits.overdue() == []  # past the later wait, within the first
+    before = time.monotonic()
+    waits.answered("song", last=False)  # window 0 came back; window 1 is still out
+    after = time.monotonic()
+    assert before + 0.1 <= waits.songs["song"][1] <= after + 0.1
+
+
 ORPHAN_PARENT = """
 import os, sys
 from music3serve.serving.engine import Engine
