@@ -568,6 +568,18 @@ def test_make_tiny_force_replaces_a_checkpoint_and_keeps_it_when_the_new_one_can
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_make_tiny", interrupted)
+    try:
+        code, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
+    except KeyboardInterrupt:  # uncaught, it would stop the test run rather than fail this test
+        pytest.fail("main() let the KeyboardInterrupt out")
+    assert (code, err) == (130, "interrupted\n")
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers: main thread")
 def test_sigterm_while_the_tiny_checkpoint_is_written_leaves_no_staging_folder(tmp_path: Path, monkeypatch):
     """SIGTERM (systemd, docker stop) killed the process outright, leaving a 52 MB staging folder per run."""
