@@ -397,17 +397,21 @@ def test_a_supported_config_value_loads(tiny_dir: Path, tmp_path: Path, name: st
     load_component(root, name, "cpu", torch.float32)
 
 
-def scheduler_with(tiny_dir: Path, tmp_path: Path, **changes) -> Path:
-    """The tiny checkpoint (linked) with its scheduler config changed (a value DELETE: the key removed)."""
-    root = tmp_path / "checkpoint"
-    root.mkdir()
-    for entry in tiny_dir.iterdir():
-        if entry.name != "scheduler":
-            (root / entry.name).symlink_to(entry)
-    config = json.loads((tiny_dir / "scheduler" / "scheduler_config.json").read_text())
-    config = {key: value for key, value in {**config, **changes}.items() if value is not DELETE}
-    (root / "scheduler").mkdir()
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+def tiny_with_json(tiny_dir: Path, tmp_path: Path, relative: str, **changes) -> Path:
+    """The tiny checkpoint (linked) with the JSON file at `relative` (say "scheduler/scheduler_config.json") changed
+    (a value DELETE: the key removed)."""
+    root = copy = tmp_path / "checkpoint"
+    original = tiny_dir
+    copy.mkdir(parents=True)
+    for part in Path(relative).parts:
+        for entry in original.iterdir():
+            if entry.name != part:
+                (copy / entry.name).symlink_to(entry)
+        original, copy = original / part, copy / part
+        if original.is_dir():
+            copy.mkdir()
+    config = {**json.loads(original.read_text()), **changes}
+    copy.write_text(json.dumps({key: value for key, value in config.items() if value is not DELETE}))
     return root
 
 
@@ -423,7 +427,7 @@ def scheduler_with(tiny_dir: Path, tmp_path: Path, **changes) -> Path:
     ("stochastic_sampling", True, "stochastic_sampling is True"),
 ])
 def test_a_scheduler_value_we_do_not_run(tiny_dir: Path, tmp_path: Path, key: str, value, fragment: str) -> None:
-    root = scheduler_with(tiny_dir, tmp_path, **{key: value})
+    root = tiny_with_json(tiny_dir, tmp_path, "scheduler/scheduler_config.json", **{key: value})
     with pytest.raises(CheckpointError) as info:
         checkpoint.load_models(root, "cpu")
     assert fragment in str(info.value) and str(root / "scheduler" / "scheduler_config.json") in str(info.value)
@@ -786,6 +790,21 @@ def test_components_that_do_not_fit_together(tiny_dir: Path, tmp_path: Path, nam
     with pytest.raises(CheckpointError) as info:
         checkpoint.load_models(root, "cpu")
     assert fragment in str(info.value) and "config.json" in str(info.value), str(info.value)
+
+
+def test_a_pipeline_index_naming_another_pipeline_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    root = tiny_with_json(tiny_dir, tmp_path, "modular_model_index.json", _class_name="QwenImageModularPipeline")
+    with pytest.raises(CheckpointError, match="is not a MiniMaxMusic3ModularPipeline .got 'QwenImageModularPipeline'"):
+        checkpoint.check_layout(root)
+
+
+def test_a_vocabulary_ending_at_the_last_audio_code_fits_and_one_less_does_not(tiny_dir: Path, tmp_path: Path) -> None:
+    codes = contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES  # the last audio code + 1
+    config = "language_model/config.json"
+    checkpoint.check_fit(tiny_with_json(tiny_dir, tmp_path / "fits", config, vocab_size=codes))
+    short = tiny_with_json(tiny_dir, tmp_path / "short", config, vocab_size=codes - 1)
+    with pytest.raises(CheckpointError, match=f"vocab_size is {codes - 1}, expected at least {codes}, the last audio"):
+        checkpoint.check_fit(short)
 
 
 def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:
