@@ -561,11 +561,17 @@ def test_make_tiny_force_replaces_a_checkpoint_and_keeps_it_when_the_new_one_can
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return rename(self, to)
 
-    monkeypatch.setattr(Path, "rename", staging_cannot_move)
-    code, err = run_cli(["make-tiny", str(target), "--seed", "3", "--force"], capsys)
-    assert code == 2 and "cross-device" in err
-    assert (target / "modular_model_index.json").read_text() == '{"seed": 2}'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    def checkpoint_cannot_move(self: Path, to):  # as the working directory cannot
+        if self == target:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return rename(self, to)
+
+    for refusal, why in (staging_cannot_move, "cross-device"), (checkpoint_cannot_move, "busy"):
+        monkeypatch.setattr(Path, "rename", refusal)
+        code, err = run_cli(["make-tiny", str(target), "--seed", "3", "--force"], capsys)
+        assert code == 2 and why in err
+        assert (target / "modular_model_index.json").read_text() == '{"seed": 2}'
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing staged or set aside is left
 
 
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):

@@ -77,7 +77,11 @@ def put_in_place(staging: Path, target: Path) -> None:
         staging.rename(target)
         return
     aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-old-"))
-    target.rename(aside)  # an empty folder is replaced; the working directory itself cannot move: nothing lost
+    try:
+        target.rename(aside)  # onto the empty folder just made; the working directory itself cannot move
+    except BaseException:
+        aside.rmdir()
+        raise
     try:
         staging.rename(target)
     except BaseException:
