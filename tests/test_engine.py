@@ -1092,3 +1092,21 @@ def test_close_mid_song_leaves_nothing_held_in_either_stage(models, deploy):
     finally:
         shut(engine)
     assert not engine.talker.songs and not engine.talker.busy and engine.renderer.songs == []
+
+
+def test_a_songs_reservation_shrinks_to_its_frame_budget_once_accepted(engine):
+    """A long prompt leaves fewer frames within max_model_len than a long song asks for: from acceptance on, the
+    song holds room for the audio of its budget, not of its request."""
+    req = request(0, duration_s=360.0, lyrics="[verse]\n" + "la " * 1500, id="capped")
+
+    async def scenario() -> None:
+        stream = engine.submit(req)
+        try:
+            accepted = await next_event(stream)
+            assert isinstance(accepted, Accepted) and accepted.budget_frames < 9000  # capped by the context
+            held = engine._clients[engine._keys["capped"]]
+            assert held.unread_bytes == song_samples(accepted.budget_frames) * PCM_BYTES_PER_SAMPLE
+        finally:
+            await close_stream(stream)
+
+    run(scenario())

@@ -206,6 +206,9 @@ class Engine:
                 event = await client.events.get()
                 if isinstance(event, AudioChunk):
                     client.unread_bytes -= event.pcm.nbytes
+                elif isinstance(event, Accepted):  # the budget may be short of the request (the context's room)
+                    client.unread_bytes -= (song_samples(budget_request) - song_samples(event.budget_frames)) * (
+                        PCM_BYTES_PER_SAMPLE)
                 ended = isinstance(event, (Done, Failed))
                 yield event
         finally:
