@@ -33,8 +33,13 @@ GET_MODEL = (
 )
 
 
+def xdg_cache() -> Path:
+    """The user's cache folder: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "music3serve"
+    return xdg_cache() / "music3serve"
 
 
 def tiny_checkpoint() -> Path:
@@ -94,8 +99,7 @@ def hf_cache_snapshot() -> Path | None:
     """The newest snapshot of the checkpoint in the local Hugging Face cache, if any."""
     # Where huggingface_hub puts it: HF_HUB_CACHE, its old name HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub,
     # where HF_HOME defaults to $XDG_CACHE_HOME/huggingface (then ~/.cache/huggingface).
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    home = os.environ.get("HF_HOME") or Path(xdg) / "huggingface"
+    home = os.environ.get("HF_HOME") or xdg_cache() / "huggingface"
     hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or Path(home) / "hub"
     hub = Path(os.path.expandvars(os.path.expanduser(str(hub))))
     snapshots = hub / f"models--{REPO_ID.replace('/', '--')}" / "snapshots"
@@ -167,18 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--steps", type=int, default=contract.DIT_STEPS, help="Euler steps per window")
     gen.add_argument("-o", "--output", required=True, help="output .wav or .flac")
-    where = gen.add_mutually_exclusive_group()
-    where.add_argument("--model", help="checkpoint folder (diffusers layout)")
-    where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
     gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES)
     gen.add_argument("--acoustic-dtype", default="float32", choices=["float32", "bfloat16"],
                      help="stage-1 precision: float32 is the reference, bfloat16 ~10x faster DiT (docs/precision.md)")
 
     serve = commands.add_parser("serve", help="HTTP API: stream songs to clients while they are written")
-    where = serve.add_mutually_exclusive_group()
-    where.add_argument("--model", help="checkpoint folder (diffusers layout)")
-    where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
+    for sub in (gen, serve):
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--model", help="checkpoint folder (diffusers layout)")
+        where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
     serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
     serve.add_argument("--device", default=None, choices=["cpu", "cuda"],
                        help="run both stages on this device (default: each stage on its deploy-config `devices` GPU, "
@@ -218,9 +220,8 @@ def run_generate(args: argparse.Namespace) -> None:
     check_steps(args.steps)
     check_text("caption", args.caption, MAX_CAPTION_CHARS)
     check_text("lyrics", args.lyrics, MAX_LYRICS_CHARS)
+    check_cuda(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
     root = resolve_model(args.model, args.tiny)
     if (root / "tokenizer" / "tokenizer.json").is_file():  # the prompt's token limit too, before minutes of loading
         encode_prompt(load_tokenizer(root / "tokenizer"), args.caption, args.lyrics)
@@ -244,15 +245,12 @@ def run_serve(args: argparse.Namespace) -> None:
         if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn", "h11"):
             raise
         raise Music3Error(f"serving needs fastapi and uvicorn ({exc}): pip install 'music3serve[serve]'") from None
-    import torch
-
     from .serving.deploy_config import load_deploy_config
     from .serving.engine import Engine
 
     deploy = load_deploy_config(args.config)
     check_port(args.host, args.port)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
+    check_cuda(args.device)
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
                                       "config": args.config or "default"})
@@ -261,6 +259,14 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(engine, args.host, args.port, args.log_level)
     finally:
         engine.close()
+
+
+def check_cuda(device: str | None) -> None:
+    """`--device cuda` needs a CUDA device torch can see."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
 
 
 def show_progress() -> bool:

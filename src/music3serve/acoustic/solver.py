@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import contract
+from ..hashing import MASK32, mix32
 from ..models.dit import DiT
 
 
@@ -26,22 +27,13 @@ def time_grid(steps: int) -> torch.Tensor:
     return torch.cat([times, torch.ones(1)])
 
 
-def _mix32(x: int) -> int:
-    """A 32-bit integer hash (the sampler's xor-shift-multiply rounds); 0 maps to 0."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-def noise(seed: int, window: int, length: int, channels: int = contract.LATENT_CHANNELS) -> torch.Tensor:
-    """Initial noise [channels, length] of window `window` of the song with `seed` (CPU-generated)."""
-    key = (seed * 0x9E3779B1 + window * 0x85EBCA77 + 0x27D4EB2F) % (1 << 63)
+def noise(seed: int, window: int, length: int) -> torch.Tensor:
+    """Initial noise [latent channels, length] of window `window` of the song with `seed` (CPU-generated)."""
+    low = (seed * 0x9E3779B1 + window * 0x85EBCA77 + 0x27D4EB2F) & MASK32
     # The CPU generator (mt19937) keeps only a seed's low 32 bits, where the seed's own high bits do not reach:
-    # hashed in there, they tell s from s + 2**32 (and leave every seed below 2**32 its noise as before).
-    generator = torch.Generator().manual_seed((key & 0xFFFFFFFF) ^ _mix32(seed >> 32))
-    return torch.randn(1, channels, length, generator=generator)[0]
+    # hashed in there, they tell s from s + 2**32 (mix32(0) == 0: seeds below 2**32 use the low key alone).
+    generator = torch.Generator().manual_seed(low ^ mix32(seed >> 32))
+    return torch.randn(1, contract.LATENT_CHANNELS, length, generator=generator)[0]
 
 
 def solve(

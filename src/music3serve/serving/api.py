@@ -246,10 +246,11 @@ class SongService:
         try:
             async with contextlib.aclosing(self.audio(song, events, PcmEncoder(song.sample_rate))) as audio:
                 data = b"".join([piece async for piece in audio])
-        except asyncio.CancelledError:  # only uvicorn cancels a request task: its shutdown grace is over
+        except asyncio.CancelledError:  # only the server's shutdown cancels a request task (grace over, second Ctrl-C)
             asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
             return error_response(503, f"the server shut down before song {song.id} was finished (songs still running "
-                                       "when its shutdown grace period is over are cut)", headers)
+                                       "when its shutdown grace period is over, or at a second Ctrl-C, are cut)",
+                                  headers)
         finally:
             watcher.cancel()
             await events.aclose()
@@ -288,8 +289,8 @@ class SongService:
 
 def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
     """The HTTP API over a running engine; the caller owns the engine. close_engine: the app closes it when the
-    server shuts down (uvicorn re-raises SIGTERM after its shutdown: under the default handler a `finally` after
-    uvicorn.run never runs)."""
+    server shuts down (uvicorn re-raises SIGTERM after its shutdown: under the default handler the process ends
+    before any code after the server's run)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

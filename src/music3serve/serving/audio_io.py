@@ -19,14 +19,15 @@ CHANNELS = 2
 OUTPUT_RATES = (44_100, 32_000)
 UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streaming WAV, whose length is not known yet
 FORMATS = (".wav", ".flac")
+FILTER_ZEROS = 32  # the resampling filter's zero crossings per side: source samples each output reads either way
+RESAMPLE_BLOCK = 1 << 15  # outputs per step of the resampler's [outputs, taps] gather (bounds its memory)
 
 
-def resample(
-    waveform: np.ndarray, source_rate: int, target_rate: int, zeros: int = 32, block: int = 1 << 15
-) -> np.ndarray:
+def resample(waveform: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
     """Band-limited polyphase resampling of [channels, samples] with a Kaiser-windowed sinc filter."""
     if source_rate == target_rate:
         return waveform
+    zeros, block = FILTER_ZEROS, RESAMPLE_BLOCK
     ratio = Fraction(target_rate, source_rate)
     up, down = ratio.numerator, ratio.denominator
     cutoff = min(1.0, float(ratio)) * 0.97  # of the source Nyquist, with a little room for the transition band
@@ -168,13 +169,13 @@ def _soundfile():
     return soundfile
 
 
-def wav_header(sample_rate: int, data_bytes: int | None = None, channels: int = CHANNELS) -> bytes:
-    """A 44-byte PCM16 WAV header; without `data_bytes` the sizes read 0xFFFFFFFF (unknown, for streaming)."""
+def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
+    """A 44-byte stereo PCM16 WAV header; without `data_bytes` the sizes read 0xFFFFFFFF (unknown, for streaming)."""
     data = UNKNOWN_SIZE if data_bytes is None else data_bytes
     riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
-    block = channels * 2
+    block = CHANNELS * 2
     return struct.pack(
-        "<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, channels, sample_rate,
+        "<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, CHANNELS, sample_rate,
         sample_rate * block, block, 16, b"data", data,
     )
 
@@ -187,9 +188,9 @@ class StreamResampler:
     multiple of `down`, where the output grid meets the source grid, so every piece is resampled with exactly
     the context and filter phases the whole-stream call would have used: no gaps or clicks between windows."""
 
-    def __init__(self, source_rate: int, target_rate: int, zeros: int = 32):
+    def __init__(self, source_rate: int, target_rate: int):
         ratio = Fraction(target_rate, source_rate)
-        self.rates, self.zeros = (source_rate, target_rate), zeros
+        self.rates, self.zeros = (source_rate, target_rate), FILTER_ZEROS
         self.up, self.down = ratio.numerator, ratio.denominator
         self.kept: np.ndarray | None = None  # source samples from index `start` on
         self.start = self.received = self.emitted = 0
@@ -204,7 +205,7 @@ class StreamResampler:
         if ready <= self.emitted:
             return np.zeros(self.kept.shape[:-1] + (0,), np.float32)
         first = self.start * up // down  # output index of the kept source's first sample (exact: start % down == 0)
-        out = resample(self.kept, *self.rates, zeros=self.zeros)[..., self.emitted - first : ready - first]
+        out = resample(self.kept, *self.rates)[..., self.emitted - first : ready - first]
         self.emitted = ready
         needed = ready * down // up - self.zeros + 1  # first source sample the next output reads
         start = max(self.start, needed // down * down)

@@ -79,7 +79,8 @@ class _Client:
     first_audio: float | None = None
     finished: SongFinished | None = None
     ended: bool = False  # done, failed or cancelled, once: the caller gets nothing after its Done or Failed
-    unread_bytes: int = 0  # PCM the song may still queue on `events`: its whole audio less what the caller took
+    unread_bytes: int = 0  # PCM the song may still queue: its request's audio (its budget's once Accepted is read)
+    # less the chunks read
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     timings: dict[str, float] = field(default_factory=dict)
 

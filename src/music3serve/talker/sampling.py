@@ -9,36 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from ..hashing import MASK32, mix32
 from ..kernels.top_k import kth_largest
 from ..models.fusion import hot
-
-MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """(x * constant) mod 2**32 for 32-bit values held in int64, without int64 overflow."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with full avalanche (xor-shift-multiply rounds)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
 
 
 def uniform_draws(seeds: torch.Tensor, frames: torch.Tensor, codebook: int, columns: int) -> torch.Tensor:
     """float32 uniforms in (0, 1), shape [rows, columns], keyed by (seed, frame, codebook, column) per row."""
     seeds, frames = seeds.to(torch.int64), frames.to(torch.int64)
-    state = _mix32((seeds & MASK32) ^ _mix32((seeds >> 32) & MASK32))
-    state = _mix32(state ^ _mix32(frames & MASK32))
-    state = _mix32(state ^ _mix32(torch.full_like(state, codebook + 0x9E37)))
+    state = mix32((seeds & MASK32) ^ mix32((seeds >> 32) & MASK32))
+    state = mix32(state ^ mix32(frames & MASK32))
+    state = mix32(state ^ mix32(torch.full_like(state, codebook + 0x9E37)))
     column = torch.arange(columns, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(state[:, None] ^ _mix32(column + 0x51ED27)[None, :])
+    bits = mix32(state[:, None] ^ mix32(column + 0x51ED27)[None, :])
     # 23 bits: (2**23 - 0.5) / 2**23 is exact in float32, so u < 1 and every Gumbel term is finite.
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
