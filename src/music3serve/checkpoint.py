@@ -273,6 +273,11 @@ def _open(path: Path, stack: ExitStack):
 WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
+def first_names(names: list[str]) -> str:
+    """The first five of a sorted list of tensor names, for an error message."""
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
 class _TensorReader:
     """Memory-mapped access to the tensors of one component, with file-and-name errors."""
 
@@ -291,9 +296,7 @@ class _TensorReader:
         for path, handle in self.handles.items():  # a shard's tensor the index leaves out would be ignored silently
             unlisted = sorted(set(handle.keys()) - set(files))
             if unlisted:
-                raise CheckpointError(
-                    f"{path} holds tensors its index does not list: {unlisted[:5]}{' ...' if len(unlisted) > 5 else ''}"
-                )
+                raise CheckpointError(f"{path} holds tensors its index does not list: {first_names(unlisted)}")
 
     def view(self, key: str, shape: tuple[int, ...]) -> Any:
         """The tensor's unread slice, once it is there with the expected shape and a weight dtype."""
@@ -427,7 +430,7 @@ def load_component(
     wanted = set().union(*(source_keys(s, set(files)) for s in sources.values()))
     unexpected = sorted(set(files) - wanted)
     if unexpected:
-        raise CheckpointError(f"unexpected tensors in {folder}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        raise CheckpointError(f"unexpected tensors in {folder}: {first_names(unexpected)}")
     with ExitStack() as stack:
         reader = _TensorReader(folder, files, stack)
         for source in sources.values():  # every name, shape and dtype, before the module takes its memory

@@ -55,6 +55,11 @@ MAX_UNREAD_BYTES = 4 << 30
 PCM_BYTES_PER_SAMPLE = CHANNELS * np.dtype(np.float32).itemsize  # the PCM an AudioChunk carries
 
 
+def audio_bytes(frames: int) -> int:
+    """The PCM bytes of a song of `frames` frames, as its AudioChunks carry them."""
+    return song_samples(frames) * PCM_BYTES_PER_SAMPLE
+
+
 def _deliver(client: "_Client", event: Event) -> None:
     """On the caller's loop: queue the event."""
     client.events.put_nowait(event)
@@ -188,7 +193,7 @@ class Engine:
         # Tokenizing a long caption takes a while: off the caller's event loop (the other streams keep flowing).
         cond, uncond = await asyncio.to_thread(encode_prompt, self.tokenizer, request.caption, request.lyrics)
         song, budget_request, seed, steps = self._validate(request)
-        audio = song_samples(budget_request) * PCM_BYTES_PER_SAMPLE
+        audio = audio_bytes(budget_request)
         if audio > self.max_unread_bytes:
             raise InputError(f"a song of {request.duration_s:g} s is {audio / 2**20:.1f} MiB of audio, more than the "
                              f"engine holds for its callers ({self.max_unread_bytes / 2**20:.1f} MiB)")
@@ -208,8 +213,7 @@ class Engine:
                 if isinstance(event, AudioChunk):
                     client.unread_bytes -= event.pcm.nbytes
                 elif isinstance(event, Accepted):  # the budget may be short of the request (the context's room)
-                    client.unread_bytes -= (song_samples(budget_request) - song_samples(event.budget_frames)) * (
-                        PCM_BYTES_PER_SAMPLE)
+                    client.unread_bytes -= audio - audio_bytes(event.budget_frames)
                 ended = isinstance(event, (Done, Failed))
                 yield event
         finally:
