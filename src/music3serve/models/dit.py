@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
 from ..kernels.add_layer_norm import uses_kernel as uses_add_norm_kernel
+from ..kernels.dit_attention import dit_attention
 from ..kernels.split_rope import split_rope
 from .fusion import between_library_calls, hot
 from .layers import rope_angles
@@ -75,10 +76,9 @@ class DiTBlock(nn.Module):
         kernel2 = uses_add_norm_kernel(x, self.norm2.weight, self.norm2.bias, self.ff_in.weight.dtype)
         x, qkv = dit_qkv(x, delta, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps, kernel1)
         q, k, v = split_rope(qkv, *rope, self.heads)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return dit_block_output(
-            x, attn, self.o.weight, self.norm2.weight, self.norm2.bias, self.ff_in.weight, self.ff_in.bias,
-            self.ff_out.weight, self.ff_out.bias, self.norm2.eps, kernel2,
+            x, dit_attention(q, k, v), self.o.weight, self.norm2.weight, self.norm2.bias, self.ff_in.weight,
+            self.ff_in.bias, self.ff_out.weight, self.ff_out.bias, self.norm2.eps, kernel2,
         )
 
 
@@ -100,9 +100,8 @@ def dit_qkv(
 def dit_block_output(
     x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float, kernel: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, heads, tokens, head_dim]."""
-    b, t, w = x.shape
-    attn_out = F.linear(attn.transpose(1, 2).reshape(b, t, w).to(o_w.dtype), o_w)
+    """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, tokens, width]."""
+    attn_out = F.linear(attn.to(o_w.dtype), o_w)
     x, h = add_norm(x, attn_out, norm_w, norm_b, eps, ff_in_w.dtype, kernel)
     value, gate = F.linear(h, ff_in_w, ff_in_b).chunk(2, dim=-1)
     return x, F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
