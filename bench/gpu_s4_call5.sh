@@ -10,7 +10,8 @@ timeout 90 python3 -c "$TALKER" 2>&1 | grep -v -i warn | head -8 | tee "$OUT/tal
 PRECISION='
 import torch
 from types import SimpleNamespace
-from music3serve.acoustic.precision import BFLOAT16, compare_policies
+from music3serve.acoustic.precision import BFLOAT16
+from music3serve.bench.precision import compare_policies
 from music3serve.bench.acoustic import IEEE_ISLANDS
 from music3serve.bench.common import random_module
 def models():

@@ -18,9 +18,10 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls, snr_db
+from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
 from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
 from music3serve.bench.common import graphed, random_module, time_ms
+from music3serve.bench.precision import snr_db
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from music3serve import contract
-from music3serve.acoustic.precision import float32_matmuls, snr_db
+from music3serve.acoustic.precision import float32_matmuls
 from music3serve.bench.common import random_module, table, time_ms
+from music3serve.bench.precision import snr_db
 from music3serve.models.fusion import disable_fusion, enable_fusion
 
 

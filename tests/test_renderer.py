@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from music3serve import contract
-from music3serve.acoustic.precision import (
-    BFLOAT16, FLOAT32, Bf16x3Linear, PrecisionPolicy, float32_matmuls, measure_precision, rel_err, snr_db,
-)
+from music3serve.acoustic.precision import BFLOAT16, FLOAT32, Bf16x3Linear, PrecisionPolicy, float32_matmuls
 from music3serve.acoustic.renderer import Renderer, WindowPayload, euler_masked
 from music3serve.acoustic.solver import Carry, noise, solve, time_grid
 from music3serve.acoustic.windows import Window, song_samples, song_windows
+from music3serve.bench.precision import measure_precision, rel_err, snr_db
 from music3serve.checkpoint import load_component, load_models
 from music3serve.talker.windows import WindowTracker
 

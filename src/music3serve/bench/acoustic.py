@@ -85,7 +85,7 @@ def precision(device: str = "cuda", frames: int = 450, steps: int = contract.DIT
     conditioning and noise)."""
     from types import SimpleNamespace
 
-    from ..acoustic.precision import compare_policies
+    from .precision import compare_policies
 
     def models() -> SimpleNamespace:
         names = ("condition_encoder", "dit", "vocoder")
