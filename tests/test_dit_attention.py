@@ -87,6 +87,9 @@ def test_graph_replay_equals_eager():
 
 
 @pytest.mark.gpu
-def test_float32_operands_keep_torchs_sdpa():
-    q, k, v = qkv_views(2, 100, 4, 64, torch.float32, "cuda")
+@pytest.mark.parametrize("batch,tokens,heads,head_dim,dtype", [(2, 100, 4, 64, torch.float32),
+                                                               (2, 50, 2, 256, torch.bfloat16)])
+def test_operands_the_kernel_does_not_take_keep_torchs_sdpa(batch, tokens, heads, head_dim, dtype):
+    """The float32 reference policy, and a head_dim above the kernel's 128."""
+    q, k, v = qkv_views(batch, tokens, heads, head_dim, dtype, "cuda")
     assert torch.equal(dit_attention(q, k, v), dit_attention_reference(q, k, v))
