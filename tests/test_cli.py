@@ -574,6 +574,24 @@ def test_make_tiny_force_replaces_a_checkpoint_and_keeps_it_when_the_new_one_can
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing staged or set aside is left
 
 
+def test_make_tiny_force_keeps_a_checkpoint_folder_that_also_holds_other_files(tmp_path: Path, capsys, monkeypatch):
+    """--force replaced the whole folder: a user's notes beside a checkpoint were deleted with it."""
+    def write(directory, seed=0):
+        (Path(directory) / "modular_model_index.json").write_text(f'{{"seed": {seed}}}')
+        (Path(directory) / "transformer").mkdir()
+
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", write)
+    target = tmp_path / "ckpt"
+    assert run_cli(["make-tiny", str(target), "--seed", "1"], capsys)[0] == 0
+    (target / "notes.txt").write_text("keep me")
+    (target / "mydata").mkdir()
+    code, err = run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)
+    assert code == 2 and "mydata, notes.txt" in err and "move them" in err
+    assert (target / "notes.txt").read_text() == "keep me" and (target / "mydata").is_dir()
+    assert (target / "modular_model_index.json").read_text() == '{"seed": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the staging folder is gone
+
+
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt

@@ -68,11 +68,21 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
     try:
         write_tiny_checkpoint(staging, seed=seed)
         if replace or not (target / "modular_model_index.json").is_file():
+            refuse_foreign_entries(target, staging)
             put_in_place(staging, target)
     except OSError as exc:  # named by the target, not by the staging folder the user never asked for
         raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; here on a failure or a lost race
+
+
+def refuse_foreign_entries(target: Path, staging: Path) -> None:
+    """Replacing `target` removes what it holds: refused when that is more than a checkpoint like `staging`."""
+    foreign = sorted(set(os.listdir(target)) - set(os.listdir(staging))) if target.is_dir() else []
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise Music3Error(f"{target} holds files a tiny checkpoint does not ({shown}); make-tiny replaces only a "
+                          "checkpoint folder's own files: move them, or pick another folder")
 
 
 def put_in_place(staging: Path, target: Path) -> None:
