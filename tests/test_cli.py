@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import logging
 import math
 import os
@@ -314,6 +315,20 @@ def test_an_output_under_a_regular_file_is_refused_before_the_model_loads(tmp_pa
     code, err = run_cli(generate_args(tmp_path / "afile" / "song.wav", "--model", "m"), capsys)
     assert code == 2 and err.startswith("error:")
     assert recorder.calls == []  # no model loaded, no song generated
+
+
+def test_a_bad_pdl_setting_is_refused_before_the_model_loads(tmp_path: Path, capsys, recorder, monkeypatch):
+    """MUSIC3SERVE_PDL=bogus was only noticed at the first kernel launch on a GPU, after the weights had loaded (and
+    never on the CPU); generate and serve now refuse it first."""
+    monkeypatch.setenv("MUSIC3SERVE_PDL", "bogus")
+    code, err = run_cli(generate_args(tmp_path / "song.wav", "--model", "m"), capsys)
+    assert code == 2 and "MUSIC3SERVE_PDL must be one of" in err and "'bogus'" in err
+    assert recorder.calls == []
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
+                        lambda *a, **k: pytest.fail("the engine loaded before the setting was checked"))
+    if importlib.util.find_spec("fastapi") and importlib.util.find_spec("uvicorn"):
+        code, err = run_cli(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"], capsys)
+        assert code == 2 and "MUSIC3SERVE_PDL must be one of" in err
 
 
 def test_an_output_check_makes_no_folders_and_names_the_file_not_the_probe(tmp_path, capsys, recorder, monkeypatch):

@@ -1,4 +1,5 @@
-"""Command line: `music3serve generate ...`, `music3serve serve ...` and `music3serve make-tiny DIR`."""
+"""Command line: `music3serve generate ...`, `music3serve serve ...`, `music3serve bench ...` and
+`music3serve make-tiny DIR`."""
 
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (gen, serve):
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--model", help="checkpoint folder (diffusers layout)")
-        where.add_argument("--tiny", action="store_true", help="tiny random checkpoint (noise-like audio)")
+        where.add_argument("--tiny", action="store_true",
+                           help="tiny random checkpoint (noise-like audio), kept in ~/.cache/music3serve")
     serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
     serve.add_argument("--device", default=None, choices=["cpu", "cuda"],
                        help="run both stages on this device (default: each stage on its deploy-config `devices` GPU, "
@@ -230,7 +232,7 @@ def run_generate(args: argparse.Namespace) -> None:
     check_steps(args.steps)
     check_text("caption", args.caption, MAX_CAPTION_CHARS)
     check_text("lyrics", args.lyrics, MAX_LYRICS_CHARS)
-    check_cuda(args.device)
+    check_runtime(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     root = resolve_model(args.model, args.tiny)
     if (root / "tokenizer" / "tokenizer.json").is_file():  # the prompt's token limit too, before minutes of loading
@@ -260,7 +262,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     deploy = load_deploy_config(args.config)
     check_port(args.host, args.port)
-    check_cuda(args.device)
+    check_runtime(args.device)
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
                                       "config": args.config or "default"})
@@ -271,12 +273,16 @@ def run_serve(args: argparse.Namespace) -> None:
         engine.close()
 
 
-def check_cuda(device: str | None) -> None:
-    """`--device cuda` needs a CUDA device torch can see."""
+def check_runtime(device: str | None) -> None:
+    """`--device cuda` needs a CUDA device torch can see; MUSIC3SERVE_PDL a valid value (checked before the weights
+    load, not at the first kernel launch)."""
     import torch
+
+    from .kernels.pdl import pdl_mode
 
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
+    pdl_mode()
 
 
 def show_progress() -> bool:

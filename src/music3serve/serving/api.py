@@ -300,8 +300,9 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
             if close_engine:
                 await asyncio.to_thread(engine.close)
 
+    # No /docs, /redoc or /openapi.json: the API is docs/api.md's endpoints and nothing else.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     service = SongService(engine)
     app.state.songs = service
 
