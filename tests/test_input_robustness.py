@@ -33,7 +33,7 @@ from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_captio
 from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
-from music3serve.serving.request_body import MAX_BODY_BYTES
+from music3serve.serving.request_body import MAX_BODY_BYTES, BoundedBody
 
 
 def callers(keys) -> set[str]:
@@ -151,6 +151,40 @@ def test_a_body_is_utf8_json_naming_each_key_once(client, engine):
         response = client.post("/v1/songs", content=content, headers=JSON)
         assert response.status_code == 400 and needle in response.json()["error"], response.text
     assert requests_total(engine) == before
+
+
+def test_a_byte_order_mark_is_ignored_and_the_body_is_still_checked(client, engine):
+    """A UTF-8 BOM made the key checks give up (their decoder kept it), while the framework's parser ignored it: a
+    repeated key kept its last value, and 20,000 unknown keys went to validation one by one."""
+    bom = b"\xef\xbb\xbf"
+    before = requests_total(engine)
+    many = json.dumps({**json.loads(raw()), **{f"k{i}": i for i in range(20_000)}}).encode()
+    for content, needle in [
+        (bom + b'{"caption": "pop", "lyrics": "la", "seed": 1, "seed": 2}', "the body names 'seed' more than once"),
+        (bom + many, "the body has 20000 unknown keys"),
+    ]:
+        response = client.post("/v1/songs", content=content, headers=JSON)
+        assert response.status_code == 400 and needle in response.json()["error"], response.text[:300]
+    assert requests_total(engine) == before
+    response = client.post("/v1/songs", content=bom + raw(seed=3).encode(), headers=JSON)
+    assert response.status_code == 200 and response.headers["x-seed"] == "3", response.text[:300]
+
+
+def test_a_content_length_of_non_ascii_digits_is_a_400():
+    """int() refuses "²", which str.isdigit() accepts: the check raised instead of answering (h11 refuses such a
+    header first, but not every ASGI server does). The middleware alone, as such a server would call it."""
+    async def app(scope, receive, send):
+        pytest.fail("the request went on to the app")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-length", "\u00b2".encode("latin-1"))]
+    scope = {"type": "http", "method": "POST", "path": "/v1/songs", "headers": headers}
+    run(BoundedBody(app)(scope, None, send))
+    assert sent[0]["status"] == 400 and b"is not a byte count" in sent[1]["body"]
 
 
 def test_an_unknown_or_repeated_key_is_named_briefly(client):

@@ -74,7 +74,7 @@ class BoundedBody:
                 if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
                     return await self.app(scope, receive, send)
                 return await error_response(411, "send the body with a Content-Length header")(scope, receive, send)
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):  # "²".isdigit() too, and int() refuses it
                 message = f"Content-Length {length!r:.40} is not a byte count"
                 return await error_response(400, message)(scope, receive, send)
             if int(length) > MAX_BODY_BYTES:
@@ -98,12 +98,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 async def plain_json_object(request: Request) -> None:
     """The song body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
-    last value of a repeated key. An object with more keys than a song request has is refused here, in one short
+    last value of a repeated key. A UTF-8 byte-order mark is ignored, here as by that parser, so these checks see
+    the object it will validate. An object with more keys than a song request has is refused here, in one short
     message, before validation would build (and send back) an error per key. (Bodies it cannot parse are its to
     report: it ran first.)"""
     raw = await request.body()
     try:
-        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        body = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:
         raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
     except _RepeatedKey as exc:
