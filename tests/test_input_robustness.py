@@ -209,6 +209,12 @@ def test_many_unknown_keys_get_one_short_error_at_once(client):
     few = {"caption": "pop", "lyrics": "la", **{f"k{i}": i for i in range(7)}}  # no more keys than fields: validated
     error = client.post("/v1/songs", content=json.dumps(few).encode(), headers=JSON).json()["error"]
     assert error.count("Extra inputs are not permitted") == 5 and error.endswith("and 2 more"), error
+    six = {"caption": "pop", "lyrics": "la", **{f"k{i}": i for i in range(6)}}  # one error past the five shown
+    error = client.post("/v1/songs", content=json.dumps(six).encode(), headers=JSON).json()["error"]
+    assert error.count("Extra inputs are not permitted") == 5 and error.endswith("and 1 more"), error
+    one_too_many = {"caption": "pop", "lyrics": "la", **{f"k{i}": i for i in range(8)}}  # 10 keys, 9 fields
+    error = client.post("/v1/songs", content=json.dumps(one_too_many).encode(), headers=JSON).json()["error"]
+    assert error.startswith("the body has 8 unknown keys"), error
 
 
 def test_undecodable_body_and_wrong_content_type(client):
