@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from music3serve.serving.connectors import (
     make_connector,
     timeouts,
 )
+from music3serve.serving import shared_memory, shm_segments
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segment bookkeeping is checked in /dev/shm")
 
@@ -244,6 +246,135 @@ def test_close_unlinks_unread_segments() -> None:
     conn.close()  # idempotent
     with pytest.raises(ConnectorError, match="closed"):
         conn.put("c", ("k", {}, {}))
+
+
+def test_get_returns_at_its_timeout_not_after_a_longer_poll_interval() -> None:
+    """The deadline cuts the poll interval: a 50 ms get with a 1 s poll gives up after about 50 ms, not 1 s."""
+    conn = SharedMemoryConnector({**EXTRA, "connector_get_sleep_s": 1.0}, channels=("c",))
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConnectorTimeout):
+            conn.get("c", 0.05)
+        assert 0.05 <= time.monotonic() - started < 0.5
+    finally:
+        conn.close()
+
+
+def test_what_the_connector_refuses() -> None:
+    """Duplicate channel names, a NaN timeout (not a zero wait), non-finite waits in the settings and numpy arrays of
+    Python objects (pointers that mean nothing in another process) are refused with errors that say so."""
+    with pytest.raises(ConnectorError, match="distinct"):
+        SharedMemoryConnector(EXTRA, channels=("pcm", "pcm"))
+    for key in ("connector_get_sleep_s", "connector_get_max_wait", "connector_get_max_wait_first_chunk"):
+        for value in (float("inf"), float("nan")):
+            with pytest.raises(Music3Error, match=f"{key} must be a positive number"):
+                ConnectorSettings.from_extra({key: value})
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        with pytest.raises(ConnectorError, match="timeout_s must be a number") as info:
+            conn.get("c", float("nan"))
+        assert not isinstance(info.value, ConnectorTimeout)
+        objects = np.array([object(), "x"], dtype=object)
+        with pytest.raises(ConnectorError, match="holds Python objects"):
+            conn.put("c", ("k", {}, {"x": objects}))
+    finally:
+        conn.close()
+
+
+def test_a_put_whose_copy_fails_leaves_no_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message whose tensors cannot be copied into its new segment raises, and the segment is unlinked."""
+
+    def fail(tensors, specs, buf):
+        raise RuntimeError("copy failed")
+
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        monkeypatch.setattr(shared_memory, "_pack", fail)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
+        assert conn.segments() == []
+    finally:
+        conn.close()
+
+
+def test_a_message_larger_than_the_free_dev_shm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filling a segment past /dev/shm's free space would kill the sender with SIGBUS; put refuses it instead."""
+    real = os.statvfs
+
+    def tiny(path):
+        stats = real(path)
+        return SimpleNamespace(f_bavail=1, f_frsize=stats.f_frsize)  # one block free
+
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        monkeypatch.setattr(shm_segments.os, "statvfs", tiny)
+        with pytest.raises(ConnectorError, match=r"/dev/shm has 0\.0 MiB free but a message needs 3\.1 MiB; give the "
+                           r"container a larger /dev/shm \(docker --shm-size\)"):
+            conn.put("c", ("k", {}, {"x": torch.zeros(200, 4096)}))
+        assert conn.segments() == []
+    finally:
+        conn.close()
+
+
+def test_cleanup_by_pid_does_not_match_pids_that_begin_with_it() -> None:
+    """cleanup(pid=12) removes segments of process 12 only, not those of process 123 (same leading digits)."""
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    names = {pid: f"{conn.prefix}{pid}_{'ab' * 8}" for pid in (12, 123)}  # named as write_segment names them
+    try:
+        for name in names.values():
+            shm_segments._close(shm_segments._create(name, 16))
+        assert conn.segments(pid=12) == [names[12]]
+        assert conn.cleanup(pid=12) == 1
+        assert conn.segments() == [names[123]]
+    finally:
+        conn.close()
+    assert conn.segments() == []
+
+
+def test_a_forked_child_leaves_its_parents_unread_segments_alone() -> None:
+    """The registry of unread segments is inherited by a fork; the child's cleanup must skip its parent's."""
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
+        assert len(conn.segments()) == 1
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child: what its atexit hook and finalizer run, then out at once
+            try:
+                shm_segments.unlink_unread()
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 10.0
+        while os.waitpid(child, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+                pytest.fail("the forked child did not exit")
+            time.sleep(0.005)
+        assert len(conn.segments()) == 1
+        assert conn.get("c", 1.0).tensors["x"].shape == (THRESHOLD,)
+    finally:
+        conn.close()
+
+
+def test_sigterm_chained_before_a_python_handler_unlinks_then_calls_it() -> None:
+    """Where a Python SIGTERM handler was set first, ours runs before it: unread segments go, then that handler."""
+    called: list[int] = []
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    before = signal.getsignal(signal.SIGTERM)  # after the connector installed its own, if it was the default
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: called.append(signum))
+        shm_segments._install_sigterm_handler(os.getpid())
+        conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
+        assert len(conn.segments()) == 1
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.001)  # Python runs the handler in the main thread, between bytecodes
+        assert called == [signal.SIGTERM]
+        assert conn.segments() == []
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        conn.close()
 
 
 # ---------------------------------------------------------------------------------------- across processes

@@ -31,6 +31,7 @@ from music3serve.serving.deploy_config import (
     load_deploy_config,
     parse_deploy_config,
 )
+from music3serve.serving.deploy_yaml import MAX_DEPTH, read_deploy_yaml
 from music3serve.talker.engine import TalkerConfig
 
 SEED = Path(__file__).parents[2] / "shared" / "seeds" / "minimax_music3.yaml"
@@ -179,6 +180,29 @@ def test_talker_config_mapping():
 def test_accepted_variants(changes):
     parse_deploy_config(mutated(*changes), SOURCE)
 
+
+
+def test_render_batch_is_capped_by_max_num_batched_tokens():
+    """A render call takes one window per song and at most max_num_batched_tokens windows: min of the two."""
+    changes = (S1 + ("max_num_batched_tokens",), 2), (C1 + ("cudagraph_capture_sizes",), [1, 2])
+    cfg = parse_deploy_config(mutated(*changes), SOURCE)
+    assert (cfg.stages[1].max_num_seqs, cfg.stages[1].render_batch) == (8, 2)
+    assert Stage1Config(max_num_seqs=2, max_num_batched_tokens=8).render_batch == 2
+
+
+@pytest.mark.parametrize("s0_len, s1_len, refused", [(1001, 9, False), (1001, 8, True), (1002, 9, True),
+                                                     (1002, 10, False)])
+def test_stage1_max_model_len_bound_follows_stage0s_longest_song(s0_len, s1_len, refused):
+    """Stage 0's longest song is max_model_len - 1 frames (the prompt takes a token at least): 1001 gives 1000
+    frames, 9 windows; 1002 gives 1001 frames, 10 windows. Stage 1's max_model_len must hold them."""
+    data = mutated((S0 + ("max_model_len",), s0_len), (S1 + ("max_model_len",), s1_len))
+    if not refused:
+        assert parse_deploy_config(data, SOURCE).stages[1].max_model_len == s1_len
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_deploy_config(data, SOURCE)
+    assert str(info.value).startswith(f"{SOURCE}: stages[1].max_model_len: got {s1_len}"), str(info.value)
+    assert f">= {s1_len + 1} (windows of the longest song stage 0 can write: {s0_len - 1} frames)" in str(info.value)
 
 # Refusals: each names the file, the key path, the value and what is allowed.
 S0, S1 = ("stages", 0), ("stages", 1)
@@ -379,6 +403,22 @@ def test_yaml_that_cannot_be_built_names_the_key_and_line(tmp_path, text, says):
     message = str(info.value)
     assert message.startswith(f"{path}: {says}") and f'in "{path}", line ' in message, message
 
+
+
+def test_nesting_up_to_max_depth_is_read_and_one_level_more_is_refused(tmp_path):
+    """32 levels, the top mapping and the innermost scalar counted, load; 33 are refused with the key path."""
+    assert MAX_DEPTH == 32
+    path = tmp_path / "deep.yaml"
+    lists = MAX_DEPTH - 2  # top mapping + the lists + the scalar 1
+    path.write_text("pipeline: " + "[" * lists + "1" + "]" * lists + "\n")
+    data, _ = read_deploy_yaml(path)
+    node = data["pipeline"]
+    for _ in range(lists):
+        (node,) = node
+    assert node == 1
+    path.write_text("pipeline: " + "[" * (lists + 1) + "1" + "]" * (lists + 1) + "\n")
+    with pytest.raises(ConfigError, match=r"nested deeper than 32 levels \(at pipeline" + r"\[0\]" * lists + r"\)"):
+        read_deploy_yaml(path)
 
 def alias_bomb(levels: int) -> str:
     """A list of 9**levels strings in a few hundred bytes: each level is nine aliases of the one below."""

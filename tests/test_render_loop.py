@@ -12,7 +12,8 @@ import torch
 from music3serve.acoustic.renderer import WindowPayload
 from music3serve.acoustic.windows import Window
 from music3serve.errors import Music3Error
-from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop
+from music3serve.serving import render_loop
+from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, check_weights_fit
 
 
 class StandIn:
@@ -62,6 +63,32 @@ def test_a_window_out_of_order_fails_its_song_alone():
     assert chunks == [("b", 0), ("b", 1)]  # the failed song renders nothing more, its queued window 0 included
     assert all(song == "b" for batch in renderer.batches for song, _ in batch)
 
+
+
+def test_songs_take_turns_when_more_are_ready_than_a_batch_holds():
+    """Round robin: a song served goes to the back of the line, so three songs in batches of two take turns."""
+    renderer = StandIn()
+    renderer.max_batch = 2
+    ready = [window(song, index) for song in "abc" for index in (0, 1)]
+    chunks, errors = run_loop(renderer, [ready, [], []])
+    assert errors == []
+    assert renderer.batches == [[("a", 0), ("b", 0)], [("c", 0), ("a", 1)], [("b", 1), ("c", 1)]]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_weights_that_fill_their_memory_exactly_fit(monkeypatch, device):
+    """Stage 1's weights must fit in what it may hold: exactly as many bytes fit, one byte more is refused."""
+    modules = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(3))  # buffers count too
+    weights = sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+    renderer = SimpleNamespace(encoder=modules[0], dit=modules[1], vocoder=modules[2],
+                               policy=SimpleNamespace(name="bfloat16"), device=torch.device(device))
+    allowed = [weights]
+    monkeypatch.setattr(render_loop, "host_memory", lambda: allowed[0])
+    monkeypatch.setattr(render_loop, "card_share", lambda dev, share: (allowed[0], f"gpu_memory_utilization {share}"))
+    check_weights_fit(renderer, 0.5)
+    allowed[0] = weights - 1
+    with pytest.raises(Music3Error, match="stage 1 needs 0.0 GiB of bfloat16 weights, more than"):
+        check_weights_fit(renderer, 0.5)
 
 def test_a_failed_render_drops_the_songs_next_windows_until_its_cancel():
     renderer = StandIn(fail_seed=7)
