@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -33,6 +34,7 @@ from music3serve.serving.engine import (
     PCM_BYTES_PER_SAMPLE, Accepted, AudioChunk, Done, Engine, Failed, SongRequest, _callers_ids, caller_id
 )
 from music3serve.serving.heartbeat import StageWatch
+from music3serve.serving.stage1 import LocalStage1
 
 
 def callers(keys) -> set[str]:
@@ -860,6 +862,28 @@ def test_time_the_process_spends_paused_does_not_count_for_a_stage_call():
     watch.busy(None)
     watch.paused(6.0)
     assert watch.hung() is None
+
+
+def test_a_stage_calls_limit_is_per_unit_of_its_work():
+    """A call of 10 units of work may run ten times limit_s before it counts as hung."""
+    watch = StageWatch(limit_s=1.0, call="render call ({work:g} windows' work)")
+    watch.busy(10.0)
+    watch._call = (watch._call[0] - 8.0, 10.0)  # 8 s into the call
+    assert watch.hung() is None
+    watch._call = (watch._call[0] - 4.0, 10.0)  # 12 s
+    assert watch.hung() == "has been in one render call (10 windows' work) for 12 s"
+
+
+def test_once_the_engine_closes_the_local_stage_1_stops_at_its_next_take():
+    """Closing, what stage 1's thread takes ends with a stop: it does not render the whole queue first."""
+    closing = threading.Event()
+    stage = LocalStage1(SimpleNamespace(stream=None), lambda chunk: None, lambda song, message: None, closing,
+                        StageWatch(limit_s=1.0, call="render call"))
+    stage.send("window 0 of a", None)
+    assert stage._take(block=False) == [("window", "window 0 of a")]
+    stage.send("window 1 of a", None)
+    closing.set()
+    assert stage._take(block=False) == [("window", "window 1 of a"), ("stop",)]
 
 
 def test_without_async_chunk_and_codec_streaming_a_song_arrives_whole_after_its_last_frame(models, deploy, solo):

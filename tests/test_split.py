@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import threading
 import time
 from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
+from typing import Callable, Iterable
 
 import numpy as np
 import pytest
 import torch
 
+from music3serve.acoustic.renderer import WindowPayload
+from music3serve.acoustic.windows import Window
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
-from music3serve.serving.connectors import ConnectorError, Message
+from music3serve.serving import worker as worker_module
+from music3serve.serving.connectors import ConnectorError, ConnectorTimeout, LostMessage, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
 from music3serve.serving import heartbeat
 from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.heartbeat import HEARTBEAT_S, RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
 from music3serve.serving.outbox import Outbox
-from music3serve.serving.worker import RenderWorker, load_acoustic
+from music3serve.serving.stage1 import WorkerStage1
+from music3serve.serving.worker import (
+    PCM, WINDOWS, ChunkDeadlines, RenderWorker, load_acoustic, window_message, windows_in_flight
+)
 from test_engine import wait_until  # the engine tests' helper (tests/ is on the import path)
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
@@ -466,6 +474,103 @@ def test_windows_the_connector_cannot_take_come_back_once_as_failures_of_their_s
     assert outbox.failures() == []
 
 
+def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> bool:
+    """Whether predicate() comes true within timeout_s (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Recorder:
+    """A connector that records what is written at once; windows of the songs in `refuse` fail (say /dev/shm full)."""
+
+    def __init__(self, refuse: Iterable[str] = ()):
+        self.refuse, self.written = set(refuse), []
+
+    def put(self, channel, message):
+        if message.key == "window" and message.meta["song"] in self.refuse:
+            raise ConnectorError("no space left in /dev/shm")
+        self.written.append((message.key, message.meta.get("song"), message.meta.get("index")))
+
+
+class Slots(threading.Semaphore):
+    """The outbox's slots, noting when the writer waited for one in vain (a window is waiting for the reader)."""
+
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.waited = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        got = super().acquire(blocking, timeout)
+        if not got:
+            self.waited.set()
+        return got
+
+
+class CancellingSlots:
+    """Slots whose first acquire comes only after `song` was cancelled meanwhile (the talker's cancel racing the
+    slot); `taken` counts the slots held."""
+
+    def __init__(self, song: str):
+        self.song, self.outbox, self.taken = song, None, 0
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        if self.song is not None:
+            self.outbox.put(cancel(self.song))
+            self.song = None
+        self.taken += 1
+        return True
+
+    def release(self) -> None:
+        self.taken -= 1
+
+
+def test_a_window_the_connector_refused_gives_its_slot_back():
+    """A window write that fails frees its slot: with a single slot, the next song's window is still written."""
+    connector = Recorder(refuse={"a"})
+    outbox = Outbox(connector, "windows", threading.Semaphore(1))
+    outbox.put(window("a", 0))
+    outbox.put(window("b", 0))
+    assert eventually(lambda: ("window", "b", 0) in connector.written)
+    outbox.close(Message("stop", {}, {}))
+    assert outbox.join(5)
+    assert [song for song, _ in outbox.failures()] == ["a"]
+
+
+def test_a_cancel_goes_out_while_another_songs_window_waits_for_a_slot():
+    """Slots used up and a window of b waiting for one: a cancel of a is written at once, before b gets a slot (the
+    worker stops rendering a, which frees the slot)."""
+    connector, slots = Recorder(), Slots(1)
+    outbox = Outbox(connector, "windows", slots)
+    outbox.put(window("a", 0))  # takes the slot; the worker, busy rendering, has not read it
+    outbox.put(window("b", 0))
+    assert slots.waited.wait(5)  # b's window is waiting for the slot
+    outbox.put(cancel("a"))
+    assert eventually(lambda: ("cancel", "a", None) in connector.written)
+    assert connector.written == [("window", "a", 0), ("cancel", "a", None)]
+    slots.release()  # the worker read a's window
+    assert eventually(lambda: ("window", "b", 0) in connector.written)
+    outbox.close(Message("stop", {}, {}))
+    assert outbox.join(5)
+
+
+def test_a_window_cancelled_while_it_waited_for_its_slot_is_not_written_and_the_slot_goes_back():
+    """The cancel came while the writer waited for a slot, and the slot came after: the window is dropped, its slot
+    given back, and the cancel and the other songs' windows still go out."""
+    connector, slots = Recorder(), CancellingSlots("a")
+    outbox = Outbox(connector, "windows", slots)
+    slots.outbox = outbox
+    outbox.put(window("a", 0))
+    outbox.put(window("b", 0))
+    outbox.put(Message("stop", {}, {}))
+    assert outbox.join(5)
+    assert connector.written == [("cancel", "a", None), ("window", "b", 0), ("stop", None, None)]
+    assert slots.taken == 1  # b's, which the worker gives back once it reads it
+
+
 def test_one_window_slot_still_gives_the_colocated_songs_and_every_slot_back(tiny_dir, colocated, monkeypatch):
     """The worker reads one window at a time (the outbox waits for it to give the slot back): the songs are the
     colocated ones, and afterwards the slot is free and /dev/shm empty."""
@@ -530,8 +635,6 @@ def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits
     """Its render takes that much longer: with the contract's 30 steps the first-chunk wait is as configured, with
     300 steps ten times as long, and so are the waits of songs with windows out beside it (they may be batched
     with it, or queued behind its render call)."""
-    from music3serve.serving.worker import ChunkDeadlines
-
     waits = ChunkDeadlines(first_chunk_s=0.2, later_s=0.1)
     waits.sent("alone")
     time.sleep(0.3)
@@ -550,8 +653,6 @@ def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits
 
 def test_a_songs_first_window_gets_the_first_chunk_wait_and_later_ones_the_shorter_wait():
     """The first window of a song waits first_chunk_s (its render may start cold), each later one later_s."""
-    from music3serve.serving.worker import ChunkDeadlines
-
     waits = ChunkDeadlines(first_chunk_s=0.4, later_s=0.1)
     before = time.monotonic()
     waits.sent("song")
@@ -564,6 +665,86 @@ def test_a_songs_first_window_gets_the_first_chunk_wait_and_later_ones_the_short
     waits.answered("song", last=False)  # window 0 came back; window 1 is still out
     after = time.monotonic()
     assert before + 0.1 <= waits.songs["song"][1] <= after + 0.1
+
+
+def test_audio_of_one_song_restarts_the_waits_of_the_others():
+    """A chunk of any song shows the worker working through its queue: the other songs' waits start again."""
+    waits = ChunkDeadlines(first_chunk_s=0.4, later_s=0.4)
+    waits.sent("a")
+    waits.sent("b")
+    time.sleep(0.3)
+    waits.answered("b", last=True)
+    time.sleep(0.2)  # a's window went out 0.5 s ago, b's audio came 0.2 s ago
+    assert waits.overdue() == []
+
+
+def test_a_song_with_no_window_out_is_never_overdue():
+    """Between windows (its audio so far all back, the next window not yet written) nothing of a song is due; its
+    next window gets the later wait."""
+    waits = ChunkDeadlines(first_chunk_s=0.1, later_s=0.2)
+    waits.sent("a")
+    waits.answered("a", last=False)
+    time.sleep(0.15)
+    assert waits.overdue() == []
+    before = time.monotonic()
+    waits.sent("a")
+    assert before + 0.2 <= waits.songs["a"][1] <= time.monotonic() + 0.2
+
+
+def test_at_most_twelve_windows_or_a_render_batch_and_four_more_wait_unread():
+    """docs/api.md: at most max(12, render batch + 4) windows sit in /dev/shm unread by the worker."""
+    assert [windows_in_flight(batch) for batch in (1, 8, 9, 20)] == [12, 12, 13, 24]
+
+
+class Beating:
+    """The engine's end of a worker that only sends heartbeats, each saying it has been busy `busy_s` (0: idle)."""
+
+    def __init__(self, busy_s: float):
+        self.busy_s = busy_s
+
+    def get(self, channel: str, timeout_s: float) -> Message:
+        time.sleep(min(timeout_s, 0.02))
+        return Message("alive", {"busy_s": self.busy_s, "work": 1.0 if self.busy_s else 0.0}, {})
+
+
+def payload(song: str, index: int) -> WindowPayload:
+    return WindowPayload(song, 0, Window(index, 100 * index, 200, False), torch.zeros(200, 4))
+
+
+def split_stage(connector=None, deadlines: ChunkDeadlines | None = None, outbox=None) -> tuple[WorkerStage1, list]:
+    """The engine's side of the split placement over fakes (no worker process), and the songs it fails."""
+    worker = RenderWorker.__new__(RenderWorker)
+    worker.connector, worker.deadlines, worker.watch = connector, deadlines, WorkerWatch()
+    worker.outbox = outbox or SimpleNamespace(failures=lambda: [])
+    failed = []
+    stage = WorkerStage1(worker, torch.device("cpu"), lambda chunk: None,
+                         lambda song, message: failed.append((song, message)), threading.Event())
+    return stage, failed
+
+
+@pytest.mark.parametrize("busy_s, fails", [(0.0, True), (5.0, False)])
+def test_only_the_heartbeats_of_a_worker_in_a_render_call_restart_the_waits(busy_s, fails):
+    """A window sent and never answered fails its song while an idle worker's heartbeats keep coming; a worker in a
+    render call restarts the waits (the song is queued behind that call)."""
+    stage, failed = split_stage(Beating(busy_s), ChunkDeadlines(first_chunk_s=0.2, later_s=0.2))
+    stage.worker.deadlines.sent("a")
+    started = time.monotonic()
+    while time.monotonic() - started < 0.5:
+        assert stage.worker.receive(0.05) is None
+        stage.check()
+    assert failed == ([("a", "stage 1 sent no audio within the connector wait (0.2 s first, 0.2 s later)")]
+                      if fails else [])
+
+
+def test_a_window_the_connector_refused_fails_its_song_at_the_next_check_saying_why():
+    """Not as a song that got no audio after the first-chunk wait: at once, with the connector's reason."""
+    outbox = Outbox(Recorder(refuse={"a"}), WINDOWS)
+    stage, failed = split_stage(deadlines=ChunkDeadlines(first_chunk_s=30, later_s=30), outbox=outbox)
+    stage.send(payload("a", 0), ready=None)
+    outbox.put(Message("stop", {}, {}))
+    assert outbox.join(5)  # the writer tried the window
+    stage.check()
+    assert failed == [("a", "stage 1 could not take window 0: no space left in /dev/shm")]
 
 
 ORPHAN_PARENT = """
@@ -596,3 +777,87 @@ def test_a_worker_whose_server_was_killed_stops_and_removes_the_segments(tiny_di
         assert not shm_segments.list_segments(prefix, None)
     finally:
         parent.kill()
+
+
+class Pipes:
+    """An in-process connector, a queue per channel; windows of the songs in `lost` arrive without their segment."""
+
+    def __init__(self, lost: Iterable[str] = ()):
+        self.channels = {WINDOWS: queue.Queue(), PCM: queue.Queue()}
+        self.lost, self.cleaned = set(lost), False
+
+    def put(self, channel: str, message: Message) -> None:
+        self.channels[channel].put(message)
+
+    def get(self, channel: str, timeout_s: float) -> Message:
+        try:
+            message = self.channels[channel].get(timeout=timeout_s) if timeout_s else self.channels[channel].get_nowait()
+        except queue.Empty:
+            raise ConnectorTimeout(channel) from None
+        if message.meta.get("song") in self.lost:
+            raise LostMessage("its segment is gone", message.meta)
+        return message
+
+    def said(self) -> list[Message]:
+        """What the worker sent the engine, heartbeats left out."""
+        out = []
+        while not self.channels[PCM].empty():
+            out.append(self.channels[PCM].get())
+        return [message for message in out if message.key != "alive"]
+
+    def cleanup(self) -> None:
+        self.cleaned = True
+
+    def close(self) -> None:
+        pass
+
+
+def run_worker_main(monkeypatch, connector: Pipes, slots, loop: Callable) -> None:
+    """worker_main on this thread, its renderer faked and its render loop replaced by loop(inbox)."""
+
+    class Loop:
+        def __init__(self, renderer, inbox, on_chunk, on_error, rendering):
+            self.inbox = inbox
+
+        def run(self):
+            loop(self.inbox)
+
+    monkeypatch.setattr(worker_module.signal, "signal", lambda *args: None)  # pytest's own signal handlers stay
+    monkeypatch.setattr(worker_module, "stage1_renderer", lambda models, stage1: None)
+    monkeypatch.setattr(worker_module, "RenderLoop", Loop)
+    worker_module.worker_main(lambda device: None, "cpu", None, connector, slots)
+
+
+def test_a_lost_window_gives_its_slot_back_and_the_next_song_still_gets_through(monkeypatch):
+    """The worker frees the slot of a window whose segment vanished: with a single slot, the next song's window is
+    still written and read, and the lost window fails its song."""
+    connector, slots = Pipes(lost={"a"}), threading.Semaphore(1)
+    outbox = Outbox(connector, WINDOWS, slots)
+    outbox.put(window_message(payload("a", 0)))
+    outbox.put(window_message(payload("b", 0)))
+    read = []
+
+    def loop(inbox):
+        deadline = time.monotonic() + 2.0
+        while not read and time.monotonic() < deadline:
+            read.extend(item[1].song for item in inbox(True) if item[0] == "window")
+
+    try:
+        run_worker_main(monkeypatch, connector, slots, loop)
+    finally:
+        outbox.close()
+        assert outbox.join(5)
+    assert read == ["b"]
+    assert [m.meta for m in connector.said() if m.key == "failed"] == [
+        {"song": "a", "message": "stage 1 lost a window on its way: its segment is gone"}
+    ]
+
+
+def test_an_orphaned_worker_removes_the_segments_and_stops(monkeypatch):
+    """Its engine process gone (say SIGKILLed), the worker cleans the connector up, as nobody else is left to, and
+    its render loop is told to stop."""
+    connector, taken = Pipes(), []
+    monkeypatch.setattr(worker_module.multiprocessing, "parent_process",
+                        lambda: SimpleNamespace(is_alive=lambda: False))
+    run_worker_main(monkeypatch, connector, threading.Semaphore(1), lambda inbox: taken.append(inbox(True)))
+    assert taken == [[("stop",)]] and connector.cleaned
