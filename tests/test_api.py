@@ -31,6 +31,7 @@ from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+from polling import poll_until  # tests/ is on the import path (no package)
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
@@ -98,13 +99,6 @@ def parse_wav(body: bytes, streaming: bool) -> tuple[int, np.ndarray]:
     else:
         assert data_size == len(body) - 44 and size == len(body) - 8
     return rate, samples(body[44:])
-
-
-def wait_until(condition, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def engine_idle(engine: Engine, song: str) -> bool:
@@ -275,7 +269,7 @@ def test_delete_cancels_a_streaming_song(client, engine):
     seconds = (len(body) - 44) / 4 / contract.SAMPLE_RATE
     assert 0 < seconds < 20
     assert client.get(f"/v1/songs/{song}").json()["state"] == "cancelled"
-    wait_until(lambda: engine_idle(engine, song))
+    poll_until(lambda: engine_idle(engine, song))
     steps = metric(client, "music3_talker_steps")
     time.sleep(0.3)
     assert metric(client, "music3_talker_steps") == steps  # the talker stopped writing it
@@ -290,10 +284,10 @@ def test_client_disconnect_cancels_the_song(client, engine):
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": 60}) as response:
         song, pieces = response.headers["x-song-id"], response.iter_raw()  # (a dropped iterator would disconnect)
         assert next(pieces)[:4] == b"RIFF"
-        wait_until(lambda: song in {caller_id(s.id) for s in engine.talker.active})  # it holds talker rows
+        poll_until(lambda: song in {caller_id(s.id) for s in engine.talker.active})  # it holds talker rows
     # Leaving the block closes the connection with the body unread.
-    wait_until(lambda: client.get(f"/v1/songs/{song}").json()["state"] == "cancelled")
-    wait_until(lambda: engine_idle(engine, song))  # its rows freed, the talker idle
+    poll_until(lambda: client.get(f"/v1/songs/{song}").json()["state"] == "cancelled")
+    poll_until(lambda: engine_idle(engine, song))  # its rows freed, the talker idle
     assert re.search(r"^music3_songs_held 0\.0$", client.get("/metrics").text, re.MULTILINE)
 
 
@@ -316,7 +310,7 @@ def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, eng
     monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
     before, cancels = finished(), metric(client, "music3_cancels")
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "id": "late-delete"}) as response:
-        wait_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
+        poll_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
         assert client.delete("/v1/songs/late-delete").status_code == 204
         release.set()
         body = response.read()
@@ -346,7 +340,7 @@ def test_a_song_cancelled_while_its_last_window_renders_does_not_count_as_finish
         engine.cancel("cut-late")
         assert (await anext(events)).message == "cancelled"
         release.set()
-        await asyncio.to_thread(wait_until, lambda: sample("music3_windows_total") == windows + 1)
+        await asyncio.to_thread(poll_until, lambda: sample("music3_windows_total") == windows + 1)
         await events.aclose()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
@@ -363,13 +357,13 @@ def test_delete_cancels_a_non_streaming_song(base_url, client, engine):
 
     thread = threading.Thread(target=post)
     thread.start()
-    wait_until(lambda: client.get("/v1/songs/whole-1").status_code == 200)
+    poll_until(lambda: client.get("/v1/songs/whole-1").status_code == 200)
     assert client.delete("/v1/songs/whole-1").status_code == 204
     thread.join(timeout=30)
     assert not thread.is_alive()
     response = outcome["response"]
     assert response.status_code == 409 and "cancelled" in response.json()["error"]
-    wait_until(lambda: engine_idle(engine, "whole-1"))
+    poll_until(lambda: engine_idle(engine, "whole-1"))
 
 
 def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
@@ -387,7 +381,7 @@ def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
                                            timeout_graceful_shutdown=0.2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    wait_until(lambda: server.started)
+    poll_until(lambda: server.started)
     url, outcome = f"http://127.0.0.1:{sock.getsockname()[1]}", {}
 
     def post():
@@ -397,7 +391,7 @@ def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
     poster = threading.Thread(target=post)
     poster.start()
     try:
-        wait_until(lambda: "cut-1" in engine._keys)
+        poll_until(lambda: "cut-1" in engine._keys)
         server.should_exit = True
         poster.join(timeout=30)
         thread.join(timeout=30)
@@ -406,7 +400,7 @@ def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
     response = outcome["response"]
     assert response.status_code == 503 and response.headers["content-type"] == "application/json"
     assert response.json()["error"].startswith("the server shut down before song cut-1 was finished")
-    wait_until(lambda: engine_idle(engine, "cut-1"))
+    poll_until(lambda: engine_idle(engine, "cut-1"))
 
 
 def test_a_streamed_song_cut_at_shutdown_ends_short_and_frees_its_rows(engine, serve_http):
@@ -428,10 +422,10 @@ def test_a_streamed_song_cut_at_shutdown_ends_short_and_frees_its_rows(engine, s
     with serve_http(create_app(engine), timeout_graceful_shutdown=0.2) as url:
         listener = threading.Thread(target=listen, args=(url,))
         listener.start()
-        wait_until(lambda: sum(len(p) for p in got if isinstance(p, bytes)) > 44)  # audio is flowing
+        poll_until(lambda: sum(len(p) for p in got if isinstance(p, bytes)) > 44)  # audio is flowing
     listener.join(30)
     assert isinstance(got[-1], httpx.RemoteProtocolError)
-    wait_until(lambda: engine_idle(engine, "cut-stream"))
+    poll_until(lambda: engine_idle(engine, "cut-stream"))
     assert engine.metrics.registry.get_sample_value("music3_songs_held") == 0
     assert engine.metrics.registry.get_sample_value("music3_cancels_total") == cancels + 1
 
@@ -479,7 +473,7 @@ def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch, cap
     post = threading.Thread(target=lambda: result.append(client.post("/v1/songs", json={**SONG, "id": "early"})))
     result: list = []
     post.start()
-    wait_until(lambda: "early" in engine._keys)
+    poll_until(lambda: "early" in engine._keys)
     assert client.delete("/v1/songs/early").status_code == 204
     post.join(60)
     assert result[0].status_code == 409 and "cancelled before it was accepted" in result[0].json()["error"]
@@ -499,7 +493,7 @@ def test_a_song_not_accepted_in_time_answers_503_and_leaves_nothing_behind(clien
     monkeypatch.setattr(engine.talker, "submit", stuck_submit)
     response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "id": "stuck"})
     assert response.status_code == 503 and "did not take the song within 0.5 s" in response.json()["error"]
-    wait_until(lambda: engine_idle(engine, "stuck"))
+    poll_until(lambda: engine_idle(engine, "stuck"))
 
 
 def test_health_and_metrics(client):
@@ -680,7 +674,7 @@ def test_an_engine_closing_before_acceptance_answers_503(tiny_dir: Path, serve_h
 
             thread = threading.Thread(target=post)
             thread.start()
-            wait_until(lambda: "closing" in engine._keys)
+            poll_until(lambda: "closing" in engine._keys)
             engine.close()
             thread.join(30)
     finally:
@@ -797,9 +791,9 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
     try:
         with caplog.at_level(logging.INFO):
             thread.start()
-            wait_until(lambda: server.started)
+            poll_until(lambda: server.started)
             listener.start()
-            wait_until(lambda: "forced" in own._keys)
+            poll_until(lambda: "forced" in own._keys)
             server.force_exit = server.should_exit = True  # what uvicorn's handler sets on the second SIGINT
             thread.join(timeout=30)
             listener.join(timeout=30)

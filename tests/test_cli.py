@@ -598,13 +598,16 @@ def test_make_tiny_force_keeps_a_checkpoint_folder_that_also_holds_other_files(t
     monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", write)
     target = tmp_path / "ckpt"
     assert run_cli(["make-tiny", str(target), "--seed", "1"], capsys)[0] == 0
-    (target / "notes.txt").write_text("keep me")
-    (target / "mydata").mkdir()
-    code, err = run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)
-    assert code == 2 and "mydata, notes.txt" in err and "move them" in err
-    assert (target / "notes.txt").read_text() == "keep me" and (target / "mydata").is_dir()
-    assert (target / "modular_model_index.json").read_text() == '{"seed": 1}'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the staging folder is gone
+    for mine, shown in (("notes.txt", "notes.txt"), ("transformer/mine.bin", "transformer/mine.bin")):
+        (target / mine).write_text("keep me")  # beside the checkpoint, or inside one of its folders
+        code, err = run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)
+        assert code == 2 and f"({shown})" in err and "move them" in err, err
+        assert (target / mine).read_text() == "keep me"
+        assert (target / "modular_model_index.json").read_text() == '{"seed": 1}'
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the staging folder is gone
+        (target / mine).unlink()
+    assert run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)[0] == 0  # nothing of theirs left
+    assert (target / "modular_model_index.json").read_text() == '{"seed": 2}'
 
 
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from music3serve.kernels.dit_attention import dit_attention, dit_attention_reference
+from music3serve.kernels.dit_attention import dit_attention, dit_attention_reference, uses_kernel
 
 
 def qkv_views(batch, tokens, heads, head_dim, dtype, device="cpu", seed=0):
@@ -56,6 +56,7 @@ GPU_SHAPES = [  # batch, tokens, heads, head_dim
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_is_as_close_to_exact_as_torchs_sdpa(shape, dtype):
     q, k, v = qkv_views(*shape, dtype, "cuda", seed=shape[1])
+    assert uses_kernel(q, k, v)  # the kernel, not the fallback, is what is measured
     exact = exact_attention(q, k, v)
     ours = dit_attention(q, k, v)
     torchs = dit_attention_reference(q, k, v)
@@ -68,6 +69,7 @@ def test_kernel_is_as_close_to_exact_as_torchs_sdpa(shape, dtype):
 @pytest.mark.gpu
 def test_kernel_window_is_bitwise_the_same_alone_and_batched():
     q, k, v = qkv_views(16, 690, 32, 64, torch.bfloat16, "cuda")
+    assert uses_kernel(q, k, v)
     batched = dit_attention(q, k, v)
     for i in (0, 7, 15):
         alone = dit_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1])
@@ -77,6 +79,7 @@ def test_kernel_window_is_bitwise_the_same_alone_and_batched():
 @pytest.mark.gpu
 def test_graph_replay_equals_eager():
     q, k, v = qkv_views(2, 690, 32, 64, torch.bfloat16, "cuda")
+    assert uses_kernel(q, k, v)
     dit_attention(q, k, v)  # compile before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -86,10 +89,22 @@ def test_graph_replay_equals_eager():
     assert torch.equal(out, dit_attention(q, k, v))
 
 
+def fallback_cases():
+    """Operands the kernel does not take, each with the rule it breaks."""
+    wide = qkv_views(2, 50, 2, 256, torch.bfloat16, "cuda")
+    views = qkv_views(2, 40, 2, 64, torch.bfloat16, "cuda")
+    strided = tuple(x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in views)  # head_dim stride 2
+    return {
+        "float32 (the reference policy)": qkv_views(2, 100, 4, 64, torch.float32, "cuda"),
+        "head_dim 256": wide,
+        "head_dim not of unit stride": strided,
+        "no tokens": qkv_views(2, 0, 2, 64, torch.bfloat16, "cuda"),
+        "over 65535 (batch, head) pairs": qkv_views(1025, 1, 64, 16, torch.bfloat16, "cuda"),
+    }
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,tokens,heads,head_dim,dtype", [(2, 100, 4, 64, torch.float32),
-                                                               (2, 50, 2, 256, torch.bfloat16)])
-def test_operands_the_kernel_does_not_take_keep_torchs_sdpa(batch, tokens, heads, head_dim, dtype):
-    """The float32 reference policy, and a head_dim above the kernel's 128."""
-    q, k, v = qkv_views(batch, tokens, heads, head_dim, dtype, "cuda")
-    assert torch.equal(dit_attention(q, k, v), dit_attention_reference(q, k, v))
+def test_operands_the_kernel_does_not_take_keep_torchs_sdpa():
+    for name, (q, k, v) in fallback_cases().items():
+        assert not uses_kernel(q, k, v), name
+        assert torch.equal(dit_attention(q, k, v), dit_attention_reference(q, k, v)), name

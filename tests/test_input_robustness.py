@@ -34,6 +34,7 @@ from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
 from music3serve.serving.request_body import MAX_BODY_BYTES, BoundedBody
+from polling import poll_until  # tests/ is on the import path (no package)
 
 
 def callers(keys) -> set[str]:
@@ -47,13 +48,6 @@ JSON = {"content-type": "application/json"}
 
 def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def wait_until(condition, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def requests_total(engine: Engine) -> float:
@@ -170,21 +164,26 @@ def test_a_byte_order_mark_is_ignored_and_the_body_is_still_checked(client, engi
     assert response.status_code == 200 and response.headers["x-seed"] == "3", response.text[:300]
 
 
-def test_a_content_length_of_non_ascii_digits_is_a_400():
-    """int() refuses "²", which str.isdigit() accepts: the check raised instead of answering (h11 refuses such a
-    header first, but not every ASGI server does). The middleware alone, as such a server would call it."""
+@pytest.mark.parametrize("length, status, needle", [
+    ("\u00b2".encode("latin-1"), 400, b"is not a byte count"),  # "²".isdigit(), and int() refuses it
+    (b"9" * 5000, 413, b"the body is 99999999999999999999... (5000 digits) bytes"),  # int() refuses > 4300 digits
+    (b"0" * 5000 + b"12", 200, b"reached the app"),  # 12, within the limit: the app reads the body
+])
+def test_content_lengths_int_would_refuse_are_answered(length, status, needle):
+    """The check raised instead of answering (h11 refuses such headers first, but not every ASGI server does). The
+    middleware alone, as such a server would call it."""
     async def app(scope, receive, send):
-        pytest.fail("the request went on to the app")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"reached the app"})
 
     sent = []
 
     async def send(message):
         sent.append(message)
 
-    headers = [(b"content-length", "\u00b2".encode("latin-1"))]
-    scope = {"type": "http", "method": "POST", "path": "/v1/songs", "headers": headers}
+    scope = {"type": "http", "method": "POST", "path": "/v1/songs", "headers": [(b"content-length", length)]}
     run(BoundedBody(app)(scope, None, send))
-    assert sent[0]["status"] == 400 and b"is not a byte count" in sent[1]["body"]
+    assert sent[0]["status"] == status and needle in sent[1]["body"], sent
 
 
 def test_an_unknown_or_repeated_key_is_named_briefly(client):
@@ -297,12 +296,12 @@ def test_a_disconnecting_client_leaves_the_other_songs_whole(base_url, client, e
         pieces = response.iter_raw()  # kept: a dropped iterator would close the connection there and then
         assert next(pieces)[:4] == b"RIFF"
         thread.start()
-        wait_until(lambda: {"stays", "leaves"} <= callers(engine.talker.songs))  # both songs are in the talker now
+        poll_until(lambda: {"stays", "leaves"} <= callers(engine.talker.songs))  # both songs are in the talker now
     # Leaving the block closed the connection with the body unread.
-    wait_until(lambda: client.get("/v1/songs/leaves").json()["state"] == "cancelled")
+    poll_until(lambda: client.get("/v1/songs/leaves").json()["state"] == "cancelled")
     thread.join(timeout=60)
     assert not thread.is_alive()
-    wait_until(lambda: idle(engine, "leaves"))
+    poll_until(lambda: idle(engine, "leaves"))
     response = outcome["response"]
     assert response.status_code == 200, response.text
     assert len(response.content) == 44 + 4 * song_samples(50)
@@ -316,9 +315,9 @@ def test_a_disconnecting_non_streaming_client_cancels_its_song(base_url, client,
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(b"POST /v1/songs HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: client.get("/v1/songs/whole-gone").status_code == 200)
-    wait_until(lambda: client.get("/v1/songs/whole-gone").json()["state"] == "cancelled")
-    wait_until(lambda: idle(engine, "whole-gone"))
+        poll_until(lambda: client.get("/v1/songs/whole-gone").status_code == 200)
+    poll_until(lambda: client.get("/v1/songs/whole-gone").json()["state"] == "cancelled")
+    poll_until(lambda: idle(engine, "whole-gone"))
 
 
 def test_a_closed_engine_answers_503(closed_engine):

@@ -87,8 +87,10 @@ def test_weights_that_fill_their_memory_exactly_fit(monkeypatch, device):
     monkeypatch.setattr(render_loop, "card_share", lambda dev, share: (allowed[0], f"gpu_memory_utilization {share}"))
     check_weights_fit(renderer, 0.5)
     allowed[0] = weights - 1
-    with pytest.raises(Music3Error, match="stage 1 needs 0.0 GiB of bfloat16 weights, more than"):
+    with pytest.raises(Music3Error, match="stage 1 needs 0.0 GiB of bfloat16 weights, more than") as refused:
         check_weights_fit(renderer, 0.5)
+    where = "gpu_memory_utilization 0.5" if device == "cuda" else "this machine's 0.0 GiB of memory"
+    assert where in str(refused.value)  # the limit of the device the stage runs on
 
 def test_a_failed_render_drops_the_songs_next_windows_until_its_cancel():
     renderer = StandIn(fail_seed=7)

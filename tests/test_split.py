@@ -32,7 +32,8 @@ from music3serve.serving.stage1 import WorkerStage1
 from music3serve.serving.worker import (
     PCM, WINDOWS, ChunkDeadlines, RenderWorker, load_acoustic, window_message, windows_in_flight
 )
-from test_engine import wait_until  # the engine tests' helper (tests/ is on the import path)
+from polling import poll_until  # tests/ is on the import path (no package)
+from test_engine import wait_until  # the engine tests' helper
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
 # Split vs colocated PCM, max abs: windows of different songs can share a render batch in one run and not the other,
@@ -474,16 +475,6 @@ def test_windows_the_connector_cannot_take_come_back_once_as_failures_of_their_s
     assert outbox.failures() == []
 
 
-def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> bool:
-    """Whether predicate() comes true within timeout_s (polled)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 class Recorder:
     """A connector that records what is written at once; windows of the songs in `refuse` fail (say /dev/shm full)."""
 
@@ -534,7 +525,7 @@ def test_a_window_the_connector_refused_gives_its_slot_back():
     outbox = Outbox(connector, "windows", threading.Semaphore(1))
     outbox.put(window("a", 0))
     outbox.put(window("b", 0))
-    assert eventually(lambda: ("window", "b", 0) in connector.written)
+    poll_until(lambda: ("window", "b", 0) in connector.written, 2.0)
     outbox.close(Message("stop", {}, {}))
     assert outbox.join(5)
     assert [song for song, _ in outbox.failures()] == ["a"]
@@ -549,10 +540,10 @@ def test_a_cancel_goes_out_while_another_songs_window_waits_for_a_slot():
     outbox.put(window("b", 0))
     assert slots.waited.wait(5)  # b's window is waiting for the slot
     outbox.put(cancel("a"))
-    assert eventually(lambda: ("cancel", "a", None) in connector.written)
+    poll_until(lambda: ("cancel", "a", None) in connector.written, 2.0)
     assert connector.written == [("window", "a", 0), ("cancel", "a", None)]
     slots.release()  # the worker read a's window
-    assert eventually(lambda: ("window", "b", 0) in connector.written)
+    poll_until(lambda: ("window", "b", 0) in connector.written, 2.0)
     outbox.close(Message("stop", {}, {}))
     assert outbox.join(5)
 
@@ -684,6 +675,7 @@ def test_a_song_with_no_window_out_is_never_overdue():
     waits = ChunkDeadlines(first_chunk_s=0.1, later_s=0.2)
     waits.sent("a")
     waits.answered("a", last=False)
+    assert waits.songs["a"][1] is None  # no deadline at all, not a later one
     time.sleep(0.15)
     assert waits.overdue() == []
     before = time.monotonic()

@@ -78,12 +78,16 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
 
 
 def refuse_foreign_entries(target: Path, staging: Path) -> None:
-    """Replacing `target` removes what it holds: refused when that is more than a checkpoint like `staging`."""
-    foreign = sorted(set(os.listdir(target)) - set(os.listdir(staging))) if target.is_dir() else []
+    """Replacing `target` removes what it holds: refused when that is more than a checkpoint like `staging` (any file
+    or folder, at any depth, that `staging` does not have)."""
+    def entries(root: Path) -> set[str]:
+        return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+    foreign = sorted(entries(target) - entries(staging)) if target.is_dir() else []
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise Music3Error(f"{target} holds files a tiny checkpoint does not ({shown}); make-tiny replaces only a "
-                          "checkpoint folder's own files: move them, or pick another folder")
+        raise Music3Error(f"{target} holds files a tiny checkpoint does not ({shown}); only a folder holding nothing "
+                          "but a tiny checkpoint is replaced: move them, or pick another folder")
 
 
 def put_in_place(staging: Path, target: Path) -> None:

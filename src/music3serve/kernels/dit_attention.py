@@ -25,7 +25,8 @@ from .decode_attention import triton_available
 __all__ = ["Config", "dit_attention", "dit_attention_reference", "uses_kernel"]
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
-# The fastest of 27 tiles at eight windows, within 2% of the fastest at one (docs/performance.md, session 17).
+# The fastest of 23 tiles at eight windows, within 2% of the fastest at one (two sweeps of bench/dit_attention.py,
+# docs/performance.md, session 17).
 DEFAULT_CONFIG: Config = (64, 64, 4, 3)
 
 
@@ -37,13 +38,15 @@ def dit_attention_reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def uses_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether dit_attention runs the Triton kernel for these operands: bf16/fp16 on CUDA, one dtype, head_dim a power
-    of two in 16..128 with a unit stride, at least one token, at most 65535 (batch, head) pairs."""
+    """Whether dit_attention runs the Triton kernel for these operands: bf16/fp16 on one CUDA device, one dtype,
+    head_dim a power of two in 16..128 with a unit stride, at least one token, at most 65535 (batch, head) pairs, and
+    each batch entry's offsets within int32 (the kernel's index arithmetic)."""
     b, t, h, d = q.shape
     return (
-        q.is_cuda and triton_available() and q.dtype in (torch.bfloat16, torch.float16)
-        and k.dtype == v.dtype == q.dtype and 16 <= d <= 128 and d & (d - 1) == 0
-        and all(x.stride(-1) == 1 for x in (q, k, v)) and t > 0 and b * h <= 65535
+        q.is_cuda and triton_available() and k.device == v.device == q.device
+        and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+        and 16 <= d <= 128 and d & (d - 1) == 0 and all(x.stride(-1) == 1 for x in (q, k, v))
+        and t > 0 and b * h <= 65535 and all(t * x.stride(1) + h * x.stride(2) < 2**31 for x in (q, k, v))
     )
 
 

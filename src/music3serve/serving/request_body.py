@@ -77,8 +77,10 @@ class BoundedBody:
             if not (length.isascii() and length.isdigit()):  # "²".isdigit() too, and int() refuses it
                 message = f"Content-Length {length!r:.40} is not a byte count"
                 return await error_response(400, message)(scope, receive, send)
-            if int(length) > MAX_BODY_BYTES:
-                message = f"the body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes"
+            digits = length.lstrip("0") or "0"  # int() refuses over 4300 digits: compared by length first
+            if len(digits) > len(str(MAX_BODY_BYTES)) or int(digits) > MAX_BODY_BYTES:
+                shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+                message = f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
                 return await error_response(413, message)(scope, receive, send)
         await self.app(scope, receive, send)
 
