@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import subprocess
 import sys
 import threading
 import wave
@@ -608,6 +609,21 @@ def test_make_tiny_force_keeps_a_checkpoint_folder_that_also_holds_other_files(t
         (target / mine).unlink()
     assert run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)[0] == 0  # nothing of theirs left
     assert (target / "modular_model_index.json").read_text() == '{"seed": 2}'
+
+
+def test_make_tiny_removes_the_staging_folders_of_killed_writers(tmp_path: Path, capsys, monkeypatch):
+    """A write killed with SIGKILL (no cleanup can run) left its staging folder (52 MB) beside the target for good;
+    the next write beside it removes such folders, and leaves a living writer's alone."""
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
+                        lambda directory, seed=0: (Path(directory) / "modular_model_index.json").write_text("{}"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"{cli.STAGING_PREFIX}{gone.pid}-k1ll3d"
+    (orphan / "transformer").mkdir(parents=True)
+    living = tmp_path / f"{cli.STAGING_PREFIX}{os.getpid()}-busy"
+    living.mkdir()
+    assert run_cli(["make-tiny", str(tmp_path / "ckpt")], capsys)[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", living.name])
 
 
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):

@@ -63,7 +63,8 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
         raise Music3Error(f"cannot write a checkpoint to {target}: {blocking} is a file, not a folder")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+        remove_orphaned_staging(target.parent)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
     except OSError as exc:
         raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     try:
@@ -75,6 +76,30 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
         raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; here on a failure or a lost race
+
+
+STAGING_PREFIX = ".tiny-new-"  # then the writer's pid, a dash and a random suffix
+
+
+def remove_orphaned_staging(folder: Path) -> None:
+    """Staging folders in `folder` whose writer is gone (killed with SIGKILL, or the machine went down: no cleanup
+    ran) are removed; a living writer's are left alone."""
+    for path in folder.glob(f"{STAGING_PREFIX}*-*"):
+        pid = path.name.removeprefix(STAGING_PREFIX).split("-", 1)[0]
+        if pid.isascii() and pid.isdigit() and path.is_dir() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another user's too); a number no pid can be counts as alive, so its folder,
+    which none of our writers made, stays."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass
+    return True
 
 
 def refuse_foreign_entries(target: Path, staging: Path) -> None:
