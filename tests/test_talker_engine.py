@@ -16,7 +16,9 @@ from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
-from music3serve.talker.frame import talker_frame
+from music3serve.models.depth_decoder import DepthKV
+from music3serve.talker import frame as frame_module
+from music3serve.talker.frame import DepthInputs, talker_frame
 
 # (caption, lyrics, frames, seed): prompts of different lengths.
 SONGS = [
@@ -246,6 +248,60 @@ def test_depth_decoder_cache_equals_recompute_position_by_position(models, in_bu
         assert torch.equal(cache.keys[0][:, :, :8], grown.keys[0]) and torch.equal(cache.values[0][:, :, :8], grown.values[0])
     with pytest.raises(ValueError, match="one new position"):
         depth(projected[:, :2], cache)
+
+
+@pytest.fixture(scope="module")
+def bf16_models(tiny_dir: Path):
+    return load_models(tiny_dir, talker_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("songs", [1, 3, 8])
+def test_looked_up_depth_inputs_equal_computed_ones(models, bf16_models, monkeypatch, dtype, songs):
+    """A frame whose depth calls 2..7 take their new position and first q, k, v from DepthInputs (the engine's default)
+    equals the frame that computes them on the same buffers: bit for bit in bf16; in float32 the CPU's GEMM rounds 2
+    rows other than 16, so the conditioning agrees to float32 precision and the codes exactly."""
+    chosen = models if dtype == torch.float32 else bf16_models
+    lm, depth = chosen.language_model, chosen.depth_decoder
+    monkeypatch.setattr(frame_module, "DepthKV", lambda in_buffers: DepthKV(in_buffers=True))
+    inputs = DepthInputs(depth)
+    hidden = torch.randn(2 * songs, lm.cfg.hidden, generator=torch.Generator().manual_seed(songs)).to(dtype)
+    seeds, frames = torch.arange(songs) + 7, torch.arange(songs) + 2
+    computed = talker_frame(lm, depth, hidden, seeds, frames, True)
+    looked_up = talker_frame(lm, depth, hidden, seeds, frames, True, inputs)
+    for name in ("codes", "ended", "feedback"):
+        assert torch.equal(getattr(computed, name), getattr(looked_up, name)), name
+    if dtype == torch.bfloat16:
+        assert torch.equal(computed.conditioning, looked_up.conditioning)
+    else:
+        torch.testing.assert_close(computed.conditioning, looked_up.conditioning, rtol=1e-5, atol=1e-6)
+
+
+def test_depth_inputs_rows_are_each_codes_position_and_first_projections(models):
+    """Row code_row(c) + k holds code k of codebook c projected, with position c + 1's embedding, and the first
+    block's normed q | k | v of that: written out here with torch ops; codebook 7 feeds no later call and has none."""
+    depth = models.depth_decoder
+    inputs = DepthInputs(depth)
+    rows = (contract.NUM_CODEBOOKS - 2) * depth.cfg.codes
+    assert inputs.projected.shape == (rows, depth.cfg.hidden) and inputs.qkv.shape == (rows, 3 * depth.cfg.hidden)
+    assert DepthInputs.bytes_needed(depth) == sum(t.numel() * t.element_size() for t in (inputs.projected, inputs.qkv))
+    block = depth.blocks[0]
+    for codebook, code in ((1, 0), (3, 517), (6, depth.cfg.codes - 1)):
+        row = depth.code_row(codebook) + code
+        projected = depth.projection(depth.embed.weight[row]) + depth.positions.weight[codebook + 1]
+        torch.testing.assert_close(inputs.projected[row], projected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(inputs.qkv[row], block.qkv(block.attn_norm(projected)), rtol=1e-5, atol=1e-5)
+
+
+def test_depth_inputs_serve_cached_calls_on_buffers_only(models):
+    lm, depth = models.language_model, models.depth_decoder
+    inputs, hidden = DepthInputs(depth), torch.zeros(2, lm.cfg.hidden)
+    with pytest.raises(ValueError, match="cached depth calls"):
+        talker_frame(lm, depth, hidden, torch.tensor([1]), torch.tensor([0]), False, inputs)
+    projected, qkv = torch.zeros(2, 1, depth.cfg.hidden), inputs.qkv[:2]
+    for cache in (None, DepthKV(), DepthKV(in_buffers=True)):  # the last: a first call, nothing cached yet
+        with pytest.raises(ValueError, match="first_qkv is for a cached depth call on buffers"):
+            depth(projected.expand(-1, 2, -1) if cache is not None else projected, cache, first_qkv=qkv)
 
 
 def test_prefill_warm_up_leaves_no_trace(models, solo):

@@ -42,7 +42,7 @@ def split_ms(talker: Talker, rows: int) -> dict[str, float]:
     feedback = hidden.clone()
     parts = {
         "sampling": lambda: sample_semantic(lm, hidden, seeds, frames),
-        "frame": lambda: talker_frame(lm, depth, hidden, seeds, frames, step.depth_cache),
+        "frame": lambda: talker_frame(lm, depth, hidden, seeds, frames, step.depth_cache, step.depth_inputs),
         "backbone": lambda: lm(feedback[:, None], positions[:, None], talker.slots.decode(rows, positions)),
     }
     ms = {name: time_ms(graphed(fn)) for name, fn in parts.items()}

@@ -57,15 +57,22 @@ class DepthBlock(nn.Module):
         )
 
     def decode(
-        self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The block for one new position x [rows, 1, hidden] over buffers of keys and values [rows, heads,
         capacity, head_dim]: decode attention stores the new key and value at `positions` and attends over
-        [0, lengths)."""
-        q, k, v = depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps, self.heads)
+        [0, lengths). qkv: x's `qkv_of` if already known (looked up, not computed)."""
+        if qkv is None:
+            qkv = self.qkv_of(x)
+        q, k, v = split_heads(qkv, self.heads)
         attn = decode_attention(q, keys, values, lengths, append=(k, v, positions))
         return residual_mlp(x, attn.reshape(x.shape), self.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight,
                             self.mlp.down.weight, self.mlp_norm.eps)
+
+    def qkv_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed projections [rows, 3 * hidden] of one new position x [rows, 1, hidden]: q | k | v."""
+        return depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps)
 
 
 @hot
@@ -85,9 +92,14 @@ def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_
 
 
 @hot
-def depth_qkv(x, attn_norm_w, qkv_w, eps: float, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [rows, heads, head_dim] of one new position x [rows, 1, hidden]."""
-    return tuple(p.reshape(x.shape[0], heads, -1) for p in linear(rms_norm(x, attn_norm_w, eps), qkv_w).chunk(3, -1))
+def depth_qkv(x, attn_norm_w, qkv_w, eps: float) -> torch.Tensor:
+    """q | k | v [rows, 3 * hidden] of one new position x [rows, 1, hidden]."""
+    return linear(rms_norm(x, attn_norm_w, eps), qkv_w).view(x.shape[0], -1)
+
+
+def split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [rows, heads, head_dim]: views of q | k | v [rows, 3 * hidden]."""
+    return tuple(p.view(qkv.shape[0], heads, -1) for p in qkv.chunk(3, dim=-1))
 
 
 class DepthKV:
@@ -120,18 +132,24 @@ class DepthDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden)
         self.heads = nn.Parameter(torch.empty(cfg.codebooks - 1, cfg.codes, cfg.hidden))
 
-    def forward(self, projected: torch.Tensor, cache: DepthKV | None = None, positioned: bool = False) -> torch.Tensor:
+    def forward(
+        self, projected: torch.Tensor, cache: DepthKV | None = None, positioned: bool = False,
+        first_qkv: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]. With a cache,
         `projected` holds the positions after the cached ones (all of them, or one more) and the cache grows.
-        positioned: `projected` already holds each position's embedding (added in its projection's epilogue)."""
+        positioned: `projected` already holds each position's embedding (added in its projection's epilogue).
+        first_qkv: the first block's `qkv_of` the new position, known already (a cached call on buffers only)."""
         start = cache.length if cache is not None else 0
         if start and projected.shape[1] != 1:
             raise ValueError(f"a cached depth call takes one new position, got {projected.shape[1]}")
+        if first_qkv is not None and not (start and cache.in_buffers):
+            raise ValueError("first_qkv is for a cached depth call on buffers (DepthKV(in_buffers=True)) after the first")
         x = projected if positioned else projected + self.positions.weight[start : start + projected.shape[1]]
         if start and cache.in_buffers:
             lengths, positions = cache.steps[start + 1], cache.steps[start]
             for i, block in enumerate(self.blocks):
-                x = block.decode(x, cache.keys[i], cache.values[i], lengths, positions)
+                x = block.decode(x, cache.keys[i], cache.values[i], lengths, positions, first_qkv if i == 0 else None)
             cache.length += 1
             return self.norm(x)
         rows, heads = x.shape[0], self.cfg.heads

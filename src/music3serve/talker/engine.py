@@ -20,6 +20,7 @@ from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import enable_fusion
 from ..models.language_model import LanguageModel
 from .slots import SlotCache
+from .frame import DepthInputs
 from .step import FrameStep
 from .windows import WindowTracker
 
@@ -335,6 +336,7 @@ def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: Tal
     CUDA, and the KV slots and conditioning in the machine's memory on the CPU, or startup fails with the numbers."""
     device = lm.embed.weight.device
     weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
+    weights += DepthInputs.bytes_needed(depth) if config.depth_cache else 0
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
     frames = min(contract.MAX_FRAMES, config.max_model_len - 1) + 1  # a song's longest budget + 1 (see _activate)
     conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song

@@ -57,6 +57,55 @@ def embed_codes(
     return embedded, linear(embedded, projection, residual=position.expand_as(embedded))
 
 
+BUILD_SONGS = 8  # codes per call while building DepthInputs: both rows of each, the skinny GEMM's 16
+
+
+class DepthInputs:
+    """What a cached depth call after the first takes from the code drawn before it, computed once for every code: the
+    projected position (its position embedding added) and the first block's q | k | v of it. Calls 2..7 of a frame
+    gather these rows instead of reading the projection and first qkv weights (134 MB a call at full size).
+
+    Rows follow the depth decoder's embedding table (``code_row(codebook) + code``) for codebooks 1..6, the ones whose
+    code feeds a later call. Built with the frame's own functions in chunks the skinny GEMM handles on CUDA (at most
+    16 rows, whose arithmetic per row does not depend on the others), so each row holds the bits the frame would
+    compute for it."""
+
+    @torch.no_grad()
+    def __init__(self, depth: DepthDecoder) -> None:
+        codebooks = range(1, contract.NUM_CODEBOOKS - 1)
+        weight, first = depth.embed.weight, depth.blocks[0]
+        projected, qkv = [], []
+        for codebook in codebooks:
+            position = depth.positions.weight[codebook + 1]
+            for start in range(0, depth.cfg.codes, BUILD_SONGS):
+                codes = torch.arange(start, min(start + BUILD_SONGS, depth.cfg.codes), device=weight.device)
+                rows = embed_codes(codes, depth.code_row(codebook), weight, depth.projection.weight, position)[1]
+                projected.append(rows[0::2])
+                qkv.append(first.qkv_of(rows[:, None])[0::2])
+        self.embed = weight
+        self.projected, self.qkv = torch.cat(projected), torch.cat(qkv)
+
+    @staticmethod
+    def bytes_needed(depth: DepthDecoder) -> int:
+        """Bytes of the two tables."""
+        rows = (contract.NUM_CODEBOOKS - 2) * depth.cfg.codes
+        return rows * 4 * depth.cfg.hidden * depth.embed.weight.element_size()
+
+    def lookup(self, codes: torch.Tensor, codebook: int, first_row: int) -> tuple[torch.Tensor, ...]:
+        """For [songs] codes of codebook `codebook` (1..6; first_row its code_row): their embedding, projected
+        position [2 * songs, hidden] and first-block q | k | v [2 * songs, 3 * hidden], both rows of each song."""
+        return gather_code_inputs(codes, first_row, self.embed, self.projected, self.qkv)
+
+
+@hot
+def gather_code_inputs(
+    codes: torch.Tensor, first_row: int, embed: torch.Tensor, projected: torch.Tensor, qkv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows first_row + code of the embedding table and of DepthInputs' two tables, for both rows of each song."""
+    index = both_rows(codes) + first_row
+    return F.embedding(index, embed), F.embedding(index, projected), F.embedding(index, qkv)
+
+
 @hot
 def first_depth_positions(
     column: torch.Tensor, hidden: torch.Tensor, table: torch.Tensor, projection: torch.Tensor, positions: torch.Tensor
@@ -92,26 +141,33 @@ def talker_frame(
     seeds: torch.Tensor,
     frames: torch.Tensor,
     depth_cache: bool,
+    inputs: DepthInputs | None = None,
 ) -> Frame:
     """Everything one frame step does after the backbone, for songs keyed by (seed, frame index). The 7 depth
-    calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys."""
+    calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys (in buffers
+    on CUDA or with `inputs`, whose rows then replace computing the new position and its first q, k, v)."""
+    if inputs is not None and not depth_cache:
+        raise ValueError("DepthInputs serve cached depth calls (depth_cache=True)")
     column = sample_semantic(lm, hidden, seeds, frames)
     position_table = depth.positions.weight
     ended, semantic, semantic_embed, positions = first_depth_positions(
         column, hidden, lm.embed.weight, depth.projection.weight, position_table[:2]
     )
-    cache = DepthKV(in_buffers=hidden.is_cuda) if depth_cache else None
-    codes, depth_hiddens, residual_embeds = [semantic], [], []
+    cache = DepthKV(in_buffers=hidden.is_cuda or inputs is not None) if depth_cache else None
+    codes, depth_hiddens, residual_embeds, qkv = [semantic], [], [], None
     for codebook in range(1, contract.NUM_CODEBOOKS):
-        out = depth(positions, cache, positioned=True)[:, -1]  # those the cache lacks (all of them without one)
+        out = depth(positions, cache, positioned=True, first_qkv=qkv)[:, -1]  # those the cache lacks (all without one)
         depth_hiddens.append(out[0::2])
         logits = depth.head_logits(out, codebook, widen=False)
         code = guided_draw(logits, contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, codebook)
         codes.append(code)
         last = codebook == contract.NUM_CODEBOOKS - 1
-        embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
-                                          None if last else depth.projection.weight,
-                                          None if last else position_table[codebook + 1])
+        if inputs is not None and not last:
+            embedded, projected, qkv = inputs.lookup(code, codebook, depth.code_row(codebook))
+        else:
+            embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
+                                              None if last else depth.projection.weight,
+                                              None if last else position_table[codebook + 1])
         residual_embeds.append(embedded)
         if not last:
             new = projected[:, None]

@@ -15,7 +15,7 @@ import torch
 from .. import contract
 from ..models.depth_decoder import DepthDecoder
 from ..models.language_model import LanguageModel
-from .frame import talker_frame
+from .frame import DepthInputs, talker_frame
 from .slots import SlotCache
 
 
@@ -31,6 +31,7 @@ class FrameStep:
         depth_cache: bool,
     ):
         self.lm, self.depth, self.mix, self.slots, self.depth_cache = lm, depth, mix, slots, depth_cache
+        self.depth_inputs = DepthInputs(depth) if depth_cache else None
         rows, songs, device = 2 * slots.pairs, slots.pairs, lm.embed.weight.device
         hidden_size = lm.cfg.hidden
         self.hidden = torch.zeros(rows, hidden_size, dtype=lm.embed.weight.dtype, device=device)
@@ -51,7 +52,8 @@ class FrameStep:
     def run_eager(self, rows: int) -> None:
         songs = rows // 2
         frame = talker_frame(
-            self.lm, self.depth, self.hidden[:rows], self.seeds[:songs], self.frames[:songs], self.depth_cache
+            self.lm, self.depth, self.hidden[:rows], self.seeds[:songs], self.frames[:songs], self.depth_cache,
+            self.depth_inputs,
         )
         self.codes[:songs] = frame.codes
         self.ended[:songs] = frame.ended
