@@ -38,7 +38,9 @@ class TalkerConfig:
     fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
     # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py): fewer FLOPs,
     # and as fast or slightly faster on the H200 (docs/performance.md, session 3: 8.93 vs 9.00 ms per step for one
-    # song, 9.86 vs 9.90 for eight, within run-to-run noise).
+    # song, 9.86 vs 9.90 for eight, within run-to-run noise). With them, calls 2..7 of a frame look their new position
+    # and first q, k, v up in a table built at startup (talker/frame.py DepthInputs, 201 MB at full size): 0.2 ms
+    # less per step (session 18).
     depth_cache: bool = True
 
 
@@ -346,8 +348,8 @@ def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: Tal
     if device.type == "cuda":
         allowed, share = card_share(device, config.gpu_memory_utilization)
         if weights + rows > allowed:
-            raise Music3Error(f"talker needs {weights / GIB:.1f} GiB of weights + {needs}, more than {share}: lower "
-                              "max_num_seqs or max_model_len, or raise the fraction")
+            raise Music3Error(f"talker needs {weights / GIB:.1f} GiB of weights and lookup tables + {needs}, more than "
+                              f"{share}: lower max_num_seqs or max_model_len, or raise the fraction")
     elif device.type == "cpu" and rows > (memory := host_memory()):
         raise Music3Error(f"talker needs {needs}, more than this machine's {memory / GIB:.1f} GiB of memory: lower "
                           "max_num_seqs or max_model_len")
