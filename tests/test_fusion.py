@@ -9,6 +9,7 @@ import torch
 from music3serve.acoustic.renderer import Renderer
 from music3serve.checkpoint import load_models
 from music3serve.models.fusion import _fused, _plain, enable_fusion
+from music3serve.talker.depth_inputs import DepthInputs
 from music3serve.talker.frame import talker_frame
 
 
@@ -17,19 +18,26 @@ def models(tiny_dir):
     return load_models(tiny_dir, talker_dtype=torch.float32)
 
 
-@torch.inference_mode()
-def frames_and_window(models, depth_cache: bool):
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(6, models.language_model.cfg.hidden, generator=gen)
-    frame = talker_frame(models.language_model, models.depth_decoder, hidden, torch.tensor([1, 2, 3]),
-                         torch.tensor([4, 5, 6]), depth_cache)
+def frames_and_window(models, depth_cache: bool | str):
+    """depth_cache "table": cached depth calls taking their new positions from DepthInputs, as the engine runs them
+    (the table built with the hot paths of the moment, as the engine builds it)."""
+    inputs = DepthInputs(models.depth_decoder) if depth_cache == "table" else None
+    with torch.inference_mode():
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(6, models.language_model.cfg.hidden, generator=gen)
+        frame = talker_frame(models.language_model, models.depth_decoder, hidden, torch.tensor([1, 2, 3]),
+                             torch.tensor([4, 5, 6]), bool(depth_cache), inputs)
+        return frame, rendered_window(models, gen)
+
+
+def rendered_window(models, gen: torch.Generator):
     renderer = Renderer.from_models(models)
     mixed = renderer.mix(torch.randn(150, 8 * models.language_model.cfg.hidden, generator=gen))
     (window,) = renderer.render(renderer.payloads("song", 7, mixed, steps=2)[:1])
-    return frame, window
+    return window
 
 
-@pytest.mark.parametrize("depth_cache", [False, True], ids=["recomputed", "cached"])
+@pytest.mark.parametrize("depth_cache", [False, True, "table"], ids=["recomputed", "cached", "looked up"])
 def test_hot_paths_trace_whole_and_match_plain(models, depth_cache):
     plain_frame, plain_window = frames_and_window(models, depth_cache)
     enable_fusion(backend="aot_eager")

@@ -18,7 +18,9 @@ from music3serve.prompt import encode_prompt
 from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
 from music3serve.models.depth_decoder import DepthKV
 from music3serve.talker import frame as frame_module
-from music3serve.talker.frame import DepthInputs, talker_frame
+from music3serve.talker.depth_inputs import DepthInputs
+from music3serve.talker.engine import device_bytes
+from music3serve.talker.frame import talker_frame
 
 # (caption, lyrics, frames, seed): prompts of different lengths.
 SONGS = [
@@ -213,17 +215,18 @@ def test_cached_depth_calls_equal_recomputed_ones(models, solo):
     torch.testing.assert_close(mixed_song(windows[0]), solo[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("depth_cache", [True, False], ids=["cached", "recomputed"])
+@pytest.mark.parametrize("depth_cache", [True, False, "table"], ids=["cached", "recomputed", "looked up"])
 def test_a_frame_needs_no_more_depth_positions_than_its_eight_codes(models, depth_cache):
     """A depth decoder with exactly 8 learned positions (the least the loader accepts) writes the frame it writes
-    with 16: no depth call reads past position 7."""
+    with 16: no depth call reads past position 7, nor does building the table of looked-up positions."""
     depth = copy.deepcopy(models.depth_decoder)
     depth.positions = torch.nn.Embedding.from_pretrained(depth.positions.weight[: contract.NUM_CODEBOOKS].clone())
     lm = models.language_model
     hidden = torch.randn(4, lm.cfg.hidden, generator=torch.Generator().manual_seed(0))
     seeds, frames = torch.tensor([3, 4]), torch.tensor([5, 6])
-    want = talker_frame(lm, models.depth_decoder, hidden, seeds, frames, depth_cache)
-    got = talker_frame(lm, depth, hidden, seeds, frames, depth_cache)
+    tables = (DepthInputs(models.depth_decoder), DepthInputs(depth)) if depth_cache == "table" else (None, None)
+    want = talker_frame(lm, models.depth_decoder, hidden, seeds, frames, bool(depth_cache), tables[0])
+    got = talker_frame(lm, depth, hidden, seeds, frames, bool(depth_cache), tables[1])
     assert all(torch.equal(a, b) for a, b in zip(vars(want).values(), vars(got).values()))
 
 
@@ -278,30 +281,56 @@ def test_looked_up_depth_inputs_equal_computed_ones(models, bf16_models, monkeyp
 
 
 def test_depth_inputs_rows_are_each_codes_position_and_first_projections(models):
-    """Row code_row(c) + k holds code k of codebook c projected, with position c + 1's embedding, and the first
-    block's normed q | k | v of that: written out here with torch ops; codebook 7 feeds no later call and has none."""
+    """Row code_row(c) + k holds code k of codebook c projected, with position c + 1's embedding, then the first
+    block's normed q | k | v of that: the whole table against torch ops written out; codebook 7 feeds no later call
+    and has no rows. Its bytes are what the talker's memory check counts."""
     depth = models.depth_decoder
-    inputs = DepthInputs(depth)
-    rows = (contract.NUM_CODEBOOKS - 2) * depth.cfg.codes
-    assert inputs.projected.shape == (rows, depth.cfg.hidden) and inputs.qkv.shape == (rows, 3 * depth.cfg.hidden)
-    assert DepthInputs.bytes_needed(depth) == sum(t.numel() * t.element_size() for t in (inputs.projected, inputs.qkv))
-    block = depth.blocks[0]
-    for codebook, code in ((1, 0), (3, 517), (6, depth.cfg.codes - 1)):
-        row = depth.code_row(codebook) + code
-        projected = depth.projection(depth.embed.weight[row]) + depth.positions.weight[codebook + 1]
-        torch.testing.assert_close(inputs.projected[row], projected, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(inputs.qkv[row], block.qkv(block.attn_norm(projected)), rtol=1e-5, atol=1e-5)
+    inputs, hidden, block = DepthInputs(depth), depth.cfg.hidden, depth.blocks[0]
+    codebooks = contract.NUM_CODEBOOKS - 2
+    assert inputs.table.shape == (codebooks * depth.cfg.codes, 4 * hidden)
+    embedded = depth.embed.weight[: codebooks * depth.cfg.codes].view(codebooks, depth.cfg.codes, hidden)
+    positions = depth.positions.weight[2 : codebooks + 2, None]
+    with torch.no_grad():
+        projected = (depth.projection(embedded) + positions).reshape(-1, hidden)
+        qkv = block.qkv(block.attn_norm(projected))
+    torch.testing.assert_close(inputs.table[:, :hidden], projected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(inputs.table[:, hidden:], qkv, rtol=1e-5, atol=1e-5)
+    table_bytes = inputs.table.numel() * inputs.table.element_size()
+    assert DepthInputs.bytes_needed(depth) == table_bytes
+    lm = models.language_model
+    assert device_bytes(lm, depth, TalkerConfig()) - device_bytes(lm, depth, TalkerConfig(depth_cache=False)) == table_bytes
+
+
+@pytest.mark.parametrize("part", ["projected", "qkv"])
+def test_the_engine_reads_its_depth_inputs(models, solo, part):
+    """The talker's frames take the new depth positions and their first q, k, v from its table: spoiling either part
+    of the table changes the song (a table built but never read would leave it as it was)."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    hidden = models.depth_decoder.cfg.hidden
+    columns = slice(0, hidden) if part == "projected" else slice(hidden, None)
+    talker.step_fn.depth_inputs.table[:, columns] *= 3
+    _, _, frames, seed = SONGS[0]
+    talker.submit("0", *prompt(models, 0), seed, frames)
+    codes = []
+    while talker.busy:
+        codes += [e.codes for e in talker.step() if isinstance(e, SongFinished)]
+    assert not torch.equal(codes[0], solo[0].codes)
 
 
 def test_depth_inputs_serve_cached_calls_on_buffers_only(models):
+    """A table with recomputed depth calls, and first q, k, v given to a call that is not a cached one on buffers
+    after the first (no cache, a first call, a concatenated cache), are refused."""
     lm, depth = models.language_model, models.depth_decoder
     inputs, hidden = DepthInputs(depth), torch.zeros(2, lm.cfg.hidden)
     with pytest.raises(ValueError, match="cached depth calls"):
         talker_frame(lm, depth, hidden, torch.tensor([1]), torch.tensor([0]), False, inputs)
-    projected, qkv = torch.zeros(2, 1, depth.cfg.hidden), inputs.qkv[:2]
-    for cache in (None, DepthKV(), DepthKV(in_buffers=True)):  # the last: a first call, nothing cached yet
+    projected, qkv = torch.zeros(2, 2, depth.cfg.hidden), inputs.table[:2, depth.cfg.hidden :]
+    grown = DepthKV()
+    depth(projected, grown)
+    for cache, x in ((None, projected[:, :1]), (DepthKV(), projected), (DepthKV(in_buffers=True), projected),
+                     (grown, projected[:, :1])):
         with pytest.raises(ValueError, match="first_qkv is for a cached depth call on buffers"):
-            depth(projected.expand(-1, 2, -1) if cache is not None else projected, cache, first_qkv=qkv)
+            depth(x, cache, first_qkv=qkv)
 
 
 def test_prefill_warm_up_leaves_no_trace(models, solo):

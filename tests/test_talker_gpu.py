@@ -82,25 +82,26 @@ def test_depth_decode_attention_gives_the_recomputed_hidden_states(tiny_dir, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@torch.inference_mode()
 def test_looked_up_depth_inputs_equal_computed_ones(tiny_dir, dtype):
     """With the hot paths fused as the engine runs them, frames whose depth calls 2..7 look their new position and
     first q, k, v up (DepthInputs) equal frames that compute them: bit for bit in bf16, where the skinny GEMM's rows
     do not depend on each other (the table is built 16 rows at a time, the frames run 2-16); in float32 cuBLAS picks
     its kernel by the row count, so the conditioning agrees to float32 precision and the codes exactly."""
     from music3serve.models.fusion import disable_fusion, enable_fusion
-    from music3serve.talker.frame import DepthInputs, talker_frame
+    from music3serve.talker.depth_inputs import DepthInputs
+    from music3serve.talker.frame import talker_frame
 
     models = load_models(tiny_dir, device="cuda", talker_dtype=dtype)
     lm, depth = models.language_model, models.depth_decoder
     enable_fusion()
     try:
-        inputs = DepthInputs(depth)
+        inputs = DepthInputs(depth)  # outside inference mode, as the engine builds it
         for songs in (1, 2, 5, 8):
             hidden = torch.randn(2 * songs, lm.cfg.hidden, generator=torch.Generator().manual_seed(songs))
             hidden, seeds, frames = hidden.to("cuda", dtype), torch.arange(songs).cuda() + 7, torch.arange(songs).cuda()
-            computed = talker_frame(lm, depth, hidden, seeds, frames, True)
-            looked_up = talker_frame(lm, depth, hidden, seeds, frames, True, inputs)
+            with torch.inference_mode():
+                computed = talker_frame(lm, depth, hidden, seeds, frames, True)
+                looked_up = talker_frame(lm, depth, hidden, seeds, frames, True, inputs)
             for name in ("codes", "ended", "feedback"):
                 assert torch.equal(getattr(computed, name), getattr(looked_up, name)), (songs, name)
             if dtype == torch.bfloat16:

@@ -139,12 +139,14 @@ class DepthDecoder(nn.Module):
         """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]. With a cache,
         `projected` holds the positions after the cached ones (all of them, or one more) and the cache grows.
         positioned: `projected` already holds each position's embedding (added in its projection's epilogue).
-        first_qkv: the first block's `qkv_of` the new position, known already (a cached call on buffers only)."""
+        first_qkv: the new position's q | k | v in the first block (its `qkv_of`), known already (a cached call on
+        buffers only)."""
         start = cache.length if cache is not None else 0
         if start and projected.shape[1] != 1:
             raise ValueError(f"a cached depth call takes one new position, got {projected.shape[1]}")
         if first_qkv is not None and not (start and cache.in_buffers):
-            raise ValueError("first_qkv is for a cached depth call on buffers (DepthKV(in_buffers=True)) after the first")
+            raise ValueError("first_qkv is for a cached depth call on buffers (DepthKV(in_buffers=True)) after the "
+                             "first")
         x = projected if positioned else projected + self.positions.weight[start : start + projected.shape[1]]
         if start and cache.in_buffers:
             lengths, positions = cache.steps[start + 1], cache.steps[start]

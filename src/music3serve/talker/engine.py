@@ -19,8 +19,8 @@ from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import enable_fusion
 from ..models.language_model import LanguageModel
+from .depth_inputs import DepthInputs
 from .slots import SlotCache
-from .frame import DepthInputs
 from .step import FrameStep
 from .windows import WindowTracker
 
@@ -39,7 +39,7 @@ class TalkerConfig:
     # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py): fewer FLOPs,
     # and as fast or slightly faster on the H200 (docs/performance.md, session 3: 8.93 vs 9.00 ms per step for one
     # song, 9.86 vs 9.90 for eight, within run-to-run noise). With them, calls 2..7 of a frame look their new position
-    # and first q, k, v up in a table built at startup (talker/frame.py DepthInputs, 201 MB at full size): 0.2 ms
+    # and first q, k, v up in a table built at startup (talker/depth_inputs.py, 201 MB at full size): 0.2 ms
     # less per step (session 18).
     depth_cache: bool = True
 
@@ -333,12 +333,17 @@ class Talker:
         song.pair = None
 
 
+def device_bytes(lm: LanguageModel, depth: DepthDecoder, config: TalkerConfig) -> int:
+    """The weights and lookup tables the talker keeps on its device, whatever the songs."""
+    weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
+    return weights + (DepthInputs.bytes_needed(depth) if config.depth_cache else 0)
+
+
 def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: TalkerConfig) -> None:
     """Weights, KV slots and the decoding songs' frame conditioning must fit in gpu_memory_utilization of the card on
     CUDA, and the KV slots and conditioning in the machine's memory on the CPU, or startup fails with the numbers."""
     device = lm.embed.weight.device
-    weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
-    weights += DepthInputs.bytes_needed(depth) if config.depth_cache else 0
+    weights = device_bytes(lm, depth, config)
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
     frames = min(contract.MAX_FRAMES, config.max_model_len - 1) + 1  # a song's longest budget + 1 (see _activate)
     conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song

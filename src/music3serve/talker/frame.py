@@ -6,6 +6,7 @@ Rows are interleaved pairs: row 2i is song i's conditional row, row 2i + 1 its u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from ..models.fusion import hot
 from ..models.language_model import LanguageModel
 from ..models.layers import linear
 from .sampling import guided_draw
+
+if TYPE_CHECKING:
+    from .depth_inputs import DepthInputs
 
 
 @dataclass
@@ -55,55 +59,6 @@ def embed_codes(
     if projection is None or position is None:
         return embedded, None
     return embedded, linear(embedded, projection, residual=position.expand_as(embedded))
-
-
-BUILD_SONGS = 8  # codes per call while building DepthInputs: both rows of each, the skinny GEMM's 16
-
-
-class DepthInputs:
-    """What a cached depth call after the first takes from the code drawn before it, computed once for every code: the
-    projected position (its position embedding added) and the first block's q | k | v of it. Calls 2..7 of a frame
-    gather these rows instead of reading the projection and first qkv weights (134 MB a call at full size).
-
-    Rows follow the depth decoder's embedding table (``code_row(codebook) + code``) for codebooks 1..6, the ones whose
-    code feeds a later call. Built with the frame's own functions in chunks the skinny GEMM handles on CUDA (at most
-    16 rows, whose arithmetic per row does not depend on the others), so each row holds the bits the frame would
-    compute for it."""
-
-    @torch.no_grad()
-    def __init__(self, depth: DepthDecoder) -> None:
-        codebooks = range(1, contract.NUM_CODEBOOKS - 1)
-        weight, first = depth.embed.weight, depth.blocks[0]
-        projected, qkv = [], []
-        for codebook in codebooks:
-            position = depth.positions.weight[codebook + 1]
-            for start in range(0, depth.cfg.codes, BUILD_SONGS):
-                codes = torch.arange(start, min(start + BUILD_SONGS, depth.cfg.codes), device=weight.device)
-                rows = embed_codes(codes, depth.code_row(codebook), weight, depth.projection.weight, position)[1]
-                projected.append(rows[0::2])
-                qkv.append(first.qkv_of(rows[:, None])[0::2])
-        self.embed = weight
-        self.projected, self.qkv = torch.cat(projected), torch.cat(qkv)
-
-    @staticmethod
-    def bytes_needed(depth: DepthDecoder) -> int:
-        """Bytes of the two tables."""
-        rows = (contract.NUM_CODEBOOKS - 2) * depth.cfg.codes
-        return rows * 4 * depth.cfg.hidden * depth.embed.weight.element_size()
-
-    def lookup(self, codes: torch.Tensor, codebook: int, first_row: int) -> tuple[torch.Tensor, ...]:
-        """For [songs] codes of codebook `codebook` (1..6; first_row its code_row): their embedding, projected
-        position [2 * songs, hidden] and first-block q | k | v [2 * songs, 3 * hidden], both rows of each song."""
-        return gather_code_inputs(codes, first_row, self.embed, self.projected, self.qkv)
-
-
-@hot
-def gather_code_inputs(
-    codes: torch.Tensor, first_row: int, embed: torch.Tensor, projected: torch.Tensor, qkv: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows first_row + code of the embedding table and of DepthInputs' two tables, for both rows of each song."""
-    index = both_rows(codes) + first_row
-    return F.embedding(index, embed), F.embedding(index, projected), F.embedding(index, qkv)
 
 
 @hot
@@ -163,7 +118,7 @@ def talker_frame(
         codes.append(code)
         last = codebook == contract.NUM_CODEBOOKS - 1
         if inputs is not None and not last:
-            embedded, projected, qkv = inputs.lookup(code, codebook, depth.code_row(codebook))
+            embedded, projected, qkv = inputs.lookup(code, depth.code_row(codebook), depth.embed.weight)
         else:
             embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
                                               None if last else depth.projection.weight,

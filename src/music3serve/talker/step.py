@@ -15,7 +15,8 @@ import torch
 from .. import contract
 from ..models.depth_decoder import DepthDecoder
 from ..models.language_model import LanguageModel
-from .frame import DepthInputs, talker_frame
+from .depth_inputs import DepthInputs
+from .frame import talker_frame
 from .slots import SlotCache
 
 
