@@ -99,10 +99,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: AttentionBackend, layer: int):
-        q, k, v = self.inputs(x, rope)
-        return self.o(attend(layer, q, k, v))
-
     def inputs(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Rotated, normed queries and keys, and values, of already-normed inputs."""
         return attention_inputs(
