@@ -22,7 +22,7 @@ import torch
 from music3serve import contract
 from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
 from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import graphed, random_module, table
+from music3serve.bench.common import call_ms, graphed, random_module, table
 from music3serve.models.fusion import enable_fusion
 
 PHASE_S = 6.0
@@ -50,12 +50,7 @@ def run_phase(name: str, fn: Callable[[], None], flops: float, samples: list[tup
     torch.cuda.synchronize()
     start, times = time.monotonic(), []
     while time.monotonic() - start < PHASE_S:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+        times.append(call_ms(fn))
     stop = time.monotonic()
     during = [line.split(", ") for t, line in samples if start + 1.0 <= t <= stop]  # after a second of load
     during = [f for f in during if len(f) == 4]

@@ -63,15 +63,17 @@ def time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 20) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(call_ms(fn) for _ in range(repeat))
+
+
+def call_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds of one fn() on the current CUDA stream, between two events (waits for the second)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def graphed(fn: Callable[[], Any], stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
