@@ -121,6 +121,28 @@ def test_module_imports_and_shape_errors():
     assert isinstance(triton_available(), bool)
 
 
+def test_a_rotation_is_checked_and_refused_off_the_triton_path():
+    """q and key projections to norm and rotate need the new key (append), [head_dim] norm weights and cos / sin
+    [rows, head_dim] in the cache's dtype, and the Triton kernel: on the CPU the caller rotates them itself."""
+    rows, heads, capacity, dim = 2, 2, 8, 16
+    q, k_cache = torch.randn(rows, heads, dim), torch.randn(rows, heads, capacity, dim)
+    new = (torch.randn(rows, heads, dim), torch.randn(rows, heads, dim), torch.tensor([0, 3]))
+    lengths, weight, angles = torch.tensor([1, 4]), torch.ones(dim), torch.zeros(rows, dim)
+    with pytest.raises(ValueError, match="needs append"):
+        decode_attention(q, k_cache, k_cache.clone(), lengths, rotation=(weight, weight, 1e-6, angles, angles))
+    with pytest.raises(ValueError, match=r"q_norm and k_norm must be \[head_dim\]"):
+        decode_attention(q, k_cache, k_cache.clone(), lengths, append=new,
+                         rotation=(torch.ones(dim + 1), weight, 1e-6, angles, angles))
+    with pytest.raises(ValueError, match=r"cos and sin must be \[rows, head_dim\]"):
+        decode_attention(q, k_cache, k_cache.clone(), lengths, append=new,
+                         rotation=(weight, weight, 1e-6, angles[:, None], angles))
+    with pytest.raises(ValueError, match="share one dtype"):
+        decode_attention(q, k_cache, k_cache.clone(), lengths, append=new,
+                         rotation=(weight.double(), weight, 1e-6, angles, angles))
+    with pytest.raises(ValueError, match="needs the Triton path"):
+        decode_attention(q, k_cache, k_cache.clone(), lengths, append=new, rotation=(weight, weight, 1e-6, angles, angles))
+
+
 # ----------------------------------------------------------------------------------------------------- GPU
 
 _LENGTHS = [1, 2, 15, 16, 17, 127, 128, 1000, 4095, 4096, 5000, 10239, 10240]
@@ -260,3 +282,42 @@ def test_a_pdl_launch_waits_for_a_producer_that_lets_it_start_early(late_copy):
     out = _decode_attention_triton(q_late, k, v, lengths, append=(k_new, v_new, positions))
     assert torch.equal(out, expected)
     assert torch.equal(k, k_expected) and torch.equal(v, v_expected)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_triton_rotation_rounds_as_the_torch_ops(splits):
+    """Projections normed and rotated inside the kernel (a Qwen3 layer's q/k RMS norms and RoPE) give the torch ops'
+    bits: the stored keys, and the output of attending with the torch ops' rotated q and keys through the same kernel.
+    The projections are small integers, so that every float32 sum of squares is exact in any order (the one place the
+    kernel may add in another order than torch); q and the new keys are strided views of one qkv buffer, as the
+    layer's GEMM leaves them, and one padded row writes past its length."""
+    from music3serve.models.layers import apply_rope, rms_norm, rope_angles
+
+    rows, width = 16, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    _, k, v = _gpu_setup(rows, seed=21)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    qkv = torch.randint(-8, 9, (rows, width), generator=g, device="cuda").to(torch.bfloat16)
+    q, k_new, v_new = (p.view(rows, -1, HEAD_DIM) for p in qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
+                                                                         KV_HEADS * HEAD_DIM], dim=-1))
+    q_norm = (1 + 0.2 * torch.randn(HEAD_DIM, generator=g, device="cuda")).to(torch.bfloat16)
+    k_norm = (1 + 0.2 * torch.randn(HEAD_DIM, generator=g, device="cuda")).to(torch.bfloat16)
+    lengths = torch.randint(1, _CAPACITY + 1, (rows,), generator=g, device="cuda")
+    positions = lengths - 1
+    positions[3], lengths[3] = _CAPACITY - 1, 1  # a padded row: the scratch position, length 1
+    cos, sin = rope_angles(positions[:, None], HEAD_DIM, 1_000_000.0)
+    q_rot = apply_rope(rms_norm(q[:, None], q_norm, 1e-6), cos, sin)[:, 0]
+    k_rot = apply_rope(rms_norm(k_new[:, None], k_norm, 1e-6), cos, sin)[:, 0]
+    k_torch, v_torch = k.clone(), v.clone()
+    expected = _decode_attention_triton(q_rot, k_torch, v_torch, lengths, num_splits=splits,
+                                        append=(k_rot, v_new, positions))
+    rotation = (q_norm, k_norm, 1e-6, cos[:, 0].contiguous(), sin[:, 0].contiguous())
+    if splits is None:
+        out = decode_attention(q, k, v, lengths, append=(k_new, v_new, positions), rotation=rotation)
+    else:
+        out = _decode_attention_triton(q, k, v, lengths, num_splits=splits, append=(k_new, v_new, positions),
+                                       rotation=rotation)
+    assert torch.equal(k, k_torch) and torch.equal(v, v_torch)
+    assert torch.equal(out, expected)

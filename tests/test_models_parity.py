@@ -13,6 +13,7 @@ import torch
 from music3serve import contract
 from music3serve.checkpoint import COMPONENTS, load_component
 from music3serve.models.language_model import KVCache
+from music3serve.models.layers import apply_rope, rms_norm
 from music3serve.talker.frame import embed_both_rows, embed_codes, frame_outputs
 
 diffusers = pytest.importorskip("diffusers")
@@ -127,6 +128,31 @@ def test_lm_cached_decode(models) -> None:
         assert_close(
             ours.logits(hidden[:, -1]), ref.lm_head(out.last_hidden_state[:, -1])[:, LEGAL_ROWS], f"decode step {step} logits"
         )
+
+
+class ProjectionsCache(KVCache):
+    """A backend that takes q and k as projections and applies their QKTransform itself (as the CUDA decode attention
+    kernel does), with the models' torch ops."""
+
+    takes_projections = True
+
+    def __call__(self, layer, q, k, v, transform=None):
+        assert transform is not None
+        q = apply_rope(rms_norm(q, transform.q_norm, transform.eps), transform.cos, transform.sin)
+        k = apply_rope(rms_norm(k, transform.k_norm, transform.eps), transform.cos, transform.sin)
+        return super().__call__(layer, q, k, v)
+
+
+def test_lm_gives_a_projections_backend_what_it_needs(models) -> None:
+    """A backend taking projections (the decode kernel's path on CUDA) gets each layer's q, k, v projections and the
+    norms and rotary angles that turn them into the plain path's inputs: the same hidden states, bit for bit."""
+    ours, _ = models("language_model")
+    ids = prompt_ids(2, 9, seed=3)
+    plain = KVCache.allocate(ours.cfg, 2, 16, torch.float32, torch.device("cpu"))
+    other = ProjectionsCache(torch.zeros_like(plain.k), torch.zeros_like(plain.v))
+    want = ours(ours.embed(ids), positions(ours.embed(ids), 0), plain.at(0))
+    got = ours(ours.embed(ids), positions(ours.embed(ids), 0), other.at(0))
+    assert torch.equal(got, want) and torch.equal(other.k, plain.k)
 
 
 def test_lm_chunked_prefill_equals_single_prefill(models) -> None:

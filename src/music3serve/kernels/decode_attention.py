@@ -24,6 +24,13 @@ On CUDA with Triton importable the work runs as flash-decoding, in two kernels:
 own: the program whose share holds ``positions[r]`` (split 0 when the position lies in ``[lengths[r], capacity)``,
 as for padded rows) stores them, and uses them in place of what its tile loaded from that position.
 
+``rotation=(q_norm, k_norm, eps, cos, sin)`` (Triton path only): q and the appended key arrive as projections, and
+``split`` turns them into attention inputs as it loads them, rounding as the torch ops of a Qwen3 layer do: each
+head RMS-normed (float32 statistics, the product rounded to the cache dtype, then the norm weight applied and
+rounded), then rotated (half-split RoPE: cos and sin [rows, head_dim] float32 rounded to the cache dtype, each
+product and the sum rounded). One kernel fewer per layer than normalizing and rotating beforehand. The stored key is
+the rotated one.
+
 Elsewhere (CPU, or no Triton) ``decode_attention`` runs ``decode_attention_reference``: plain torch, masked over
 the capacity, fp32 softmax. It is the test oracle too. Rows with length 0 give zeros on both paths.
 
@@ -38,7 +45,7 @@ from torch import Tensor
 
 from .pdl import launch_options, uses_pdl
 
-__all__ = ["decode_attention", "decode_attention_reference", "triton_available"]
+__all__ = ["Rotation", "decode_attention", "decode_attention_reference", "takes_rotation", "triton_available"]
 
 _LOG2E = 1.4426950408889634
 
@@ -77,6 +84,24 @@ def _check_append(append: Append, k_cache: Tensor) -> None:
         )
     if positions.shape != (rows,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"append: positions must be int32/int64 [rows] = [{rows}], got {tuple(positions.shape)}")
+
+
+Rotation = tuple[Tensor, Tensor, float, Tensor, Tensor]  # q_norm, k_norm [head_dim]; eps; cos, sin [rows, head_dim]
+
+
+def _check_rotation(rotation: Rotation, q: Tensor, k_cache: Tensor, append: Append | None) -> None:
+    if append is None:
+        raise ValueError("decode_attention: rotation norms and rotates the appended key too; it needs append")
+    q_norm, k_norm, _, cos, sin = rotation
+    rows, _, _, head_dim = k_cache.shape
+    if q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,):
+        raise ValueError(f"rotation: q_norm and k_norm must be [head_dim] = [{head_dim}], got {tuple(q_norm.shape)} "
+                         f"and {tuple(k_norm.shape)}")
+    if cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        raise ValueError(f"rotation: cos and sin must be [rows, head_dim] = {[rows, head_dim]} with one layout and a "
+                         f"contiguous last dim, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not (q.dtype == k_cache.dtype == q_norm.dtype == k_norm.dtype):
+        raise ValueError("rotation: q, the cache and the norm weights must share one dtype (the torch ops round to it)")
 
 
 def store_new_kv(k_cache: Tensor, v_cache: Tensor, append: Append) -> None:
@@ -131,7 +156,7 @@ def triton_available() -> bool:
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None = None,
-    append: Append | None = None,
+    append: Append | None = None, rotation: Rotation | None = None,
 ) -> Tensor:
     """Attention of one new token per row over the filled positions of its KV slot.
 
@@ -143,11 +168,23 @@ def decode_attention(
     ``positions[r]`` of its slot (int [rows], each in ``[0, capacity)``: the Triton path stores nothing for a
     position outside that range).
 
+    ``rotation`` (with ``append``): q and k_new are projections to norm and rotate first (module docstring); Triton
+    path only, see ``takes_rotation``.
+
     CUDA tensors with Triton importable run the Triton flash-decoding kernels (graph capturable: lengths are read
     on the device); anything else runs ``decode_attention_reference``."""
+    if rotation is not None:
+        _check_rotation(rotation, q, k_cache, append)
+        if not takes_rotation(q.device):
+            raise ValueError("decode_attention: rotation needs the Triton path (CUDA tensors, Triton importable)")
     if q.is_cuda and triton_available():
-        return _decode_attention_triton(q, k_cache, v_cache, lengths, scale, append=append)
+        return _decode_attention_triton(q, k_cache, v_cache, lengths, scale, append=append, rotation=rotation)
     return decode_attention_reference(q, k_cache, v_cache, lengths, scale, append)
+
+
+def takes_rotation(device: torch.device) -> bool:
+    """Whether decode_attention on this device can norm and rotate q and the new key itself (``rotation``)."""
+    return device.type == "cuda" and triton_available()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,18 +196,39 @@ def _kernels():
     """Build the Triton kernels on first use (imports Triton)."""
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def norm_rotate(x_ptrs, partner_ptrs, mask, w_ptr, cos, sin, offs_d, eps, HEAD_DIM: tl.constexpr):
+        """Rows of projections [.., HEAD_DIM] RMS-normed and rotated, rounding to the weight's dtype where torch
+        does; partner_ptrs point at each element's rotation partner (d +- HEAD_DIM / 2)."""
+        dtype = w_ptr.dtype.element_ty
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        partner = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = libdevice.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM + eps)
+        half = HEAD_DIM // 2
+        partner_d = (offs_d + half) % HEAD_DIM
+        w = tl.load(w_ptr + offs_d).to(tl.float32)
+        w_partner = tl.load(w_ptr + partner_d).to(tl.float32)
+        normed = (w * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        normed_partner = (w_partner * (partner * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        rotated = tl.where(offs_d < half, -normed_partner, normed_partner)
+        first = (normed * cos.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        second = (rotated * sin.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        return (first + second).to(dtype)
 
     @triton.jit
     def split_kernel(
         q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr, out_ptr,
-        k_new_ptr, v_new_ptr, pos_ptr,
+        k_new_ptr, v_new_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr,
         stride_qr, stride_qh, stride_or, stride_oh,
         stride_kr, stride_kh, stride_kn,
         stride_vr, stride_vh, stride_vn,
-        stride_knr, stride_knh, stride_vnr, stride_vnh,
-        capacity, qk_scale_log2,
+        stride_knr, stride_knh, stride_vnr, stride_vnh, stride_rot,
+        capacity, qk_scale_log2, eps,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr, ROTATE: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # kernels/pdl.py: launched early, wait for the previous kernel before touching anything
             tl.extra.cuda.gdc_wait()
@@ -194,15 +252,27 @@ def _kernels():
         heads = kvh * GROUP + offs_g
 
         row64 = row.to(tl.int64)
-        q_ptrs = q_ptr + row64 * stride_qr + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+        q_rows = q_ptr + row64 * stride_qr + heads[:, None] * stride_qh
+        if ROTATE:  # projections: norm and rotate as the torch ops do (module docstring)
+            partner_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+            cos = tl.load(cos_ptr + row64 * stride_rot + offs_d)
+            sin = tl.load(sin_ptr + row64 * stride_rot + offs_d)
+            q = norm_rotate(q_rows + offs_d[None, :], q_rows + partner_d[None, :], g_mask[:, None], q_norm_ptr,
+                            cos[None, :], sin[None, :], offs_d[None, :], eps, HEAD_DIM)
+        else:
+            q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
 
         k_base = k_ptr + row64 * stride_kr + kvh.to(tl.int64) * stride_kh
         v_base = v_ptr + row64 * stride_vr + kvh.to(tl.int64) * stride_vh
 
         if APPEND:  # this row's new key and value: stored by the program owning their position, used from registers
             pos = tl.load(pos_ptr + row).to(tl.int32)
-            k_new = tl.load(k_new_ptr + row64 * stride_knr + kvh * stride_knh + offs_d).to(k_ptr.dtype.element_ty)
+            k_row = k_new_ptr + row64 * stride_knr + kvh * stride_knh
+            if ROTATE:
+                k_new = norm_rotate(k_row + offs_d, k_row + partner_d, offs_d < HEAD_DIM, k_norm_ptr, cos, sin, offs_d,
+                                    eps, HEAD_DIM).to(k_ptr.dtype.element_ty)
+            else:
+                k_new = tl.load(k_row + offs_d).to(k_ptr.dtype.element_ty)
             v_new = tl.load(v_new_ptr + row64 * stride_vnr + kvh * stride_vnh + offs_d).to(v_ptr.dtype.element_ty)
             owner = ((lo <= pos) & (pos < hi)) | ((split == 0) & (pos >= length) & (pos < capacity))
             if owner:
@@ -327,10 +397,13 @@ def _decode_attention_triton(
     num_stages: int = _NUM_STAGES,
     num_splits: int | None = None,
     append: Append | None = None,
+    rotation: Rotation | None = None,
 ) -> Tensor:
     rows, q_heads, kv_heads, capacity, head_dim = _check_shapes(q, k_cache, v_cache, lengths)
     if append is not None:
         _check_append(append, k_cache)
+    if rotation is not None:
+        _check_rotation(rotation, q, k_cache, append)
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"the Triton decode attention needs a power-of-two head_dim >= 16, got {head_dim}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -363,18 +436,19 @@ def _decode_attention_triton(
     pdl = uses_pdl(q.device)
     o_part = torch.empty((rows, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((rows, q_heads, num_splits), device=q.device, dtype=torch.float32)
+    q_norm, k_norm, eps, cos, sin = rotation if rotation is not None else (q, q, 0.0, lengths, lengths)
 
     split_kernel[(num_splits, kv_heads, rows)](
         q, k_cache, v_cache, lengths, o_part, lse_part, out,
-        k_new, v_new, positions,
+        k_new, v_new, positions, q_norm, k_norm, cos, sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        capacity, scale * _LOG2E,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
+        capacity, scale * _LOG2E, eps,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        APPEND=append is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(pdl),
+        APPEND=append is not None, ROTATE=rotation is not None, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl),
     )  # fmt: skip
     if num_splits == 1:  # the split kernel wrote the result
         return out

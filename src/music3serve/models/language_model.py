@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,14 +49,32 @@ class LanguageModelConfig:
         )
 
 
-class AttentionBackend(Protocol):
-    """Stores a layer's new keys/values and attends: q [b, t, heads, d], k/v [b, t, kv_heads, d] -> [b, t, heads * d]."""
+class QKTransform(NamedTuple):
+    """What turns a layer's q and k projections into attention inputs: per-head RMS norm weights and eps, then RoPE
+    by cos and sin [rows, head_dim] (float32)."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class AttentionBackend(Protocol):
+    """Stores a layer's new keys/values and attends: q [b, t, heads, d], k/v [b, t, kv_heads, d] -> [b, t, heads * d].
+    With `takes_projections`, q and k arrive as projections with the QKTransform to apply (one token per row)."""
+
+    takes_projections: bool
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transform: QKTransform | None = None
+    ) -> torch.Tensor: ...
 
 
 class KVCache:
     """Dense per-row key/value storage [layers, rows, kv_heads, capacity, head_dim] for rows that advance together."""
+
+    takes_projections = False
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v, self.start = k, v, 0
@@ -73,7 +91,7 @@ class KVCache:
         self.start = start
         return self
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transform: None = None) -> torch.Tensor:
         b, t = q.shape[:2]
         start, end = self.start, self.start + t
         self.k[layer, :, :, start:end] = k.transpose(1, 2)
@@ -125,9 +143,16 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
     def forward(self, x: torch.Tensor, rope, attend: AttentionBackend, layer: int) -> torch.Tensor:
-        eps = self.attn.cfg.eps
-        q, k, v = self.attn.inputs(normed(x, self.attn_norm.weight, eps), rope)
-        attn_out = attend(layer, q, k, v)
+        eps, cfg = self.attn.cfg.eps, self.attn.cfg
+        h = normed(x, self.attn_norm.weight, eps)
+        if getattr(attend, "takes_projections", False):
+            b, t, _ = h.shape
+            q, k, v = linear(h, self.attn.qkv.weight).split(
+                [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim], dim=-1)
+            transform = QKTransform(self.attn.q_norm.weight, self.attn.k_norm.weight, eps, *rope)
+            attn_out = attend(layer, *(p.view(b, t, -1, cfg.head_dim) for p in (q, k, v)), transform)
+        else:
+            attn_out = attend(layer, *self.attn.inputs(h, rope))
         return residual_mlp(
             x, attn_out, self.attn.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight, self.mlp.down.weight, eps
         )

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import Music3Error
-from ..kernels.decode_attention import decode_attention
-from ..models.language_model import KVCache, LanguageModelConfig
+from ..kernels.decode_attention import decode_attention, takes_rotation
+from ..models.language_model import KVCache, LanguageModelConfig, QKTransform
 
 
 class SlotCache:
@@ -53,11 +53,20 @@ class DecodeRows:
         self.positions = positions[:rows]
         # Padded rows (at the scratch position) attend to one position only: their output is discarded.
         self.lengths = torch.where(self.positions >= slots.scratch, 1, self.positions + 1)
+        # On CUDA the attention kernel norms and rotates q and the new key as it loads them (one kernel a layer less).
+        self.takes_projections = takes_rotation(positions.device)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transform: QKTransform | None = None
+    ) -> torch.Tensor:
         if q.shape[1] != 1:
             raise Music3Error("decode attention takes exactly one new token per row")
         k_cache, v_cache = self.slots.k[layer, : self.rows], self.slots.v[layer, : self.rows]
         new = (k[:, 0], v[:, 0], self.positions)  # stored at each row's position by the attention kernel itself
-        out = decode_attention(q[:, 0], k_cache, v_cache, self.lengths, append=new)
+        rotation = None
+        if transform is not None:
+            rows, head_dim = self.rows, q.shape[-1]
+            rotation = (transform.q_norm, transform.k_norm, transform.eps, transform.cos.reshape(rows, head_dim),
+                        transform.sin.reshape(rows, head_dim))
+        out = decode_attention(q[:, 0], k_cache, v_cache, self.lengths, append=new, rotation=rotation)
         return out.reshape(self.rows, 1, -1)
