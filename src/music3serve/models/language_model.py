@@ -91,7 +91,9 @@ class KVCache:
         self.start = start
         return self
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transform: None = None) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transform: None = None
+    ) -> torch.Tensor:
         b, t = q.shape[:2]
         start, end = self.start, self.start + t
         self.k[layer, :, :, start:end] = k.transpose(1, 2)
@@ -120,7 +122,8 @@ class Attention(nn.Module):
     def inputs(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Rotated, normed queries and keys, and values, of already-normed inputs."""
         return attention_inputs(
-            x, self.qkv.weight, self.q_norm.weight, self.k_norm.weight, *rope, self.cfg.eps, self.cfg.heads, self.cfg.kv_heads
+            x, self.qkv.weight, self.q_norm.weight, self.k_norm.weight, *rope, self.cfg.eps, self.cfg.heads,
+            self.cfg.kv_heads,
         )
 
 
