@@ -985,6 +985,9 @@ def test_stage_messages_name_songs_by_the_callers_ids_not_the_engines_keys():
     """A stage quotes a song by its key ('id#n', Engine._key); the caller's Failed names the id it gave."""
     message = "stage 1 lost a window of song 'ab#7' (and of 'c.d-e#12'); 'plain' and 'x#y' are no keys"
     assert _callers_ids(message) == "stage 1 lost a window of song 'ab' (and of 'c.d-e'); 'plain' and 'x#y' are no keys"
+    apostrophe, quotes = "it's", 'say "hi"'  # repr() quotes these with ", and with ' and escapes
+    quoted = f"song {apostrophe + '#3'!r} and {quotes + '#4'!r} failed"
+    assert _callers_ids(quoted) == f"song {apostrophe!r} and {quotes!r} failed"
 
 
 def test_a_song_whose_windows_stage_1_answers_within_send_still_ends_done(models, deploy):

@@ -70,9 +70,12 @@ def caller_id(key: str) -> str:
     return key.rpartition("#")[0]
 
 
+_QUOTED_KEY = re.compile(r"""(['"])((?:(?!\1).)*)#\d+\1""")  # a key as repr() quotes it: 'id#7', or "it's#7"
+
+
 def _callers_ids(message: str) -> str:
     """A stage's message with the song keys it quotes ('id#7') shown as the callers' ids ('id')."""
-    return re.sub(r"'([^']*)#\d+'", r"'\1'", message)
+    return _QUOTED_KEY.sub(r"\1\2\1", message)
 
 
 @dataclass
