@@ -288,26 +288,30 @@ def test_a_pdl_launch_waits_for_a_producer_that_lets_it_start_early(late_copy):
 @needs_cuda
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
 @pytest.mark.parametrize("splits", [None, 1, 7])
-def test_triton_rotation_rounds_as_the_torch_ops(splits):
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(Q_HEADS, KV_HEADS, HEAD_DIM), (8, 8, 64)])
+def test_triton_rotation_rounds_as_the_torch_ops(splits, q_heads, kv_heads, head_dim):
     """Projections normed and rotated inside the kernel (a Qwen3 layer's q/k RMS norms and RoPE) give the torch ops'
     bits: the stored keys, and the output of attending with the torch ops' rotated q and keys through the same kernel.
     The projections are small integers, so that every float32 sum of squares is exact in any order (the one place the
-    kernel may add in another order than torch); q and the new keys are strided views of one qkv buffer, as the
+    kernel may add in another order than torch); one row's are scaled by 2**-12, so that its mean square is about eps
+    and a kernel without eps would differ there. q and the new keys are strided views of one qkv buffer, as the
     layer's GEMM leaves them, and one padded row writes past its length."""
     from music3serve.models.layers import apply_rope, rms_norm, rope_angles
 
-    rows, width = 16, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
-    _, k, v = _gpu_setup(rows, seed=21)
+    rows, width = 16, (q_heads + 2 * kv_heads) * head_dim
     g = torch.Generator(device="cuda").manual_seed(22)
+    k, v = (torch.randn(rows, kv_heads, _CAPACITY, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+            for _ in range(2))  # fmt: skip
     qkv = torch.randint(-8, 9, (rows, width), generator=g, device="cuda").to(torch.bfloat16)
-    q, k_new, v_new = (p.view(rows, -1, HEAD_DIM) for p in qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
-                                                                         KV_HEADS * HEAD_DIM], dim=-1))
-    q_norm = (1 + 0.2 * torch.randn(HEAD_DIM, generator=g, device="cuda")).to(torch.bfloat16)
-    k_norm = (1 + 0.2 * torch.randn(HEAD_DIM, generator=g, device="cuda")).to(torch.bfloat16)
+    qkv[5] *= 2**-12  # exact in bf16: mean squares of ~1e-6, the size of eps
+    q, k_new, v_new = (p.view(rows, -1, head_dim) for p in qkv.split([q_heads * head_dim, kv_heads * head_dim,
+                                                                      kv_heads * head_dim], dim=-1))
+    q_norm = (1 + 0.2 * torch.randn(head_dim, generator=g, device="cuda")).to(torch.bfloat16)
+    k_norm = (1 + 0.2 * torch.randn(head_dim, generator=g, device="cuda")).to(torch.bfloat16)
     lengths = torch.randint(1, _CAPACITY + 1, (rows,), generator=g, device="cuda")
     positions = lengths - 1
     positions[3], lengths[3] = _CAPACITY - 1, 1  # a padded row: the scratch position, length 1
-    cos, sin = rope_angles(positions[:, None], HEAD_DIM, 1_000_000.0)
+    cos, sin = rope_angles(positions[:, None], head_dim, 1_000_000.0)
     q_rot = apply_rope(rms_norm(q[:, None], q_norm, 1e-6), cos, sin)[:, 0]
     k_rot = apply_rope(rms_norm(k_new[:, None], k_norm, 1e-6), cos, sin)[:, 0]
     k_torch, v_torch = k.clone(), v.clone()

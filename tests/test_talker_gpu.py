@@ -110,3 +110,36 @@ def test_looked_up_depth_inputs_equal_computed_ones(tiny_dir, dtype):
                 torch.testing.assert_close(computed.conditioning, looked_up.conditioning, rtol=1e-5, atol=1e-5)
     finally:
         disable_fusion()
+
+
+@torch.inference_mode()
+def test_decode_rows_norm_and_rotate_in_the_kernel_as_the_layers_did(tiny_dir):
+    """On CUDA DecodeRows hands each layer's q and k projections to the attention kernel, which norms and rotates
+    them: a bf16 decode step of rows at different positions (the last one padded, at the scratch position) gives the
+    hidden states and the stored keys and values of the layers' own norms and RoPE (fused, as the engine runs them)
+    bit for bit."""
+    from music3serve.models.fusion import disable_fusion, enable_fusion
+    from music3serve.talker.slots import SlotCache
+
+    lm = load_models(tiny_dir, device="cuda", talker_dtype=torch.bfloat16).language_model
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shape = (lm.cfg.layers, 4, lm.cfg.kv_heads, 601, lm.cfg.head_dim)
+    past_k, past_v = (torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    embeds = torch.randn(4, 1, lm.cfg.hidden, generator=g, device="cuda").to(torch.bfloat16)
+    positions = torch.tensor([7, 311, 599, 600], device="cuda")  # 600: the scratch position of a padded row
+    results = []
+    enable_fusion()
+    try:
+        for takes_projections in (True, False):
+            slots = SlotCache(lm.cfg, pairs=2, max_model_len=600, dtype=torch.bfloat16, device="cuda")
+            slots.k.copy_(past_k)
+            slots.v.copy_(past_v)
+            rows = slots.decode(4, positions)
+            assert rows.takes_projections  # on CUDA with Triton
+            rows.takes_projections = takes_projections
+            results.append((lm(embeds, positions[:, None], rows), slots.k, slots.v))
+    finally:
+        disable_fusion()
+    (hidden, k, v), (hidden_plain, k_plain, v_plain) = results
+    assert torch.equal(k, k_plain) and torch.equal(v, v_plain)
+    assert torch.equal(hidden, hidden_plain)

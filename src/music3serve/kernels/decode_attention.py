@@ -28,10 +28,11 @@ as for padded rows) stores them, and uses them in place of what its tile loaded 
 ``split`` turns them into attention inputs as it loads them, rounding as the torch ops of a Qwen3 layer do: each head
 RMS-normed (float32 statistics, the product rounded to the cache dtype, then the norm weight applied and rounded), then
 rotated (half-split RoPE: cos and sin [rows, head_dim] float32 rounded to the cache dtype, each product and the sum
-rounded). The split kernel compiles without floating-point contraction: with it, LLVM fused a rounded product and the
-sum into one bf16 fused multiply-add, one rounding fewer than the torch ops (15% of the stored keys' elements one bf16
-step off on the H200). One kernel fewer per layer than normalizing and rotating beforehand. The stored key is the
-rotated one.
+rounded). With a bf16 cache that gives the torch ops' bits; with a float32 one the float32 sum of squares may add in
+another order (ulps apart). The split kernel compiles without floating-point contraction: with it, LLVM fused a
+rounded product and the sum into one bf16 fused multiply-add, one rounding fewer than the torch ops (15% of the
+stored keys' elements one bf16 step off on the H200). One kernel fewer per layer than normalizing and rotating
+beforehand. The stored key is the rotated one.
 
 Elsewhere (CPU, or no Triton) ``decode_attention`` runs ``decode_attention_reference``: plain torch, masked over
 the capacity, fp32 softmax. It is the test oracle too. Rows with length 0 give zeros on both paths.
@@ -92,6 +93,7 @@ Rotation = tuple[Tensor, Tensor, float, Tensor, Tensor]  # q_norm, k_norm [head_
 
 
 def _check_rotation(rotation: Rotation, q: Tensor, k_cache: Tensor, append: Append | None) -> None:
+    """After _check_shapes."""
     if append is None:
         raise ValueError("decode_attention: rotation norms and rotates the appended key too; it needs append")
     q_norm, k_norm, _, cos, sin = rotation
@@ -103,7 +105,10 @@ def _check_rotation(rotation: Rotation, q: Tensor, k_cache: Tensor, append: Appe
         raise ValueError(f"rotation: cos and sin must be [rows, head_dim] = {[rows, head_dim]} with one layout and a "
                          f"contiguous last dim, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if not (q.dtype == k_cache.dtype == q_norm.dtype == k_norm.dtype):
-        raise ValueError("rotation: q, the cache and the norm weights must share one dtype (the torch ops round to it)")
+        raise ValueError(f"rotation: q, the cache and the norm weights must share one dtype (the torch ops round to "
+                         f"it), got {q.dtype}, {k_cache.dtype}, {q_norm.dtype} and {k_norm.dtype}")
+    if any(t.device != q.device for t in (q_norm, k_norm, cos, sin)):
+        raise ValueError("rotation: the norm weights and cos / sin must be on q's device")
 
 
 def store_new_kv(k_cache: Tensor, v_cache: Tensor, append: Append) -> None:
@@ -175,12 +180,12 @@ def decode_attention(
 
     CUDA tensors with Triton importable run the Triton flash-decoding kernels (graph capturable: lengths are read
     on the device); anything else runs ``decode_attention_reference``."""
-    if rotation is not None:
-        _check_rotation(rotation, q, k_cache, append)
-        if not takes_rotation(q.device):
-            raise ValueError("decode_attention: rotation needs the Triton path (CUDA tensors, Triton importable)")
-    if q.is_cuda and triton_available():
+    if takes_rotation(q.device):
         return _decode_attention_triton(q, k_cache, v_cache, lengths, scale, append=append, rotation=rotation)
+    if rotation is not None:  # checked first, so that a caller learns every problem on the CPU too
+        _check_shapes(q, k_cache, v_cache, lengths)
+        _check_rotation(rotation, q, k_cache, append)
+        raise ValueError("decode_attention: rotation needs the Triton path (CUDA tensors, Triton importable)")
     return decode_attention_reference(q, k_cache, v_cache, lengths, scale, append)
 
 

@@ -51,7 +51,7 @@ class LanguageModelConfig:
 
 class QKTransform(NamedTuple):
     """What turns a layer's q and k projections into attention inputs: per-head RMS norm weights and eps, then RoPE
-    by cos and sin [rows, head_dim] (float32)."""
+    by cos and sin (float32, as rope_angles gives them: [rows, t, head_dim] or [t, head_dim])."""
 
     q_norm: torch.Tensor
     k_norm: torch.Tensor
@@ -94,6 +94,8 @@ class KVCache:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transform: None = None
     ) -> torch.Tensor:
+        if transform is not None:
+            raise ValueError("KVCache takes attention inputs, not projections (takes_projections is False)")
         b, t = q.shape[:2]
         start, end = self.start, self.start + t
         self.k[layer, :, :, start:end] = k.transpose(1, 2)

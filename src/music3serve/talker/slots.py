@@ -64,9 +64,7 @@ class DecodeRows:
         k_cache, v_cache = self.slots.k[layer, : self.rows], self.slots.v[layer, : self.rows]
         new = (k[:, 0], v[:, 0], self.positions)  # stored at each row's position by the attention kernel itself
         rotation = None
-        if transform is not None:
-            rows, head_dim = self.rows, q.shape[-1]
-            rotation = (transform.q_norm, transform.k_norm, transform.eps, transform.cos.reshape(rows, head_dim),
-                        transform.sin.reshape(rows, head_dim))
+        if transform is not None:  # cos and sin [rows, 1, head_dim]: one position per row
+            rotation = (transform.q_norm, transform.k_norm, transform.eps, transform.cos[:, 0], transform.sin[:, 0])
         out = decode_attention(q[:, 0], k_cache, v_cache, self.lengths, append=new, rotation=rotation)
         return out.reshape(self.rows, 1, -1)
