@@ -613,17 +613,33 @@ def test_make_tiny_force_keeps_a_checkpoint_folder_that_also_holds_other_files(t
 
 def test_make_tiny_removes_the_staging_folders_of_killed_writers(tmp_path: Path, capsys, monkeypatch):
     """A write killed with SIGKILL (no cleanup can run) left its staging folder (52 MB) beside the target for good;
-    the next write beside it removes such folders, and leaves a living writer's alone."""
+    the next write beside it removes such folders, and leaves alone those of living writers (another process, one
+    of another user's that may not be signalled, and a number no pid can be: not ours to judge)."""
     monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
                         lambda directory, seed=0: (Path(directory) / "modular_model_index.json").write_text("{}"))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     orphan = tmp_path / f"{cli.STAGING_PREFIX}{gone.pid}-k1ll3d"
     (orphan / "transformer").mkdir(parents=True)
-    living = tmp_path / f"{cli.STAGING_PREFIX}{os.getpid()}-busy"
-    living.mkdir()
-    assert run_cli(["make-tiny", str(tmp_path / "ckpt")], capsys)[0] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", living.name])
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    foreign_pid = writer.pid + 1 if writer.pid + 1 != gone.pid else writer.pid + 2
+    living = [tmp_path / f"{cli.STAGING_PREFIX}{pid}-busy" for pid in (writer.pid, foreign_pid, 2**80)]
+    for folder in living:
+        folder.mkdir()
+    real_kill = os.kill
+
+    def kill(pid: int, signal: int) -> None:  # foreign_pid: another user's process
+        if pid == foreign_pid:
+            raise PermissionError(1, "Operation not permitted")
+        real_kill(pid, signal)
+
+    monkeypatch.setattr(os, "kill", kill)
+    try:
+        assert run_cli(["make-tiny", str(tmp_path / "ckpt")], capsys)[0] == 0
+    finally:
+        writer.kill()
+        writer.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt"] + [folder.name for folder in living])
 
 
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):

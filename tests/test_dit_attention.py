@@ -97,10 +97,20 @@ def fallback_cases():
     return {
         "float32 (the reference policy)": qkv_views(2, 100, 4, 64, torch.float32, "cuda"),
         "head_dim 256": wide,
+        "head_dim 80, not a power of two": qkv_views(2, 40, 2, 80, torch.bfloat16, "cuda"),
+        "head_dim 8, under 16": qkv_views(2, 40, 2, 8, torch.bfloat16, "cuda"),
         "head_dim not of unit stride": strided,
         "no tokens": qkv_views(2, 0, 2, 64, torch.bfloat16, "cuda"),
         "over 65535 (batch, head) pairs": qkv_views(1025, 1, 64, 16, torch.bfloat16, "cuda"),
     }
+
+
+@pytest.mark.gpu
+def test_operands_of_two_dtypes_or_devices_are_not_taken():
+    q, k, v = qkv_views(2, 40, 2, 64, torch.bfloat16, "cuda")
+    assert uses_kernel(q, k, v)
+    assert not uses_kernel(q, k, v.half())
+    assert not uses_kernel(q, k.cpu(), v)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 
 from music3serve import contract
 from music3serve.checkpoint import COMPONENTS, load_component
-from music3serve.models.language_model import KVCache
+from music3serve.models.language_model import KVCache, QKTransform
 from music3serve.models.layers import apply_rope, rms_norm
 from music3serve.talker.frame import embed_both_rows, embed_codes, frame_outputs
 
@@ -153,6 +153,18 @@ def test_lm_gives_a_projections_backend_what_it_needs(models) -> None:
     want = ours(ours.embed(ids), positions(ours.embed(ids), 0), plain.at(0))
     got = ours(ours.embed(ids), positions(ours.embed(ids), 0), other.at(0))
     assert torch.equal(got, want) and torch.equal(other.k, plain.k)
+
+
+def test_a_plain_cache_refuses_projections(models) -> None:
+    """KVCache stores attention inputs: handed projections with their transform, it says so instead of storing keys
+    that were never normed or rotated."""
+    ours, _ = models("language_model")
+    cfg = ours.cfg
+    cache = KVCache.allocate(cfg, 2, 16, torch.float32, torch.device("cpu"))
+    q, k = torch.zeros(2, 1, cfg.heads, cfg.head_dim), torch.zeros(2, 1, cfg.kv_heads, cfg.head_dim)
+    ones, angles = torch.ones(cfg.head_dim), torch.zeros(2, 1, cfg.head_dim)
+    with pytest.raises(ValueError, match="not projections"):
+        cache(0, q, k, k.clone(), QKTransform(ones, ones, cfg.eps, angles, angles))
 
 
 def test_lm_chunked_prefill_equals_single_prefill(models) -> None:

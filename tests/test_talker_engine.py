@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -218,16 +219,24 @@ def test_cached_depth_calls_equal_recomputed_ones(models, solo):
 @pytest.mark.parametrize("depth_cache", [True, False, "table"], ids=["cached", "recomputed", "looked up"])
 def test_a_frame_needs_no_more_depth_positions_than_its_eight_codes(models, depth_cache):
     """A depth decoder with exactly 8 learned positions (the least the loader accepts) writes the frame it writes
-    with 16: no depth call reads past position 7, nor does building the table of looked-up positions."""
+    with 16: no depth call reads past position 7, nor does building the table of looked-up positions. With the
+    table the keys and values sit in buffers of 8 positions instead of 16, and the CPU's reference attention, which
+    sums over the whole buffer, rounds the conditioning another way (measured 6e-7)."""
     depth = copy.deepcopy(models.depth_decoder)
     depth.positions = torch.nn.Embedding.from_pretrained(depth.positions.weight[: contract.NUM_CODEBOOKS].clone())
+    depth.cfg = dataclasses.replace(depth.cfg, positions=contract.NUM_CODEBOOKS)
     lm = models.language_model
     hidden = torch.randn(4, lm.cfg.hidden, generator=torch.Generator().manual_seed(0))
     seeds, frames = torch.tensor([3, 4]), torch.tensor([5, 6])
     tables = (DepthInputs(models.depth_decoder), DepthInputs(depth)) if depth_cache == "table" else (None, None)
     want = talker_frame(lm, models.depth_decoder, hidden, seeds, frames, bool(depth_cache), tables[0])
     got = talker_frame(lm, depth, hidden, seeds, frames, bool(depth_cache), tables[1])
-    assert all(torch.equal(a, b) for a, b in zip(vars(want).values(), vars(got).values()))
+    for name in ("codes", "ended", "feedback"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    if depth_cache == "table":
+        torch.testing.assert_close(got.conditioning, want.conditioning, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(got.conditioning, want.conditioning)
 
 
 @pytest.mark.parametrize("in_buffers", [False, True], ids=["concatenated", "buffers"])
