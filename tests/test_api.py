@@ -251,6 +251,9 @@ def test_malformed_json_and_unknown_routes(client):
     assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
     assert client.post("/health").status_code == 405
     assert client.get("/v1/songs/never-seen").status_code == 404
+    for method, path in (("GET", "/health/"), ("GET", "/v1/songs/"), ("DELETE", "/v1/songs/"), ("POST", "/v1/songs/")):
+        response = client.request(method, path, follow_redirects=False)  # not a 307 to the path without the slash
+        assert response.status_code == 404 and response.json()["error"], (method, path)
 
 
 # --- cancellation and failure -----------------------------------------------------------------------------
@@ -807,3 +810,33 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
     assert closed_by_the_server and not stages_left
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or "Traceback" in r.getMessage()]
     assert any("cut at shutdown" in r.getMessage() for r in caplog.records)
+
+
+def test_ctrl_c_exits_130_also_where_the_server_started_with_sigint_ignored(tiny_dir: Path):
+    """A script's background job starts with SIGINT ignored: uvicorn's re-raise of the Ctrl-C it had caught then did
+    nothing, and the server exited 0 like a clean stop."""
+    import os
+    import signal
+    import subprocess
+
+    command = [sys.executable, "-m", "music3serve.cli", "serve", "--model", str(tiny_dir), "--device", "cpu", "--port",
+               "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    lines: list[str] = []
+    deadline = threading.Timer(120, server.kill)  # a server that never listens fails the test, not hangs it
+    deadline.start()
+    try:
+        for line in server.stderr:  # the server's log, until it listens
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                break
+        server.send_signal(signal.SIGINT)
+        rest = server.communicate(timeout=60)[1]
+    finally:
+        deadline.cancel()
+        server.kill()
+        server.wait()
+    assert server.returncode == 130, "".join(lines) + rest
+    assert rest.endswith("interrupted\n"), rest

@@ -116,6 +116,8 @@ BAD_BODIES = {
     "lyrics 0.6 MB": (raw(lyrics="la " * 200_000),
                       f"lyrics is 600000 characters long; the limit is {MAX_LYRICS_CHARS} characters"),
     "truncated JSON": ('{"caption": "pop", "lyrics": "la",', "the body is not valid JSON: Expecting property name"),
+    "a raw tab in a string": ('{"caption": "a\tb", "lyrics": "la"}',
+                              "the body is not valid JSON: Invalid control character at character 14"),
     "empty body": ("", "the body is empty: send the song request as a JSON object"),
     "null body": ("null", "the body must be a JSON object"),
     "list body": ("[1, 2]", "the body must be a JSON object"),
@@ -233,6 +235,24 @@ def test_bodies_without_a_length_or_over_the_limit_are_refused_unread(client, en
     response = client.post("/v1/songs", content=iter([raw().encode()]), headers=JSON)  # chunked, no length
     assert response.status_code == 411 and "Content-Length" in response.json()["error"]
     assert requests_total(engine) == before
+
+
+def test_a_chunked_body_beside_a_small_content_length_is_refused_unread(base_url, client, engine):
+    """A Transfer-Encoding overrides the Content-Length beside it, so the 10 bytes it declared bounded nothing: a body
+    of any size was read whole (300 MB in 7 s) before its caption's length was judged."""
+    host, port = base_url.removeprefix("http://").split(":")
+    before = requests_total(engine)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/songs HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n100000\r\n" + b" " * 65536)
+        answer = b""
+        while b"}" not in answer:  # the status line, the headers and the JSON error
+            data = conn.recv(4096)
+            assert data, f"the server closed the connection after {answer!r}"
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 411 ") and b"not in chunks (Transfer-Encoding)" in answer, answer
+    assert requests_total(engine) == before
+    assert client.get("/health").status_code == 200
 
 
 def test_a_body_of_exactly_the_limit_with_an_id_of_128_characters_is_taken(client):

@@ -29,6 +29,8 @@ def test_duration_shorter_than_one_frame():
         frames_for_duration(0.01)
     with pytest.raises(InputError, match="shorter than one frame"):
         frames_for_duration(1 / contract.FRAME_RATE / 2)
+    with pytest.raises(InputError, match=r"duration 0\.0399999999999999 s is shorter"):  # not rounded to one frame
+        frames_for_duration(0.0399999999999999)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
@@ -301,8 +302,10 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
                 await asyncio.to_thread(engine.close)
 
     # No /docs, /redoc or /openapi.json: the API is docs/api.md's endpoints and nothing else.
+    # No redirects of a trailing slash either: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
+    # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 
@@ -374,6 +377,13 @@ class ForceQuitServer(uvicorn.Server):
     """uvicorn's server, except that a second Ctrl-C (its force quit) still cuts the responses left and shuts the
     app down, so the engine closes; uvicorn skips both and the event loop's teardown cancelled them instead, logging
     a traceback per open response and one for the app."""
+
+    def run(self, sockets: list | None = None) -> None:
+        super().run(sockets)
+        # uvicorn re-raises the Ctrl-C it caught once the server is down; where the process started with SIGINT
+        # ignored (a script's background job) that does nothing and the server exited 0 like a clean stop.
+        if signal.SIGINT in getattr(self, "_captured_signals", ()):
+            raise KeyboardInterrupt
 
     async def shutdown(self, sockets: list | None = None) -> None:
         await super().shutdown(sockets)

@@ -59,21 +59,25 @@ class SongBody(BaseModel):
 
 
 class BoundedBody:
-    """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411)
-    and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's 404 or 405.
-    Plain ASGI, so streamed responses pass through untouched."""
+    """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411),
+    not come in chunks (a Transfer-Encoding overrides the Content-Length beside it, so the length would bound
+    nothing: 411 too) and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's
+    404 or 405. Plain ASGI, so streamed responses pass through untouched."""
 
     def __init__(self, app: Callable[..., Awaitable[None]]):
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
-            if not length:
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length", b"").decode("latin-1")
+            if not length or b"transfer-encoding" in headers:
                 path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
                 if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
                     return await self.app(scope, receive, send)
-                return await error_response(411, "send the body with a Content-Length header")(scope, receive, send)
+                message = "send the body with a Content-Length header" + (
+                    ", not in chunks (Transfer-Encoding)" if b"transfer-encoding" in headers else "")
+                return await error_response(411, message)(scope, receive, send)
             if not (length.isascii() and length.isdigit()):  # "²".isdigit() too, and int() refuses it
                 message = f"Content-Length {length!r:.40} is not a byte count"
                 return await error_response(400, message)(scope, receive, send)
@@ -133,7 +137,8 @@ def describe(exc: RequestValidationError) -> str:
             continue
         if err.get("type") == "json_invalid":  # loc: ("body", offset of the error)
             why = err.get("ctx", {}).get("error", "malformed")
-            parts.append(f"the body is not valid JSON: {why} at character {err['loc'][-1]}")
+            where = "" if why.endswith(" at") else " at"  # json's "Invalid control character at" names no place
+            parts.append(f"the body is not valid JSON: {why}{where} character {err['loc'][-1]}")
             continue
         where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
