@@ -545,9 +545,9 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     monkeypatch.setattr(ForceQuitServer, "run", lambda self, sockets=None: calls.update(vars(self.config)))
     assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8123"]) == 0
     assert calls["engine"] == (tmp_path, 16, "cpu") and calls["closed"]
-    from music3serve.serving.api import StreamsCutAtShutdown
+    from music3serve.serving.api import CutResponses
 
-    assert any(isinstance(f, StreamsCutAtShutdown) for f in logging.getLogger("uvicorn.error").filters)
+    assert any(isinstance(f, CutResponses) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
     from music3serve.serving.http_guard import AcceptErrorsOncePerMinute, GuardedH11Protocol
 
@@ -749,7 +749,7 @@ def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
 
 
 def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
-    from music3serve.serving.api import StreamsCutAtShutdown
+    from music3serve.serving.api import CutResponses
 
     def record(error: BaseException) -> logging.LogRecord:
         try:
@@ -759,11 +759,21 @@ def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
                 "uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application\n", (), sys.exc_info())
 
     cut = record(asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded"))
-    assert StreamsCutAtShutdown().filter(cut) and cut.levelno == logging.WARNING and cut.exc_info is None
+    assert CutResponses().filter(cut) and cut.levelno == logging.WARNING and cut.exc_info is None
     assert "cut at shutdown" in logging.Formatter().format(cut) and "Traceback" not in logging.Formatter().format(cut)
     for error in RuntimeError("a real bug"), asyncio.CancelledError():  # only the shutdown's own cancellation
         other = record(error)
-        assert StreamsCutAtShutdown().filter(other) and other.levelno == logging.ERROR and other.exc_info is not None
+        assert CutResponses().filter(other) and other.levelno == logging.ERROR and other.exc_info is not None
+
+
+def test_a_stream_cut_for_a_stalled_client_logs_a_warning_not_an_error():
+    """SongStream ends the response of a client that stopped reading unfinished, which uvicorn logged as an ERROR."""
+    from music3serve.serving.api import CutResponses
+
+    record = logging.getLogger("uvicorn.error").makeRecord(
+        "uvicorn.error", logging.ERROR, __file__, 1, "ASGI callable returned without completing response.", (), None)
+    assert CutResponses().filter(record) and record.levelno == logging.WARNING
+    assert "its client stopped reading" in record.getMessage()
 
 
 def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(tiny_dir: Path, caplog):
@@ -771,13 +781,13 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
     loop's teardown cancelled the streams, logging a traceback for each and one for the app."""
     import socket
 
-    from music3serve.serving.api import ForceQuitServer, StreamsCutAtShutdown, create_app
+    from music3serve.serving.api import ForceQuitServer, CutResponses, create_app
 
     own = Engine.from_pretrained(tiny_dir, device="cpu")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = ForceQuitServer(uvicorn.Config(create_app(own, close_engine=True), log_config=None, log_level="info"))
-    logging.getLogger("uvicorn.error").addFilter(cut := StreamsCutAtShutdown())
+    logging.getLogger("uvicorn.error").addFilter(cut := CutResponses())
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     got: list = []
 

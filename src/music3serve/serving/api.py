@@ -359,18 +359,26 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
 SHUTDOWN_GRACE_S = 10  # on SIGINT/SIGTERM, songs still streaming get this long, then they are cancelled
 
 
-class StreamsCutAtShutdown(logging.Filter):
-    """uvicorn logs each request task it cancels once the shutdown grace is over as "Exception in ASGI application"
-    with a CancelledError traceback; that cut is the documented shutdown, so it becomes one warning line."""
+class CutResponses(logging.Filter):
+    """uvicorn logs the responses this app cuts on purpose as errors: each request task it cancels once the shutdown
+    grace is over as "Exception in ASGI application" with a CancelledError traceback, and a stream SongStream ends
+    because its client stopped reading (the one response the app leaves unfinished on an open connection) as "ASGI
+    callable returned without completing response.". Both are documented behaviour: each becomes one warning line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
         if (isinstance(error, asyncio.CancelledError) and "graceful shutdown" in str(error)
-                and record.getMessage().startswith("Exception in ASGI")):
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)", (), None, None)
+                and message.startswith("Exception in ASGI")):
+            self._warn(record, "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)")
+        elif message == "ASGI callable returned without completing response.":
+            self._warn(record, "a response was cut: its client stopped reading (its song is cancelled)")
         return True
+
+    @staticmethod
+    def _warn(record: logging.LogRecord, message: str) -> None:
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None
 
 
 class ForceQuitServer(uvicorn.Server):
@@ -434,7 +442,7 @@ def fit_open_files(engine: Engine) -> int | None:
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
     max_connections = fit_open_files(engine)
-    for name, kind in (("uvicorn.error", StreamsCutAtShutdown), ("asyncio", AcceptErrorsOncePerMinute)):
+    for name, kind in (("uvicorn.error", CutResponses), ("asyncio", AcceptErrorsOncePerMinute)):
         logger = logging.getLogger(name)
         if not any(isinstance(f, kind) for f in logger.filters):
             logger.addFilter(kind())
