@@ -130,9 +130,12 @@ def test_a_rotation_is_checked_and_refused_off_the_triton_path():
     lengths, weight, angles = torch.tensor([1, 4]), torch.ones(dim), torch.zeros(rows, dim)
     with pytest.raises(ValueError, match="needs append"):
         decode_attention(q, k_cache, k_cache.clone(), lengths, rotation=(weight, weight, 1e-6, angles, angles))
-    with pytest.raises(ValueError, match=r"q_norm and k_norm must be \[head_dim\]"):
+    with pytest.raises(ValueError, match=r"q_norm and k_norm must be contiguous \[head_dim\]"):
         decode_attention(q, k_cache, k_cache.clone(), lengths, append=new,
                          rotation=(torch.ones(dim + 1), weight, 1e-6, angles, angles))
+    with pytest.raises(ValueError, match=r"q_norm and k_norm must be contiguous"):  # the kernel reads w[d] at d
+        decode_attention(q, k_cache, k_cache.clone(), lengths, append=new,
+                         rotation=(weight, torch.ones(2 * dim)[::2], 1e-6, angles, angles))
     with pytest.raises(ValueError, match=r"cos and sin must be \[rows, head_dim\]"):
         decode_attention(q, k_cache, k_cache.clone(), lengths, append=new,
                          rotation=(weight, weight, 1e-6, angles[:, None], angles))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from music3serve.checkpoint import load_models
+from music3serve.kernels.decode_attention import triton_available
 from music3serve.prompt import encode_prompt
 from music3serve.talker.engine import SongFinished, Talker, TalkerConfig, WindowReady
 
@@ -112,6 +113,7 @@ def test_looked_up_depth_inputs_equal_computed_ones(tiny_dir, dtype):
         disable_fusion()
 
 
+@pytest.mark.skipif(not triton_available(), reason="the rotation is the Triton kernel's")
 @torch.inference_mode()
 def test_decode_rows_norm_and_rotate_in_the_kernel_as_the_layers_did(tiny_dir):
     """On CUDA DecodeRows hands each layer's q and k projections to the attention kernel, which norms and rotates

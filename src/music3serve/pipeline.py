@@ -58,7 +58,7 @@ def frames_for_duration(duration: object) -> int:
         raise InputError(f"duration must be in (0, {contract.MAX_DURATION_S:g}] seconds, got {_shown(duration)}")
     frames = min(int(duration * contract.FRAME_RATE), contract.MAX_FRAMES)
     if frames == 0:
-        raise InputError(f"duration {duration!r} s is shorter than one frame (1/{contract.FRAME_RATE} s)")
+        raise InputError(f"duration {float(duration)!r} s is shorter than one frame (1/{contract.FRAME_RATE} s)")
     return frames
 
 

@@ -31,7 +31,8 @@ rotated (half-split RoPE: cos and sin [rows, head_dim] float32 rounded to the ca
 rounded). With a bf16 cache that gives the torch ops' bits; with a float32 one the float32 sum of squares may add in
 another order (ulps apart). The split kernel compiles without floating-point contraction: with it, LLVM fused a
 rounded product and the sum into one bf16 fused multiply-add, one rounding fewer than the torch ops (15% of the
-stored keys' elements one bf16 step off on the H200). One kernel fewer per layer than normalizing and rotating
+stored keys' elements one bf16 step off on the H200). That holds for every launch of it, the depth decoder's too:
+the kernel rounds one way whatever it is asked. One kernel fewer per layer than normalizing and rotating
 beforehand. The stored key is the rotated one.
 
 Elsewhere (CPU, or no Triton) ``decode_attention`` runs ``decode_attention_reference``: plain torch, masked over
@@ -98,9 +99,9 @@ def _check_rotation(rotation: Rotation, q: Tensor, k_cache: Tensor, append: Appe
         raise ValueError("decode_attention: rotation norms and rotates the appended key too; it needs append")
     q_norm, k_norm, _, cos, sin = rotation
     rows, _, _, head_dim = k_cache.shape
-    if q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,):
-        raise ValueError(f"rotation: q_norm and k_norm must be [head_dim] = [{head_dim}], got {tuple(q_norm.shape)} "
-                         f"and {tuple(k_norm.shape)}")
+    if q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,) or q_norm.stride(0) != 1 or k_norm.stride(0) != 1:
+        raise ValueError(f"rotation: q_norm and k_norm must be contiguous [head_dim] = [{head_dim}], got "
+                         f"{tuple(q_norm.shape)} and {tuple(k_norm.shape)}")
     if cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError(f"rotation: cos and sin must be [rows, head_dim] = {[rows, head_dim]} with one layout and a "
                          f"contiguous last dim, got {tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -184,6 +185,8 @@ def decode_attention(
         return _decode_attention_triton(q, k_cache, v_cache, lengths, scale, append=append, rotation=rotation)
     if rotation is not None:  # checked first, so that a caller learns every problem on the CPU too
         _check_shapes(q, k_cache, v_cache, lengths)
+        if append is not None:
+            _check_append(append, k_cache)
         _check_rotation(rotation, q, k_cache, append)
         raise ValueError("decode_attention: rotation needs the Triton path (CUDA tensors, Triton importable)")
     return decode_attention_reference(q, k_cache, v_cache, lengths, scale, append)

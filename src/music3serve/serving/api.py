@@ -129,6 +129,7 @@ class SongStream(StreamingResponse):
                 await asyncio.wait_for(send(message), WRITE_STALL_S)
             except TimeoutError:
                 log.warning("client stopped reading", extra={"song": self.song.id, "samples": self.song.samples_sent})
+                CutResponses.stalled += 1  # uvicorn will log this response as unfinished
                 raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s") from None
 
         try:
@@ -361,9 +362,11 @@ SHUTDOWN_GRACE_S = 10  # on SIGINT/SIGTERM, songs still streaming get this long,
 
 class CutResponses(logging.Filter):
     """uvicorn logs the responses this app cuts on purpose as errors: each request task it cancels once the shutdown
-    grace is over as "Exception in ASGI application" with a CancelledError traceback, and a stream SongStream ends
-    because its client stopped reading (the one response the app leaves unfinished on an open connection) as "ASGI
-    callable returned without completing response.". Both are documented behaviour: each becomes one warning line."""
+    grace is over as "Exception in ASGI application" with a CancelledError traceback, and a stream SongStream ended
+    because its client stopped reading as "ASGI callable returned without completing response.". Both are documented
+    behaviour: each becomes one warning line. (Any other unfinished response stays an error.)"""
+
+    stalled = 0  # streams SongStream cut for a stalled client whose unfinished response uvicorn has not logged yet
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -371,7 +374,8 @@ class CutResponses(logging.Filter):
         if (isinstance(error, asyncio.CancelledError) and "graceful shutdown" in str(error)
                 and message.startswith("Exception in ASGI")):
             self._warn(record, "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)")
-        elif message == "ASGI callable returned without completing response.":
+        elif message == "ASGI callable returned without completing response." and CutResponses.stalled > 0:
+            CutResponses.stalled -= 1
             self._warn(record, "a response was cut: its client stopped reading (its song is cancelled)")
         return True
 
@@ -383,14 +387,17 @@ class CutResponses(logging.Filter):
 
 class ForceQuitServer(uvicorn.Server):
     """uvicorn's server, except that a second Ctrl-C (its force quit) still cuts the responses left and shuts the
-    app down, so the engine closes; uvicorn skips both and the event loop's teardown cancelled them instead, logging
-    a traceback per open response and one for the app."""
+    app down, so the engine closes (uvicorn skips both and the event loop's teardown cancelled them instead, logging
+    a traceback per open response and one for the app), and that Ctrl-C ends it in KeyboardInterrupt also where
+    SIGINT was ignored (run)."""
 
     def run(self, sockets: list | None = None) -> None:
+        """uvicorn re-raises the Ctrl-C it caught once the server is down; where the process started with SIGINT
+        ignored (a script's background job) that did nothing and the server exited 0 like a clean stop: here it
+        ends in KeyboardInterrupt all the same (the CLI's 130)."""
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         super().run(sockets)
-        # uvicorn re-raises the Ctrl-C it caught once the server is down; where the process started with SIGINT
-        # ignored (a script's background job) that does nothing and the server exited 0 like a clean stop.
-        if signal.SIGINT in getattr(self, "_captured_signals", ()):
+        if ignored and signal.SIGINT in getattr(self, "_captured_signals", ()):
             raise KeyboardInterrupt
 
     async def shutdown(self, sockets: list | None = None) -> None:

@@ -58,6 +58,11 @@ class SongBody(BaseModel):
         return value
 
 
+# A chunked body refused beside a Content-Length closes its connection (RFC 9112 6.1): the server would otherwise
+# frame the next request where a proxy that trusted the Content-Length did not.
+CLOSE = {"Connection": "close"}
+
+
 class BoundedBody:
     """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411),
     not come in chunks (a Transfer-Encoding overrides the Content-Length beside it, so the length would bound
@@ -75,9 +80,11 @@ class BoundedBody:
                 path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
                 if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
                     return await self.app(scope, receive, send)
-                message = "send the body with a Content-Length header" + (
-                    ", not in chunks (Transfer-Encoding)" if b"transfer-encoding" in headers else "")
-                return await error_response(411, message)(scope, receive, send)
+                chunked = b"transfer-encoding" in headers
+                message = "send the body with a Content-Length header"
+                if chunked:
+                    message += ", not in chunks (Transfer-Encoding)"
+                return await error_response(411, message, CLOSE if chunked else None)(scope, receive, send)
             if not (length.isascii() and length.isdigit()):  # "²".isdigit() too, and int() refuses it
                 message = f"Content-Length {length!r:.40} is not a byte count"
                 return await error_response(400, message)(scope, receive, send)
