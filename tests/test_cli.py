@@ -642,6 +642,55 @@ def test_make_tiny_removes_the_staging_folders_of_killed_writers(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt"] + [folder.name for folder in living])
 
 
+def test_make_tiny_names_folders_through_links_and_never_moves_the_current_one(tmp_path: Path, capsys, monkeypatch):
+    """`make-tiny .` counted its own staging folder, made inside ".", as a foreign file; `make-tiny "$PWD"` moved the
+    shell's folder aside and deleted it; a link to an empty folder failed ("Is a directory"); and the checkpoint folder
+    came out 0o700 (mkdtemp's) whatever the umask."""
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
+                        lambda directory, seed=0: (Path(directory) / "modular_model_index.json").write_text("{}"))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for name in (".", str(here)):
+        code, err = run_cli(["make-tiny", name], capsys)
+        assert code == 2 and "is the current folder or holds it" in err, err
+        assert here.is_dir() and list(here.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    old_umask = os.umask(0o027)
+    try:
+        assert run_cli(["make-tiny", str(tmp_path / "link")], capsys)[0] == 0
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "link").is_symlink() and (real / "modular_model_index.json").is_file()
+    assert real.stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]  # no staging or old folder left
+
+
+def test_a_ctrl_c_landing_as_the_command_ends_still_exits_130(tmp_path: Path, capsys, monkeypatch):
+    """A Ctrl-C delivered while main() restores its SIGTERM handler (just after a song was written, the models being
+    freed) escaped as a traceback."""
+    import signal
+
+    monkeypatch.setattr(cli, "run_make_tiny", lambda args: None)
+    real, calls = signal.signal, []
+
+    def interrupted_restore(signum, handler):
+        calls.append(signum)
+        previous = real(signum, handler)
+        if len(calls) == 2:  # main()'s restore, in its finally
+            raise KeyboardInterrupt
+        return previous
+
+    monkeypatch.setattr(signal, "signal", interrupted_restore)
+    try:
+        code, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
+    except KeyboardInterrupt:  # uncaught, it would stop the test run rather than fail this test
+        pytest.fail("main() let the KeyboardInterrupt out")
+    assert len(calls) == 2 and (code, err) == (130, "interrupted\n")
+
+
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt

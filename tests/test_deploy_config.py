@@ -486,6 +486,38 @@ def test_huge_values_are_refused_and_quoted_short(changes, path):
     assert message.startswith(f"{SOURCE}: {path}: ") and len(message) < 600, message
 
 
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("stages: [{<<: {stage_id: 0, max_num_seqs: 4, max_num_seqs: 6}}, {stage_id: 1}]\n",
+         "duplicate key 'max_num_seqs'"),
+        ("a: &a {stage_id: 0}\nb: &b {max_num_seqs: 4}\nstages: [{<<: *a, <<: *b}, {stage_id: 1}]\n",
+         "duplicate key '<<'"),
+    ],
+)
+def test_keys_written_twice_in_a_merged_mapping_or_merge_keys_written_twice_are_refused(tmp_path, text, says):
+    """PyYAML merges a mapping's pairs without constructing it, so its keys went unchecked; and of two merge keys in
+    one mapping it kept the last."""
+    path = tmp_path / "merged.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=says):
+        load_deploy_config(path)
+
+
+def test_a_config_past_its_size_limit_is_refused_after_reading_at_most_one_byte_more(tmp_path, monkeypatch):
+    """--config /dev/zero grew to 22 GB before the kernel killed the process; a 200 MB file of comments parsed for
+    minutes."""
+    from music3serve.serving import deploy_yaml
+
+    with pytest.raises(ConfigError, match=r"over 1048576 bytes"):
+        load_deploy_config("/dev/zero")
+    monkeypatch.setattr(deploy_yaml, "MAX_CONFIG_BYTES", 100)
+    path = tmp_path / "long.yaml"
+    path.write_text("# " + "x" * 98 + "\n")
+    with pytest.raises(ConfigError, match=r"long\.yaml: the deploy config is over 100 bytes"):
+        load_deploy_config(path)
+
+
 def test_merge_keys_are_not_duplicates(tmp_path):
     path = tmp_path / "anchors.yaml"
     text = "stages:\n  - &s {stage_id: 0, max_num_seqs: 4}\n  - <<: *s\n    stage_id: 1\n    max_num_seqs: 2\n"

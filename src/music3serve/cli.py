@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import tempfile
+import uuid
 import threading
 from pathlib import Path
 from types import FrameType
@@ -61,10 +62,16 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
     blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise Music3Error(f"cannot write a checkpoint to {target}: {blocking} is a file, not a folder")
+    target = Path(os.path.realpath(target))  # "." or a link: the folder it names, whose parent holds the staging
+    here = current_folder()
+    if here is not None and target.exists() and target in (here, *here.parents):
+        raise Music3Error(f"{target} is the current folder or holds it, and a checkpoint replaces its folder whole: "
+                          "run from another folder")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_orphaned_staging(target.parent)
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
+        staging = target.parent / f"{STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        staging.mkdir()  # as mkdir(1) makes a folder (0o777 less the umask; mkdtemp's are 0o700)
     except OSError as exc:
         raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
     try:
@@ -79,6 +86,14 @@ def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
 
 
 STAGING_PREFIX = ".tiny-new-"  # then the writer's pid, a dash and a random suffix
+
+
+def current_folder() -> Path | None:
+    """The working folder, links resolved; None where it was removed."""
+    try:
+        return Path(os.path.realpath(os.getcwd()))
+    except OSError:
+        return None
 
 
 def remove_orphaned_staging(folder: Path) -> None:
@@ -123,7 +138,7 @@ def put_in_place(staging: Path, target: Path) -> None:
         return
     aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-old-"))
     try:
-        target.rename(aside)  # onto the empty folder just made; the working directory itself cannot move
+        target.rename(aside)  # onto the empty folder just made
     except BaseException:
         aside.rmdir()
         raise
@@ -382,23 +397,24 @@ def main(argv: list[str] | None = None) -> int:
     on_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
     previous = signal.signal(signal.SIGTERM, exit_on_sigterm) if on_main_thread else None
     try:
-        if args.command == "generate":
-            run_generate(args)
-        elif args.command == "serve":
-            run_serve(args)
-        elif args.command == "bench":
-            run_bench(args)
-        else:
-            run_make_tiny(args)
-    except (Music3Error, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        try:
+            if args.command == "generate":
+                run_generate(args)
+            elif args.command == "serve":
+                run_serve(args)
+            elif args.command == "bench":
+                run_bench(args)
+            else:
+                run_make_tiny(args)
+        except (Music3Error, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+    except KeyboardInterrupt:  # outside the finally too: a Ctrl-C may land while it runs (the command's memory freed)
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

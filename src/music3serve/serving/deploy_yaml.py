@@ -48,6 +48,9 @@ class _Quote(reprlib.Repr):
 quote = _Quote().repr
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a deploy YAML is a few KB; a file past this is not one (and would parse for minutes)
+
+
 def read_deploy_yaml(path: Path | str | None) -> tuple[Any, str]:
     """The loaded document of a deploy YAML and the name errors give it; None reads default_deploy.yaml."""
     if path == "":  # Path("") is the current folder: an error about reading "." would not say what went wrong
@@ -59,9 +62,13 @@ def read_deploy_yaml(path: Path | str | None) -> tuple[Any, str]:
     else:
         file, source = Path(path), str(path)
     try:
-        text = file.read_text(encoding="utf-8")
+        with file.open("rb") as stream:  # at most one byte past the limit: /dev/zero ends here too
+            data = stream.read(MAX_CONFIG_BYTES + 1)
+        text = data.decode("utf-8")
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path, or text that is not UTF-8
         raise ConfigError(f"{source}: cannot read the deploy config: {exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: the deploy config is over {MAX_CONFIG_BYTES} bytes (one is a few KB)")
     loader = None
     try:
         loader = _Loader(text, source)  # its reader refuses control characters here already
@@ -103,6 +110,7 @@ class _Loader(yaml.SafeLoader):
         return "" if steps is None else f"{_joined(steps) or '<top level>'}: "
 
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        _refuse_duplicates(self, node)  # here, so that the mappings a merge key copies from are checked too
         super().flatten_mapping(node)
         # PyYAML before 6.0.4 copies a merged mapping's pairs once per alias to it, so merges of merges grow
         # exponentially. A key node belongs to one pair, so its copies are the same pair: keep the last, which wins.
@@ -124,12 +132,16 @@ def _joined(steps: list[str] | tuple[str, ...]) -> str:
     return "".join(steps).lstrip(".")
 
 
-def _mapping(loader: _Loader, node: yaml.Node, deep: bool = False) -> dict:
+def _refuse_duplicates(loader: _Loader, node: yaml.MappingNode) -> None:
+    """A key written twice in one mapping, the merge key '<<' included, is an error (PyYAML keeps the last)."""
     seen: set[Any] = set()
-    # !!map on a scalar or a list has no pairs to check: construct_mapping refuses it below
-    pairs = node.value if isinstance(node, yaml.MappingNode) else []
-    for key_node, _ in pairs:
+    merges = 0
+    for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
+            merges += 1
+            if merges > 1:
+                raise yaml.constructor.ConstructorError(None, None, "duplicate key '<<' (merge several mappings in "
+                                                        "one: <<: [*a, *b])", key_node.start_mark)
             continue
         key = loader.construct_object(key_node, deep=True)
         try:
@@ -139,6 +151,10 @@ def _mapping(loader: _Loader, node: yaml.Node, deep: bool = False) -> dict:
             continue
         if duplicate:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quote(key)}", key_node.start_mark)
+
+
+def _mapping(loader: _Loader, node: yaml.Node, deep: bool = False) -> dict:
+    """A mapping, its keys checked by flatten_mapping (!!map on a scalar or a list: construct_mapping refuses it)."""
     return loader.construct_mapping(node, deep=deep)
 
 
