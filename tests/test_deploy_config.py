@@ -526,6 +526,20 @@ def test_merge_keys_are_not_duplicates(tmp_path):
     assert (cfg.stages[0].max_num_seqs, cfg.stages[1].max_num_seqs) == (4, 2)
 
 
+def test_a_mapping_that_overrides_a_merged_key_can_be_merged_again():
+    """Once flattened, a mapping holds the merged key beside the one overriding it: only its pairs as written count,
+    and the document reads as PyYAML's own loader reads it."""
+    from music3serve.serving.deploy_yaml import _Loader
+
+    text = "a: &a {x: 1}\nb: &b {<<: *a, x: 2}\nc: {<<: *b, y: 3}\n"
+    loader = _Loader(text, "t")
+    try:
+        data = loader.get_single_data()
+    finally:
+        loader.dispose()
+    assert data == yaml.safe_load(text) and data["b"] == {"x": 2} and data["c"]["y"] == 3
+
+
 def test_a_number_yaml_reads_as_text_says_how_to_write_it():
     """YAML 1.1 reads 5e-1 (no dot) as a string: the error says so and gives the number to write."""
     with pytest.raises(ConfigError, match=r"'5e-1' was read as text: write it with a dot, as 0\.5"):

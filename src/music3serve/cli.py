@@ -11,8 +11,8 @@ import signal
 import socket
 import sys
 import tempfile
-import uuid
 import threading
+import uuid
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn

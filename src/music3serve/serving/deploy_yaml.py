@@ -90,6 +90,7 @@ class _Loader(yaml.SafeLoader):
         self.name = source  # marks in YAML errors name the file, not "<unicode string>"
         self.path: list[str] = []  # the steps to the node being composed
         self.paths: dict[int, tuple[str, ...]] = {}  # the steps to each node, by where it starts in the text
+        self.checked: set[int] = set()  # the mapping nodes whose keys were checked for duplicates (by id)
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         if len(self.path) >= MAX_DEPTH:
@@ -110,7 +111,11 @@ class _Loader(yaml.SafeLoader):
         return "" if steps is None else f"{_joined(steps) or '<top level>'}: "
 
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
-        _refuse_duplicates(self, node)  # here, so that the mappings a merge key copies from are checked too
+        # Here, so that the mappings a merge key copies from are checked too; once, on the pairs as written (a
+        # flattened mapping holds a merged key beside the one that overrides it).
+        if id(node) not in self.checked:
+            self.checked.add(id(node))
+            _refuse_duplicates(self, node)
         super().flatten_mapping(node)
         # PyYAML before 6.0.4 copies a merged mapping's pairs once per alias to it, so merges of merges grow
         # exponentially. A key node belongs to one pair, so its copies are the same pair: keep the last, which wins.
