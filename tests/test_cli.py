@@ -684,11 +684,16 @@ def test_a_ctrl_c_landing_as_the_command_ends_still_exits_130(tmp_path: Path, ca
         return previous
 
     monkeypatch.setattr(signal, "signal", interrupted_restore)
+    assert make_tiny_interrupted(tmp_path, capsys) == (130, "interrupted\n") and len(calls) == 2
+
+
+def make_tiny_interrupted(tmp_path: Path, capsys) -> tuple[int, str]:
+    """run_cli of a make-tiny that a Ctrl-C interrupts; a KeyboardInterrupt main() lets out fails the test (uncaught,
+    it would stop the test run instead)."""
     try:
-        code, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
-    except KeyboardInterrupt:  # uncaught, it would stop the test run rather than fail this test
+        return run_cli(["make-tiny", str(tmp_path / "t")], capsys)
+    except KeyboardInterrupt:
         pytest.fail("main() let the KeyboardInterrupt out")
-    assert len(calls) == 2 and (code, err) == (130, "interrupted\n")
 
 
 def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch):
@@ -696,11 +701,7 @@ def test_ctrl_c_exits_130_saying_interrupted(tmp_path: Path, capsys, monkeypatch
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "run_make_tiny", interrupted)
-    try:
-        code, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
-    except KeyboardInterrupt:  # uncaught, it would stop the test run rather than fail this test
-        pytest.fail("main() let the KeyboardInterrupt out")
-    assert (code, err) == (130, "interrupted\n")
+    assert make_tiny_interrupted(tmp_path, capsys) == (130, "interrupted\n")
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers: main thread")
