@@ -129,14 +129,17 @@ class Attention(nn.Module):
         )
 
 
+def projections(x, qkv_w, heads: int, kv_heads: int, head_dim: int):
+    """q [b, t, heads, head_dim], k and v [b, t, kv_heads, head_dim] of already-normed inputs, as projected."""
+    b, t, _ = x.shape
+    q, k, v = linear(x, qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(b, t, heads, head_dim), k.view(b, t, kv_heads, head_dim), v.view(b, t, kv_heads, head_dim)
+
+
 @hot
 def attention_inputs(x, qkv_w, q_norm_w, k_norm_w, cos, sin, eps: float, heads: int, kv_heads: int):
-    b, t, _ = x.shape
-    head_dim = q_norm_w.shape[0]
-    q, k, v = linear(x, qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = apply_rope(rms_norm(q.view(b, t, heads, head_dim), q_norm_w, eps), cos, sin)
-    k = apply_rope(rms_norm(k.view(b, t, kv_heads, head_dim), k_norm_w, eps), cos, sin)
-    return q, k, v.view(b, t, kv_heads, head_dim)
+    q, k, v = projections(x, qkv_w, heads, kv_heads, q_norm_w.shape[0])
+    return apply_rope(rms_norm(q, q_norm_w, eps), cos, sin), apply_rope(rms_norm(k, k_norm_w, eps), cos, sin), v
 
 
 class DecoderLayer(nn.Module):
@@ -151,11 +154,9 @@ class DecoderLayer(nn.Module):
         eps, cfg = self.attn.cfg.eps, self.attn.cfg
         h = normed(x, self.attn_norm.weight, eps)
         if getattr(attend, "takes_projections", False):
-            b, t, _ = h.shape
-            q, k, v = linear(h, self.attn.qkv.weight).split(
-                [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim], dim=-1)
             transform = QKTransform(self.attn.q_norm.weight, self.attn.k_norm.weight, eps, *rope)
-            attn_out = attend(layer, *(p.view(b, t, -1, cfg.head_dim) for p in (q, k, v)), transform)
+            attn_out = attend(layer, *projections(h, self.attn.qkv.weight, cfg.heads, cfg.kv_heads, cfg.head_dim),
+                              transform)
         else:
             attn_out = attend(layer, *self.attn.inputs(h, rope))
         return residual_mlp(

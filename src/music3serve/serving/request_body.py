@@ -76,11 +76,11 @@ class BoundedBody:
         if scope["type"] == "http" and scope["method"] == "POST":
             headers = dict(scope["headers"])
             length = headers.get(b"content-length", b"").decode("latin-1")
-            if not length or b"transfer-encoding" in headers:
+            chunked = b"transfer-encoding" in headers
+            if not length or chunked:
                 path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
                 if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
                     return await self.app(scope, receive, send)
-                chunked = b"transfer-encoding" in headers
                 message = "send the body with a Content-Length header"
                 if chunked:
                     message += ", not in chunks (Transfer-Encoding)"
