@@ -1064,6 +1064,30 @@ def test_a_device_override_that_puts_both_stages_on_one_gpu_checks_their_memory_
         Engine.from_pretrained("unused", deploy, device="cuda:0")
 
 
+@pytest.mark.parametrize("override", ["cpu", "cpu:0", torch.device("cpu"), "cuda:1", torch.device("cuda", 1)])
+def test_any_spelling_of_a_device_override_loads_the_talker_in_the_dtype_of_its_kind(monkeypatch, override):
+    """The CPU runs the talker in float32 however it is named ("cpu:0" and torch.device("cpu") took the deploy file's
+    bfloat16, another song for the same seed); the override reaches the loader as a device string."""
+    loaded = {}
+
+    def fake_load_models(root, device, talker_dtype, acoustic, progress):
+        loaded.update(device=device, dtype=talker_dtype)
+        raise RuntimeError("stop before building the engine")
+
+    monkeypatch.setattr("music3serve.serving.engine.load_models", fake_load_models)
+    with pytest.raises(RuntimeError, match="stop before"):
+        Engine.from_pretrained("unused", device=override)
+    cpu = torch.device(override).type == "cpu"
+    assert loaded == {"device": str(torch.device(override)), "dtype": torch.float32 if cpu else torch.bfloat16}
+
+
+@pytest.mark.parametrize("override", ["gpu", "cuda:x", 3.5])
+def test_a_device_override_that_names_no_device_is_refused(monkeypatch, override):
+    monkeypatch.setattr("music3serve.serving.engine.load_models", lambda *a, **k: pytest.fail("models loaded"))
+    with pytest.raises(Music3Error, match="device override .* is not a torch device"):
+        Engine.from_pretrained("unused", device=override)
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_stages_on_different_gpus_split_only_where_there_are_gpus(monkeypatch, cuda):
     """The seed layout (stage 1 on another GPU) runs split on a machine with two GPUs; on a machine without CUDA both

@@ -58,7 +58,7 @@ def test_the_depth_decoders_decode_path_traces_whole_and_matches_plain(models):
     projected = torch.randn(6, 5, depth.cfg.hidden, generator=torch.Generator().manual_seed(1))
 
     def calls():
-        cache = DepthKV(in_buffers=True)
+        cache = DepthKV()
         return [depth(projected[:, :2], cache)] + [depth(projected[:, t : t + 1], cache) for t in range(2, 5)]
 
     plain = calls()

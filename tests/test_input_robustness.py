@@ -28,7 +28,7 @@ from music3serve import cli
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
 from music3serve.errors import EngineBusy, InputError, Music3Error
-from music3serve.pipeline import check_seed, frames_for_duration
+from music3serve.prompt import check_seed, frames_for_duration
 from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_caption, normalize_lyrics
 from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config

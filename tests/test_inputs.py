@@ -10,7 +10,9 @@ import pytest
 
 from music3serve import contract
 from music3serve.errors import InputError
-from music3serve.pipeline import Pipeline, check_seed, check_steps, frame_budget, frames_for_duration
+from music3serve.contract import frame_budget
+from music3serve.pipeline import Pipeline
+from music3serve.prompt import check_seed, check_steps, frames_for_duration
 from music3serve.tokenizer import load_tokenizer
 
 

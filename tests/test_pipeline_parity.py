@@ -27,7 +27,8 @@ from diffusers.modular_pipelines.minimax_music3.denoise import MiniMaxMusic3Chun
 from music3serve import contract
 from music3serve.acoustic.solver import noise, time_grid
 from music3serve.acoustic.windows import song_windows
-from music3serve.pipeline import MAX_STEPS, Pipeline, frames_for_duration
+from music3serve.pipeline import Pipeline
+from music3serve.prompt import MAX_STEPS, frames_for_duration
 from music3serve.talker.windows import WindowTracker
 from music3serve.talker.sampling import sample_top_k
 

@@ -249,6 +249,9 @@ def test_lyrics_injection_reaches_the_model_as_special_tokens(tokenizer: Tokeniz
         ("Pop", None, "lyrics", "NoneType"),
         ("Pop", 7, "lyrics", "int"),
         ("Pop", b"la", "lyrics", "bytes"),
+        ("\u200b\u200b", "[verse]\nx", "caption", "invisible"),  # zero-width spaces (format characters)
+        ("Pop", "\ufeff \u200d", "lyrics", "invisible"),  # a byte-order mark and a zero-width joiner
+        ("\x00", "[verse]\nx", "caption", "invisible"),  # a control character
     ],
 )
 def test_bad_text_inputs(tokenizer: Tokenizer, caption, lyrics, field: str, detail: str) -> None:

@@ -64,6 +64,42 @@ def test_a_window_out_of_order_fails_its_song_alone():
     assert all(song == "b" for batch in renderer.batches for song, _ in batch)
 
 
+def test_a_songs_first_queued_window_must_be_the_renderers_next_one():
+    """Window 0 lost: window 1 fails its song before it reaches the renderer (inside a batch the renderer would refuse
+    the call, and a window retried alone that fails counts toward stopping stage 1)."""
+    renderer = StandIn()
+    chunks, errors = run_loop(renderer, [[window("a", 1), window("b", 0)]])
+    assert errors == [("a", "stage 1 got window 1 of song 'a' where window 0 was due (an earlier one was lost)")]
+    assert chunks == [("b", 0)] and renderer.batches == [[("b", 0)]]
+
+
+def test_a_failed_song_is_forgotten_by_the_renderer_and_by_the_loop_once_cancelled():
+    """The renderer drops a failed song's carry at once; the engine's cancel then clears the loop's record of it, so
+    the id can be used again."""
+    renderer = StandIn()
+    feed = iter([[window("a", 0)], [window("a", 2)], [("cancel", "a")], [("stop",)]])
+    seen = []
+
+    def inbox(block: bool) -> list:
+        seen.append((dict(renderer.next), set(loop.failed)))
+        return next(feed)
+
+    loop = RenderLoop(renderer, inbox, lambda out: None, lambda song, message: None)
+    loop.run()
+    assert seen == [({}, set()), ({"a": 1}, set()), ({}, {"a"}), ({}, set())]
+
+
+def test_the_loop_waits_for_work_only_when_none_is_queued():
+    """The inbox blocks (waits up to its poll) only with nothing to render: with windows queued it is read without
+    waiting, so a render call never starts late."""
+    renderer = StandIn()
+    renderer.max_batch = 1
+    blocks = []
+    feed = iter([[window("a", 0), window("b", 0)], [], [], [("stop",)]])
+    RenderLoop(renderer, lambda block: blocks.append(block) or next(feed), lambda out: None, lambda s, m: None).run()
+    assert blocks == [True, False, True, True]
+
+
 
 def test_songs_take_turns_when_more_are_ready_than_a_batch_holds():
     """Round robin: a song served goes to the back of the line, so three songs in batches of two take turns."""

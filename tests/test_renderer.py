@@ -14,8 +14,8 @@ import torch
 
 from music3serve import contract
 from music3serve.acoustic.precision import BFLOAT16, FLOAT32, Bf16x3Linear, PrecisionPolicy, float32_matmuls
-from music3serve.acoustic.renderer import Renderer, WindowPayload, euler_masked
-from music3serve.acoustic.solver import Carry, noise, solve, time_grid
+from music3serve.acoustic.renderer import Renderer, WindowPayload
+from music3serve.acoustic.solver import Carry, euler_masked, noise, solve, time_grid
 from music3serve.acoustic.windows import Window, song_samples, song_windows
 from music3serve.bench.precision import measure_precision, rel_err, snr_db
 from music3serve.checkpoint import load_component, load_models
@@ -205,6 +205,49 @@ def test_batched_windows_equal_windows_rendered_alone(models):
         assert rel_err(one, many) <= 1e-6
 
 
+def rows_seen(models) -> tuple[list[int], list[int], list]:
+    """DiT and vocoder input rows of each call, recorded by forward pre-hooks (remove the returned hooks)."""
+    dit_rows, vocoder_rows = [], []
+    hooks = [models.dit.register_forward_pre_hook(lambda m, a: dit_rows.append(a[0].shape[0])),
+             models.vocoder.register_forward_pre_hook(lambda m, a: vocoder_rows.append(a[0].shape[0]))]
+    return dit_rows, vocoder_rows, hooks
+
+
+def test_a_call_with_more_windows_than_max_batch_runs_in_batches_of_max_batch(models):
+    """Three first windows of 689 columns with max_batch 2: DiT calls of at most 2 windows' cond + uncond rows,
+    vocoder calls of at most 2 windows, and each window as rendered alone."""
+    alone = Renderer.from_models(models)
+    first = {song: alone.payloads(song, seed, alone.mix(raw), STEPS)[0] for song, (seed, raw) in three_songs().items()}
+    expected = {song: alone.render([payload])[0] for song, payload in first.items()}
+    dit_rows, vocoder_rows, hooks = rows_seen(models)
+    try:
+        out = Renderer.from_models(models, max_batch=2).render(list(first.values()))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(dit_rows) == sorted([4] * STEPS + [2] * STEPS) and sorted(vocoder_rows) == [1, 2]
+    for window in out:
+        assert rel_err(expected[window.song].latent, window.latent) <= 1e-5
+        assert rel_err(expected[window.song].pcm, window.pcm) <= 1e-4
+
+
+def test_windows_of_one_length_with_different_steps_each_take_their_own(models):
+    """One call holding a 1-step and a 3-step window of the same length runs 1 + 3 DiT calls, and each window is the
+    one rendered alone with its steps."""
+    raw, mixer = three_songs(), Renderer.from_models(models)
+    payloads = [mixer.payloads(song, raw[song][0], mixer.mix(raw[song][1]), steps)[0] for song, steps in (("a", 1), ("b", 3))]
+    expected = [Renderer.from_models(models).render([p])[0] for p in payloads]
+    dit_rows, _, hooks = rows_seen(models)
+    try:
+        out = Renderer.from_models(models).render(payloads)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert dit_rows == [2] * 4
+    for want, got in zip(expected, out):
+        assert torch.equal(want.latent, got.latent) and torch.equal(want.pcm, got.pcm)
+
+
 def test_out_of_order_and_malformed_payloads_raise(renderer):
     mixed = renderer.mix(conditioning(450, 4))
     payloads = renderer.payloads("x", 5, mixed, 1)
@@ -224,6 +267,9 @@ def test_out_of_order_and_malformed_payloads_raise(renderer):
         renderer.render([WindowPayload("x", 5, payloads[1].window, payloads[1].mixed[:10], 1)])
     with pytest.raises(ValueError, match="contract geometry"):
         renderer.render([WindowPayload("x", 5, Window(1, 100, 150, last=False), mixed[100:250], 1)])
+    for steps in (0, True, 1.5):
+        with pytest.raises(ValueError, match="steps must be a positive integer"):
+            renderer.render([WindowPayload("x", 5, payloads[1].window, payloads[1].mixed, steps)])
     # A bad payload stops the whole call before anything renders: y's window 0 is still y's next.
     good = renderer.payloads("y", 5, mixed, 1)[0]
     with pytest.raises(ValueError):

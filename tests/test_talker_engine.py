@@ -18,7 +18,6 @@ from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
 from music3serve.models.depth_decoder import DepthKV
-from music3serve.talker import frame as frame_module
 from music3serve.talker.depth_inputs import DepthInputs
 from music3serve.talker.engine import device_bytes
 from music3serve.talker.frame import talker_frame
@@ -133,6 +132,8 @@ def test_budget_is_capped_by_the_context(models):
     talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_model_len=64))
     cond, uncond = prompt(models, 0)
     assert talker.submit("a", cond, uncond, 1, 9000) == 64 - len(cond)
+    roomy = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    assert roomy.submit("long", cond, uncond, 1, 9500) == contract.MAX_FRAMES  # the 9000-frame cap, room for more
     with pytest.raises(InputError, match="already in use"):
         talker.submit("a", cond, uncond, 1, 10)
     with pytest.raises(InputError, match="max_model_len"):
@@ -219,9 +220,9 @@ def test_cached_depth_calls_equal_recomputed_ones(models, solo):
 @pytest.mark.parametrize("depth_cache", [True, False, "table"], ids=["cached", "recomputed", "looked up"])
 def test_a_frame_needs_no_more_depth_positions_than_its_eight_codes(models, depth_cache):
     """A depth decoder with exactly 8 learned positions (the least the loader accepts) writes the frame it writes
-    with 16: no depth call reads past position 7, nor does building the table of looked-up positions. With the
-    table the keys and values sit in buffers of 8 positions instead of 16, and the CPU's reference attention, which
-    sums over the whole buffer, rounds the conditioning another way (measured 6e-7)."""
+    with 16: no depth call reads past position 7, nor does building the table of looked-up positions. Cached, the
+    keys and values sit in buffers of 8 positions instead of 16, and the CPU's reference attention, which sums over
+    the whole buffer, rounds the conditioning another way (measured 6e-7)."""
     depth = copy.deepcopy(models.depth_decoder)
     depth.positions = torch.nn.Embedding.from_pretrained(depth.positions.weight[: contract.NUM_CODEBOOKS].clone())
     depth.cfg = dataclasses.replace(depth.cfg, positions=contract.NUM_CODEBOOKS)
@@ -233,31 +234,30 @@ def test_a_frame_needs_no_more_depth_positions_than_its_eight_codes(models, dept
     got = talker_frame(lm, depth, hidden, seeds, frames, bool(depth_cache), tables[1])
     for name in ("codes", "ended", "feedback"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    if depth_cache == "table":
+    if depth_cache:
         torch.testing.assert_close(got.conditioning, want.conditioning, rtol=1e-5, atol=1e-6)
     else:
         assert torch.equal(got.conditioning, want.conditioning)
 
 
-@pytest.mark.parametrize("in_buffers", [False, True], ids=["concatenated", "buffers"])
-def test_depth_decoder_cache_equals_recompute_position_by_position(models, in_buffers):
-    """Both caches give the recomputed hidden states; the buffers (CUDA's decode-attention path, run here by its
-    torch reference) hold the concatenated cache's keys and values at the same positions."""
+def test_depth_decoder_cache_equals_recompute_position_by_position(models):
+    """Cached calls (decode attention on buffers, run here by its torch reference) give the recomputed hidden states,
+    and their buffers hold the keys and values that one call over the whole sequence writes."""
     from music3serve.models.depth_decoder import DepthKV
 
     depth = models.depth_decoder
     projected = torch.randn(4, 8, depth.cfg.hidden, generator=torch.Generator().manual_seed(0))
-    whole = depth(projected)
-    cache, grown = DepthKV(in_buffers), DepthKV()
+    at_once = DepthKV()
+    whole = depth(projected, at_once)
+    cache = DepthKV()
     steps = [depth(projected[:, :2], cache)] + [depth(projected[:, t : t + 1], cache) for t in range(2, 8)]
-    for t in [slice(0, 2)] + [slice(t, t + 1) for t in range(2, 8)]:
-        depth(projected[:, t], grown)
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-6)
-    assert cache.length == 8
-    for keys, grown_keys in zip(cache.keys + cache.values, grown.keys + grown.values):
-        torch.testing.assert_close(keys[:, :, :8], grown_keys, rtol=1e-5, atol=1e-6)
-    if in_buffers:  # the first block's keys and values come straight from the inputs: the same bits
-        assert torch.equal(cache.keys[0][:, :, :8], grown.keys[0]) and torch.equal(cache.values[0][:, :, :8], grown.values[0])
+    assert cache.length == at_once.length == 8
+    for keys, whole_keys in zip(cache.keys + cache.values, at_once.keys + at_once.values):
+        torch.testing.assert_close(keys[:, :, :8], whole_keys[:, :, :8], rtol=1e-5, atol=1e-6)
+    # the first block's keys and values come straight from the inputs: the same bits
+    assert torch.equal(cache.keys[0][:, :, :8], at_once.keys[0][:, :, :8])
+    assert torch.equal(cache.values[0][:, :, :8], at_once.values[0][:, :, :8])
     with pytest.raises(ValueError, match="one new position"):
         depth(projected[:, :2], cache)
 
@@ -269,13 +269,12 @@ def bf16_models(tiny_dir: Path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("songs", [1, 3, 8])
-def test_looked_up_depth_inputs_equal_computed_ones(models, bf16_models, monkeypatch, dtype, songs):
+def test_looked_up_depth_inputs_equal_computed_ones(models, bf16_models, dtype, songs):
     """A frame whose depth calls 2..7 take their new position and first q, k, v from DepthInputs (the engine's default)
     equals the frame that computes them on the same buffers: bit for bit in bf16; in float32 the CPU's GEMM rounds 2
     rows other than 16, so the conditioning agrees to float32 precision and the codes exactly."""
     chosen = models if dtype == torch.float32 else bf16_models
     lm, depth = chosen.language_model, chosen.depth_decoder
-    monkeypatch.setattr(frame_module, "DepthKV", lambda in_buffers: DepthKV(in_buffers=True))
     inputs = DepthInputs(depth)
     hidden = torch.randn(2 * songs, lm.cfg.hidden, generator=torch.Generator().manual_seed(songs)).to(dtype)
     seeds, frames = torch.arange(songs) + 7, torch.arange(songs) + 2
@@ -327,19 +326,16 @@ def test_the_engine_reads_its_depth_inputs(models, solo, part):
     assert not torch.equal(codes[0], solo[0].codes)
 
 
-def test_depth_inputs_serve_cached_calls_on_buffers_only(models):
-    """A table with recomputed depth calls, and first q, k, v given to a call that is not a cached one on buffers
-    after the first (no cache, a first call, a concatenated cache), are refused."""
+def test_depth_inputs_serve_cached_calls_only(models):
+    """A table with recomputed depth calls, and first q, k, v given to a call that is not a cached one after the
+    first (no cache, or a cache's first call), are refused."""
     lm, depth = models.language_model, models.depth_decoder
     inputs, hidden = DepthInputs(depth), torch.zeros(2, lm.cfg.hidden)
     with pytest.raises(ValueError, match="cached depth calls"):
         talker_frame(lm, depth, hidden, torch.tensor([1]), torch.tensor([0]), False, inputs)
     projected, qkv = torch.zeros(2, 2, depth.cfg.hidden), inputs.table[:2, depth.cfg.hidden :]
-    grown = DepthKV()
-    depth(projected, grown)
-    for cache, x in ((None, projected[:, :1]), (DepthKV(), projected), (DepthKV(in_buffers=True), projected),
-                     (grown, projected[:, :1])):
-        with pytest.raises(ValueError, match="first_qkv is for a cached depth call on buffers"):
+    for cache, x in ((None, projected[:, :1]), (None, projected), (DepthKV(), projected)):
+        with pytest.raises(ValueError, match="first_qkv is for a cached depth call after the first"):
             depth(x, cache, first_qkv=qkv)
 
 

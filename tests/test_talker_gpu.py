@@ -74,7 +74,7 @@ def test_depth_decode_attention_gives_the_recomputed_hidden_states(tiny_dir, dty
     projected = torch.randn(16, 8, depth.cfg.hidden, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
 
     def cached(x):
-        cache = DepthKV(in_buffers=True)
+        cache = DepthKV()
         return torch.cat([depth(x[:, :2], cache)] + [depth(x[:, t : t + 1], cache) for t in range(2, 8)], dim=1)
 
     whole, steps = depth(projected).float(), cached(projected)

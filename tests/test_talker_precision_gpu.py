@@ -120,7 +120,7 @@ def our_depth_logits(root: Path, x: torch.Tensor) -> torch.Tensor:
     position embedding added in its projection GEMM's epilogue, on cached keys and values."""
     depth = load_component(root, "depth_decoder", DEVICE, torch.bfloat16)
     x, weight, positions = x.to(DEVICE), depth.projection.weight, depth.positions.weight
-    cache = DepthKV(in_buffers=True)
+    cache = DepthKV()
     out = [depth(linear(x[:, :2], weight) + positions[:2], cache, positioned=True)[:, -1]]
     for t in range(2, contract.NUM_CODEBOOKS):
         new = linear(x[:, t], weight, residual=positions[t].expand(x.shape[0], -1))[:, None]

@@ -119,3 +119,16 @@ def test_is_song_window_knows_the_windows_of_every_song():
     candidates = {Window(i, s, f, last) for i in range(-1, 10) for s in (100 * i, 100 * i + 1) for f in range(0, 202)
                   for last in (False, True)}
     assert {w for w in candidates if is_song_window(w)} == {w for w in candidates if w in ours}
+
+
+def test_the_talker_hands_each_window_on_once_frame_201_of_it_exists():
+    """Window i (frames 100 i ..) goes out with frame 100 i + 201, not a frame sooner or later; at the end, the rest."""
+    from music3serve.talker.windows import WindowTracker
+
+    tracker = WindowTracker()
+    assert all(tracker.ready(frames) == [] for frames in range(1, 201))
+    assert tracker.ready(201) == [Window(0, 0, 200, False)]
+    assert all(tracker.ready(frames) == [] for frames in range(202, 301))
+    assert tracker.ready(301) == [Window(1, 100, 200, False)]
+    assert tracker.ready(520) == [Window(2, 200, 200, False), Window(3, 300, 200, False)]  # two steps' worth at once
+    assert tracker.finish(520) == song_windows(520)[4:] and tracker.finish(520) == []

@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from .pipeline import Pipeline, check_seed, check_steps, frames_for_duration
+    from .pipeline import Pipeline
+    from .prompt import check_seed, check_steps, frames_for_duration
     from .prompt import check_text, encode_prompt
     from .tokenizer import load_tokenizer
 
@@ -344,7 +345,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def run_make_tiny(args: argparse.Namespace) -> None:
-    from .pipeline import check_seed
+    from .prompt import check_seed
 
     check_seed(args.seed)
     if not args.directory:

@@ -82,3 +82,8 @@ def window_starts(frames: int) -> list[int]:
 def window_frames(frames: int, start: int) -> int:
     """Frames covered by the window that begins at `start`."""
     return min(start + WINDOW_FRAMES, frames) - start
+
+
+def frame_budget(requested: int, prompt_tokens: int, context: int = MAX_CONTEXT) -> int:
+    """Frames a song may have: the request, the 9000-frame cap, and what fits in the context after the prompt."""
+    return min(requested, MAX_FRAMES, context - prompt_tokens)

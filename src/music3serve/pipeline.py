@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from functools import cached_property
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from .acoustic.renderer import Renderer
 from .checkpoint import Music3Models, load_models
 from .errors import InputError
 from .models.language_model import KVCache
-from .prompt import encode_prompt
+from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from .talker.frame import talker_frame
 
 log = logging.getLogger(__name__)
@@ -39,49 +38,6 @@ class Song:
     @property
     def frames(self) -> int:
         return self.codes.shape[0]
-
-
-def _shown(value: object) -> str:
-    """A refused value as error messages quote it: short, and no decimal string of a huge int (Python refuses)."""
-    if isinstance(value, int) and value.bit_length() > 256:
-        return f"an integer of {value.bit_length()} bits"
-    return f"{value!r:.80}"
-
-
-def frames_for_duration(duration: object) -> int:
-    """Requested frames for a duration in seconds (validated)."""
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or (
-        isinstance(duration, float) and not math.isfinite(duration)
-    ):
-        raise InputError(f"duration must be a finite number of seconds, got {_shown(duration)}")
-    if duration <= 0 or duration > contract.MAX_DURATION_S:
-        raise InputError(f"duration must be in (0, {contract.MAX_DURATION_S:g}] seconds, got {_shown(duration)}")
-    frames = min(int(duration * contract.FRAME_RATE), contract.MAX_FRAMES)
-    if frames == 0:
-        raise InputError(f"duration {float(duration)!r} s is shorter than one frame (1/{contract.FRAME_RATE} s)")
-    return frames
-
-
-def check_seed(seed: object) -> int:
-    if not contract.is_seed(seed):
-        raise InputError(f"seed must be an integer in [0, 2**63), got {_shown(seed)}")
-    return seed
-
-
-# Euler steps a request may ask for (the checkpoint's are 30). A window renders in time proportional to its steps
-# and holds stage 1 meanwhile: 200 keeps that under ~7 windows' time for the songs beside it.
-MAX_STEPS = 200
-
-
-def check_steps(steps: object) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-        raise InputError(f"steps must be an integer in [1, {MAX_STEPS}], got {_shown(steps)}")
-    return steps
-
-
-def frame_budget(requested: int, prompt_tokens: int) -> int:
-    """Frames a song may have: the request, the 9000-frame cap, and what fits in the context after the prompt."""
-    return min(requested, contract.MAX_FRAMES, contract.MAX_CONTEXT - prompt_tokens)
 
 
 class Pipeline:
@@ -120,7 +76,7 @@ class Pipeline:
     ) -> Song:
         requested, seed, steps = frames_for_duration(duration), check_seed(seed), check_steps(steps)
         cond_ids, uncond_ids = encode_prompt(self.models.tokenizer, caption, lyrics)
-        budget = frame_budget(requested, len(cond_ids))
+        budget = contract.frame_budget(requested, len(cond_ids))
         started = time.perf_counter()
         codes, conditioning, ended_by = self.talk(cond_ids, uncond_ids, budget, seed, progress)
         talked = time.perf_counter()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 
 from tokenizers import Tokenizer
 
+from . import contract
 from .contract import AUDIO_CFG, MAX_PROMPT_TOKENS
 from .errors import InputError
 
@@ -110,5 +112,47 @@ def encode_prompt(tokenizer: Tokenizer, caption: str, lyrics: str) -> tuple[list
         raise InputError(
             f"the prompt (caption + lyrics) is {len(cond)} tokens long; the limit is {MAX_PROMPT_TOKENS} tokens"
         )
-    uncond = cond[:1] + [AUDIO_CFG] * (len(cond) - 3) + cond[-2:]
-    return cond, uncond
+    return cond, unconditional_ids(cond)
+
+
+def unconditional_ids(cond: list[int]) -> list[int]:
+    """The unconditional row: every position but the first and the last two replaced by audio_cfg."""
+    return cond[:1] + [AUDIO_CFG] * (len(cond) - 3) + cond[-2:]
+
+
+def _shown(value: object) -> str:
+    """A refused value as error messages quote it: short, and no decimal string of a huge int (Python refuses)."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{value!r:.80}"
+
+
+def frames_for_duration(duration: object) -> int:
+    """Requested frames for a duration in seconds (validated), truncated as the reference does (8.04 s: 200)."""
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or (
+        isinstance(duration, float) and not math.isfinite(duration)
+    ):
+        raise InputError(f"duration must be a finite number of seconds, got {_shown(duration)}")
+    if duration <= 0 or duration > contract.MAX_DURATION_S:
+        raise InputError(f"duration must be in (0, {contract.MAX_DURATION_S:g}] seconds, got {_shown(duration)}")
+    frames = min(int(duration * contract.FRAME_RATE), contract.MAX_FRAMES)
+    if frames == 0:
+        raise InputError(f"duration {float(duration)!r} s is shorter than one frame (1/{contract.FRAME_RATE} s)")
+    return frames
+
+
+def check_seed(seed: object) -> int:
+    if not contract.is_seed(seed):
+        raise InputError(f"seed must be an integer in [0, 2**63), got {_shown(seed)}")
+    return seed
+
+
+# Euler steps a request may ask for (the checkpoint's are 30). A window renders in time proportional to its steps
+# and holds stage 1 meanwhile: 200 keeps that under ~7 windows' time for the songs beside it.
+MAX_STEPS = 200
+
+
+def check_steps(steps: object) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise InputError(f"steps must be an integer in [1, {MAX_STEPS}], got {_shown(steps)}")
+    return steps

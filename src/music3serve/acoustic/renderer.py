@@ -20,10 +20,9 @@ from ..models.dit import DiT
 from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
-from .solver import Carry, noise, solve, time_grid
+from .solver import FULL_LENGTH, Carry, GraphedSolve, noise, solve
 from .windows import Window, carry_span, crop_waveform, is_song_window, song_windows
 
-FULL_LENGTH = contract.latent_length(contract.WINDOW_FRAMES)  # 689: every window but a song's last
 
 
 @dataclass(frozen=True)
@@ -53,61 +52,6 @@ class _SongState:
     seed: int
     next_index: int
     carry: Carry
-
-
-def euler_masked(
-    dit: DiT, initial: torch.Tensor, condition: torch.Tensor, carry: torch.Tensor, mask: torch.Tensor, times: torch.Tensor
-) -> torch.Tensor:
-    """solve() with tensor ops only, for a CUDA graph: every window gets the overlap splice of width
-    carry.shape[-1], masked off (mask [batch, 1, 1] False) for first windows. condition is [2 batch, L, dim]: the
-    cond rows, then zeros for the uncond ones. The same arithmetic as solve(), element by element."""
-    x = initial.clone()
-    ov = carry.shape[-1]
-    prompt = x[..., :ov].clone()
-    for k in range(len(times) - 1):
-        t = times[k]
-        x[..., :ov] = torch.where(mask, (1.0 - (1.0 - contract.NOISE_PROMPT_EPS) * t) * prompt + t * carry, x[..., :ov])
-        velocity = dit(torch.cat([x, x]).to(condition.dtype), t.expand(2 * len(x)), condition).float()
-        v_cond, v_uncond = velocity.chunk(2)
-        x = x + (times[k + 1] - t) * (v_uncond + contract.DIT_CFG_SCALE * (v_cond - v_uncond))
-    x[..., :ov] = torch.where(mask, carry, x[..., :ov])
-    return x
-
-
-class GraphedSolve:
-    """The whole Euler loop for `batch` full-length windows, captured once as a CUDA graph and replayed."""
-
-    def __init__(self, dit: DiT, batch: int, steps: int, stream: torch.cuda.Stream, pool: Any = None):
-        device, dtype = dit.proj_in.weight.device, dit.proj_in.weight.dtype
-        channels, overlap = dit.cfg.channels, min(contract.OVERLAP_LATENT, FULL_LENGTH)
-        self.batch = batch
-        self.initial = torch.zeros(batch, channels, FULL_LENGTH, device=device)
-        self.condition = torch.zeros(2 * batch, FULL_LENGTH, dit.cfg.condition, device=device, dtype=dtype)
-        self.carry = torch.zeros(batch, channels, overlap, device=device)
-        self.mask = torch.zeros(batch, 1, 1, dtype=torch.bool, device=device)
-        self.times = time_grid(steps).to(device)
-
-        def run() -> torch.Tensor:
-            return euler_masked(dit, self.initial, self.condition, self.carry, self.mask, self.times)
-
-        # Warm-up, capture and replay all on the renderer's stream: its cuBLAS workspace is its own.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            run()  # warm-up off the capture: lazy inits, cuBLAS workspaces, kernel choices
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-                self.output = run()
-        stream.synchronize()
-
-    def __call__(self, condition: list[torch.Tensor], initial: list[torch.Tensor], carries: list[Carry | None]):
-        self.initial.copy_(torch.stack(initial))
-        self.condition[: self.batch].copy_(torch.stack(condition))
-        self.mask.copy_(torch.tensor([c is not None for c in carries]).view(-1, 1, 1))
-        for i, c in enumerate(carries):
-            if c is not None:
-                self.carry[i].copy_(c.latent[:, : self.carry.shape[-1]])
-        self.graph.replay()
-        return list(self.output.clone())
 
 
 class Renderer:

@@ -7,11 +7,11 @@ import time
 import torch
 
 from .. import contract
+from ..prompt import unconditional_ids
 from ..talker.engine import Talker, TalkerConfig
 from ..talker.frame import sample_semantic, talker_frame
 from . import attention
 from .common import COPY_BW, graphed, param_bytes, random_module, table, time_ms
-
 
 
 def weight_floor_ms(lm, depth, looked_up: bool = False) -> float:
@@ -29,8 +29,7 @@ def admit(talker: Talker, songs: int, prompt_tokens: int) -> None:
     gen = torch.Generator().manual_seed(songs)
     for i in range(songs):
         ids = torch.randint(0, 151643, (prompt_tokens,), generator=gen).tolist()
-        uncond = [ids[0]] + [contract.AUDIO_CFG] * (prompt_tokens - 3) + ids[-2:]
-        talker.submit(f"bench{i}", ids, uncond, seed=i, requested_frames=contract.MAX_FRAMES)
+        talker.submit(f"bench{i}", ids, unconditional_ids(ids), seed=i, requested_frames=contract.MAX_FRAMES)
     while talker.waiting:
         talker.step()
     torch.cuda.synchronize()  # the step left queued on the talker's stream must not overlap what is timed next

@@ -48,11 +48,10 @@ class DepthBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden)
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
-    def forward(
-        self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block over a whole depth sequence x [rows, t, hidden]; returns x and every position's keys and values."""
         return depth_block(
-            x, past_k, past_v, self.attn_norm.weight, self.qkv.weight, self.o.weight, self.mlp_norm.weight,
+            x, self.attn_norm.weight, self.qkv.weight, self.o.weight, self.mlp_norm.weight,
             self.mlp.gate_up.weight, self.mlp.down.weight, self.attn_norm.eps, self.heads,
         )
 
@@ -76,17 +75,13 @@ class DepthBlock(nn.Module):
 
 
 @hot
-def depth_block(x, past_k, past_v, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int):
-    """One causal depth-decoder block over the new positions x [rows, t, hidden] after the past ones (keys and
-    values [rows, heads, past, head_dim]; past is 0, or t is 1). Returns x and the keys and values of all."""
+def depth_block(x, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int):
+    """One causal depth-decoder block over positions x [rows, t, hidden]. Returns x and the keys and values [rows,
+    heads, t, head_dim]."""
     b, t, h = x.shape
     qkv = linear(rms_norm(x, attn_norm_w, eps), qkv_w)
     q, k, v = (p.view(b, t, heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
-    if past_k.shape[2]:  # one new position after cached ones: it sees them all (a branch, not a SymBool flag)
-        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
-        attn = F.scaled_dot_product_attention(q, k, v)
-    else:
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     x = linear(attn.transpose(1, 2).reshape(b, t, h), o_w, residual=x)
     return swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w, residual=x), k, v
 
@@ -103,20 +98,17 @@ def split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tens
 
 
 class DepthKV:
-    """Keys and values of the depth positions run so far in one frame, per block.
+    """Keys and values of the depth positions run so far in one frame, per block, in buffers of every position
+    [rows, heads, capacity, head_dim]: the first call writes its positions there, and each later call runs decode
+    attention, which stores the new position's key and value itself (kernels/decode_attention.py: on CUDA one Triton
+    kernel per block, whose arithmetic per row does not depend on the rows beside it; its torch reference on the
+    CPU)."""
 
-    Concatenated (the default): each cached call attends with SDPA over the grown keys, the same bits as
-    recomputing the sequence (on the CPU). ``in_buffers``: the first call's keys and values go into buffers of every
-    position [rows, heads, capacity, head_dim] and each later call runs decode attention, which stores the new
-    position's key and value itself (kernels/decode_attention.py): on CUDA one Triton kernel per block instead of
-    SDPA plus two concatenations, whose arithmetic per row does not depend on the rows beside it."""
-
-    def __init__(self, in_buffers: bool = False) -> None:
-        self.in_buffers = in_buffers
+    def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
-        self.steps: torch.Tensor | None = None  # in_buffers: row p holds p in every column (lengths and positions)
+        self.steps: torch.Tensor | None = None  # row p holds p in every column (lengths and positions)
 
 
 class DepthDecoder(nn.Module):
@@ -139,34 +131,30 @@ class DepthDecoder(nn.Module):
         """Normed hidden states [rows, t, hidden] of a projected depth sequence [rows, t, hidden]. With a cache,
         `projected` holds the positions after the cached ones (all of them, or one more) and the cache grows.
         positioned: `projected` already holds each position's embedding (added in its projection's epilogue).
-        first_qkv: the new position's q | k | v in the first block (its `qkv_of`), known already (a cached call on
-        buffers only)."""
+        first_qkv: the new position's q | k | v in the first block (its `qkv_of`), known already (a cached call after
+        the first only)."""
         start = cache.length if cache is not None else 0
         if start and projected.shape[1] != 1:
             raise ValueError(f"a cached depth call takes one new position, got {projected.shape[1]}")
-        if first_qkv is not None and not (start and cache.in_buffers):
-            raise ValueError("first_qkv is for a cached depth call on buffers (DepthKV(in_buffers=True)) after the "
-                             "first")
+        if first_qkv is not None and not start:
+            raise ValueError("first_qkv is for a cached depth call after the first")
         x = projected if positioned else projected + self.positions.weight[start : start + projected.shape[1]]
-        if start and cache.in_buffers:
+        if start:
             lengths, positions = cache.steps[start + 1], cache.steps[start]
             for i, block in enumerate(self.blocks):
                 x = block.decode(x, cache.keys[i], cache.values[i], lengths, positions, first_qkv if i == 0 else None)
             cache.length += 1
             return self.norm(x)
-        rows, heads = x.shape[0], self.cfg.heads
-        empty = x.new_zeros(rows, heads, 0, self.cfg.hidden // heads)
         keys, values = [], []
-        for i, block in enumerate(self.blocks):
-            past = (cache.keys[i], cache.values[i]) if start else (empty, empty)
-            x, k, v = block(x, *past)
+        for block in self.blocks:
+            x, k, v = block(x)
             keys.append(k)
             values.append(v)
         if cache is not None:
-            cache.keys, cache.values = (self._buffered(keys), self._buffered(values)) if cache.in_buffers else (keys, values)
-            cache.length = start + projected.shape[1]
-            if cache.in_buffers:
-                cache.steps = torch.arange(self.cfg.positions + 1, device=x.device)[:, None].expand(-1, rows).contiguous()
+            cache.keys, cache.values = self._buffered(keys), self._buffered(values)
+            cache.length = projected.shape[1]
+            rows = x.shape[0]
+            cache.steps = torch.arange(self.cfg.positions + 1, device=x.device)[:, None].expand(-1, rows).contiguous()
         return self.norm(x)
 
     def _buffered(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -287,7 +287,7 @@ def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
 
 def _stage1(m: Section, connectors: dict[str, ConnectorConfig], s0: Stage0Config, s0_output: str) -> Stage1Config:
     d = Stage1Config()
-    longest = max(1, min(contract.MAX_FRAMES, s0.max_model_len - 1))  # frames of the longest song stage 0 can write
+    longest = max(1, contract.frame_budget(contract.MAX_FRAMES, 1, s0.max_model_len))  # the longest song stage 0 writes
     windows = len(contract.window_starts(longest))
     need = f"an integer >= {windows} (windows of the longest song stage 0 can write: {longest} frames)"
     seqs = m.int("max_num_seqs", d.max_num_seqs, 1, MAX_NUM_SEQS,

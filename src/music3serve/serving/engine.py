@@ -29,7 +29,7 @@ from ..acoustic.renderer import RenderedWindow, WindowPayload
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
-from ..pipeline import check_seed, check_steps, frames_for_duration
+from ..prompt import check_seed, check_steps, frames_for_duration
 from ..prompt import encode_prompt
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .audio_io import CHANNELS
@@ -139,7 +139,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, root: Path | str, deploy: DeployConfig | None = None, device: str | None = None, split: bool | None = None,
+        cls, root: Path | str, deploy: DeployConfig | None = None, device: str | torch.device | None = None,
+        split: bool | None = None,
         progress: bool = False,
     ) -> "Engine":
         """Stages whose `devices` differ run split (stage 1 in a worker process); `device` overrides both stages'
@@ -158,14 +159,17 @@ class Engine:
             device0 = device1 = "cpu"
             log.warning("no CUDA device: both stages run on the CPU in this process (deploy `devices` ignored)")
         else:
-            device0 = device1 = device
+            try:
+                device0 = device1 = str(torch.device(device))
+            except (RuntimeError, TypeError) as e:
+                raise Music3Error(f"device override {device!r} is not a torch device ({e})") from None
             shares = s0.gpu_memory_utilization + s1.gpu_memory_utilization
             if torch.device(device).type == "cuda" and shares > 1:  # the file's own check saw two GPUs
                 raise Music3Error(f"both stages run on {device} (the device override), but their deploy config "
                                   f"gpu_memory_utilization add up to {shares:g} > 1: lower them, or leave the stages "
                                   "on the GPUs their `devices` name")
         split = device0 != device1 if split is None else split
-        talker_dtype = getattr(torch, s0.dtype) if device0 != "cpu" else torch.float32
+        talker_dtype = getattr(torch, s0.dtype) if torch.device(device0).type != "cpu" else torch.float32
         models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split,
                              progress=progress)
         worker = RenderWorker(partial(load_acoustic, str(root)), device1, s1, deploy.connector) if split else None

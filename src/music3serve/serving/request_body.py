@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from .. import contract
-from ..pipeline import MAX_STEPS
+from ..prompt import MAX_STEPS
 from .audio_io import OUTPUT_RATES
 
 SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads

@@ -165,7 +165,7 @@ class Talker:
             raise InputError(
                 f"the prompt has {len(cond_ids)} tokens and leaves no frames within max_model_len {self.config.max_model_len}"
             )
-        budget = min(requested_frames, contract.MAX_FRAMES, room)
+        budget = contract.frame_budget(requested_frames, len(cond_ids), self.config.max_model_len)
         ids = torch.tensor([cond_ids, uncond_ids], dtype=torch.int64, device=self.device)
         self.songs[song] = _Song(song, seed, ids, budget)
         self.waiting.append(self.songs[song])
@@ -345,7 +345,7 @@ def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: Tal
     device = lm.embed.weight.device
     weights = device_bytes(lm, depth, config)
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
-    frames = min(contract.MAX_FRAMES, config.max_model_len - 1) + 1  # a song's longest budget + 1 (see _activate)
+    frames = contract.frame_budget(contract.MAX_FRAMES, 1, config.max_model_len) + 1  # the longest budget + 1 (_activate)
     conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song
     needs = (f"{kv / GIB:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens + "
              f"{conditioning / GIB:.1f} GiB of frame conditioning for {pairs} songs")

@@ -99,8 +99,8 @@ def talker_frame(
     inputs: DepthInputs | None = None,
 ) -> Frame:
     """Everything one frame step does after the backbone, for songs keyed by (seed, frame index). The 7 depth
-    calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys (in buffers
-    on CUDA or with `inputs`, whose rows then replace computing the new position and its first q, k, v)."""
+    calls recompute their whole sequence, or with `depth_cache` run only the new position on cached keys (with
+    `inputs`, whose rows then replace computing the new position and its first q, k, v)."""
     if inputs is not None and not depth_cache:
         raise ValueError("DepthInputs serve cached depth calls (depth_cache=True)")
     column = sample_semantic(lm, hidden, seeds, frames)
@@ -108,7 +108,7 @@ def talker_frame(
     ended, semantic, semantic_embed, positions = first_depth_positions(
         column, hidden, lm.embed.weight, depth.projection.weight, position_table[:2]
     )
-    cache = DepthKV(in_buffers=hidden.is_cuda or inputs is not None) if depth_cache else None
+    cache = DepthKV() if depth_cache else None
     codes, depth_hiddens, residual_embeds, qkv = [semantic], [], [], None
     for codebook in range(1, contract.NUM_CODEBOOKS):
         out = depth(positions, cache, positioned=True, first_qkv=qkv)[:, -1]  # those the cache lacks (all without one)
