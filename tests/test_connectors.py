@@ -24,16 +24,16 @@ import music3serve
 from music3serve.errors import Music3Error
 from music3serve.serving.connectors import (
     ConnectorError,
-    ConnectorSettings,
     ConnectorTimeout,
     LostMessage,
     Message,
     PeerGone,
     SharedMemoryConnector,
     make_connector,
-    timeouts,
 )
 from music3serve.serving import shared_memory, shm_segments
+from music3serve.serving.deploy_config import connector_extra
+from music3serve.serving.deploy_schema import SharedMemoryExtra
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segment bookkeeping is checked in /dev/shm")
 
@@ -93,15 +93,21 @@ META = {"request_id": "r-1", "window": 3, "final": False, "scale": 1.5, "tags": 
 
 
 def test_settings_from_the_seed_block() -> None:
-    settings = ConnectorSettings.from_extra(SEED_EXTRA)
-    assert settings.shm_threshold_bytes == 65536 and settings.get_sleep_s == 0.01 and settings.codec_streaming
-    assert timeouts(SEED_EXTRA) == (30.0, 10.0)  # the YAML waits are milliseconds
-    assert timeouts(None) == (30.0, 10.0)
-    for bad in ({"connector_get_max_wait": 0}, {"connector_get_sleep_s": "fast"}, {"shm_threshold_bytes": -1}):
+    """A connector's extra block given on its own is checked by the deploy file's rules (one set of rules)."""
+    settings = connector_extra(SEED_EXTRA)
+    assert settings.shm_threshold_bytes == 65536 and settings.connector_get_sleep_s == 0.01 and settings.codec_streaming
+    assert (settings.first_chunk_timeout_s, settings.timeout_s) == (30.0, 10.0)  # the YAML waits are milliseconds
+    assert connector_extra(None) == SharedMemoryExtra() == connector_extra(SEED_EXTRA)
+    for bad in ({"connector_get_max_wait": 0}, {"connector_get_sleep_s": "fast"}, {"shm_threshold_bytes": -1},
+                {"connector_get_sleep_s": 20.0}):  # a poll longer than the shorter max wait (10 s)
+        with pytest.raises(Music3Error, match=f"extra.{next(iter(bad))}"):
+            connector_extra(bad)
         with pytest.raises(Music3Error, match=next(iter(bad))):
-            ConnectorSettings.from_extra(bad)
+            SharedMemoryConnector(bad)
     with pytest.raises(Music3Error, match="shm_treshold_bytes"):
-        ConnectorSettings.from_extra({"shm_treshold_bytes": 1})
+        connector_extra({"shm_treshold_bytes": 1})
+    with pytest.raises(Music3Error, match="a mapping with the keys"):
+        connector_extra(["codec_streaming"])
 
 
 def test_make_connector() -> None:
@@ -119,7 +125,7 @@ def test_make_connector() -> None:
 def test_get_times_out_after_the_configured_wait() -> None:
     conn = SharedMemoryConnector(EXTRA, channels=["pcm"])
     try:
-        _, wait = timeouts(EXTRA)  # 200 ms
+        wait = connector_extra(EXTRA).timeout_s  # 200 ms
         started = time.monotonic()
         message = r"no message on channel 'pcm' after waiting \d+\.\d{3} s \(timeout 0\.2 s\)"
         with pytest.raises(ConnectorTimeout, match=message):
@@ -250,7 +256,9 @@ def test_close_unlinks_unread_segments() -> None:
 
 def test_get_returns_at_its_timeout_not_after_a_longer_poll_interval() -> None:
     """The deadline cuts the poll interval: a 50 ms get with a 1 s poll gives up after about 50 ms, not 1 s."""
-    conn = SharedMemoryConnector({**EXTRA, "connector_get_sleep_s": 1.0}, channels=("c",))
+    slow_poll = {**EXTRA, "connector_get_sleep_s": 1.0, "connector_get_max_wait": 2000,
+                 "connector_get_max_wait_first_chunk": 2000}
+    conn = SharedMemoryConnector(slow_poll, channels=("c",))
     try:
         started = time.monotonic()
         with pytest.raises(ConnectorTimeout):
@@ -267,8 +275,8 @@ def test_what_the_connector_refuses() -> None:
         SharedMemoryConnector(EXTRA, channels=("pcm", "pcm"))
     for key in ("connector_get_sleep_s", "connector_get_max_wait", "connector_get_max_wait_first_chunk"):
         for value in (float("inf"), float("nan")):
-            with pytest.raises(Music3Error, match=f"{key} must be a positive number"):
-                ConnectorSettings.from_extra({key: value})
+            with pytest.raises(Music3Error, match=f"extra.{key}: "):
+                connector_extra({key: value})
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
     try:
         with pytest.raises(ConnectorError, match="timeout_s must be a number") as info:

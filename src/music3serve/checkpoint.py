@@ -461,6 +461,7 @@ def checkpoint_tensors(name: str, cfg: Any) -> dict[str, tuple[int, ...]]:
 
 
 PIPELINE_CLASS = "MiniMaxMusic3ModularPipeline"
+ACOUSTIC = ("condition_encoder", "dit", "vocoder")  # stage 1's components
 
 
 @dataclass

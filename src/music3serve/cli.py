@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--model", help="checkpoint folder (diffusers layout)")
         where.add_argument("--tiny", action="store_true",
-                           help="tiny random checkpoint (noise-like audio), kept in ~/.cache/music3serve")
+                           help="tiny random checkpoint (noise-like audio), kept in $XDG_CACHE_HOME (or ~/.cache)/music3serve")
     serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
     serve.add_argument("--device", default=None, choices=["cpu", "cuda"],
                        help="run both stages on this device (default: each stage on its deploy-config `devices` GPU, "

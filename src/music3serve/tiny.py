@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import contract
-from .checkpoint import COMPONENTS, checkpoint_tensors
+from .checkpoint import COMPONENTS, PIPELINE_CLASS, checkpoint_tensors
 from .tokenizer import write_tokenizer
 
 DIFFUSERS_VERSION = "0.42.1"
@@ -173,7 +173,7 @@ def write_tiny_checkpoint(
     # ModularPipeline.from_pretrained cannot resolve the pipeline blocks.
     index = {
         "_blocks_class_name": "MiniMaxMusic3Blocks",
-        "_class_name": "MiniMaxMusic3ModularPipeline",
+        "_class_name": PIPELINE_CLASS,
         "_diffusers_version": DIFFUSERS_VERSION,
     }
     for folder, (library, cls) in PIPELINE_COMPONENTS.items():

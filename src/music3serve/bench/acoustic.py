@@ -8,6 +8,7 @@ import torch
 
 from .. import contract
 from ..acoustic.precision import BFLOAT16, FLOAT32, PrecisionPolicy, apply_dit_policy, float32_matmuls
+from ..checkpoint import ACOUSTIC
 from ..models.fusion import disable_fusion, enable_fusion
 from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
 
@@ -88,8 +89,7 @@ def precision(device: str = "cuda", frames: int = 450, steps: int = contract.DIT
     from .precision import compare_policies
 
     def models() -> SimpleNamespace:
-        names = ("condition_encoder", "dit", "vocoder")
-        return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=i) for i, n in enumerate(names)})
+        return SimpleNamespace(**{n: random_module(n, device, torch.float32, seed=i) for i, n in enumerate(ACOUSTIC)})
 
     variants = [
         BFLOAT16,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..checkpoint import Music3Models
+from ..checkpoint import ACOUSTIC, Music3Models
 from ..errors import Music3Error
 from ..serving.deploy_config import load_deploy_config
 from ..serving.engine import AudioChunk, Done, Engine, SongRequest
@@ -31,9 +31,6 @@ PLACEMENTS = {
     "split": "stage 1 in a second worker on the second GPU, shared-memory connector",
     "split-one-gpu": "stage 1 in a second worker on the same GPU, shared-memory connector",
 }
-
-
-ACOUSTIC = ("condition_encoder", "dit", "vocoder")
 
 
 def random_acoustic(device: str, names: tuple[str, ...] = ACOUSTIC) -> SimpleNamespace:

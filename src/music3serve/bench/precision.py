@@ -15,7 +15,7 @@ import torch
 from .. import contract
 from ..acoustic.precision import BFLOAT16, FLOAT32, PrecisionPolicy
 from ..acoustic.renderer import Renderer
-from ..checkpoint import load_component
+from ..checkpoint import ACOUSTIC, load_component
 
 
 def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     conditioning = torch.load(args.conditioning) if args.conditioning else None
 
     def load() -> SimpleNamespace:
-        names = ("condition_encoder", "dit", "vocoder")
-        return SimpleNamespace(**{n: load_component(args.root, n, args.device, torch.float32) for n in names})
+        return SimpleNamespace(**{n: load_component(args.root, n, args.device, torch.float32) for n in ACOUSTIC})
 
     with torch.inference_mode():
         print(measure_precision(load(), load(), BFLOAT16, args.frames, args.seed, args.steps, conditioning))

@@ -1,22 +1,17 @@
-"""What every connector shares: the message and its checks, the settings, the errors and the bounded wait."""
+"""What every connector shares: the message and its checks, the errors and the bounded wait."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ..errors import Music3Error
-from .deploy_schema import SharedMemoryExtra
-
-_DEFAULTS = SharedMemoryExtra()  # what a connector's missing extra keys default to
-_DEFAULT_EXTRA = _DEFAULTS.as_extra()  # the same under the YAML's key names (waits in milliseconds)
 
 
 class ConnectorError(Music3Error):
@@ -40,61 +35,6 @@ class LostMessage(ConnectorError):
         self.meta = meta
 
 
-# --------------------------------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """The ``extra`` block of a connector in the deploy YAML, with the waits converted to seconds."""
-
-    codec_streaming: bool = _DEFAULTS.codec_streaming
-    shm_threshold_bytes: int = _DEFAULTS.shm_threshold_bytes
-    get_sleep_s: float = _DEFAULTS.connector_get_sleep_s
-    first_chunk_timeout_s: float = _DEFAULTS.connector_get_max_wait_first_chunk_ms / 1000.0
-    timeout_s: float = _DEFAULTS.connector_get_max_wait_ms / 1000.0
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | ConnectorSettings | None) -> ConnectorSettings:
-        """Read the YAML keys (waits in MILLISECONDS there); a missing key keeps its default."""
-        if extra is None:
-            return cls()
-        if isinstance(extra, ConnectorSettings):
-            return extra
-        if not isinstance(extra, Mapping):
-            raise Music3Error(f"connector extra settings must be a mapping, got {type(extra).__name__}")
-        unknown = sorted(set(extra) - set(_DEFAULT_EXTRA))
-        if unknown:
-            raise Music3Error(f"unknown connector setting(s) {unknown}; known: {sorted(_DEFAULT_EXTRA)}")
-        codec_streaming = extra.get("codec_streaming", _DEFAULTS.codec_streaming)
-        if not isinstance(codec_streaming, bool):
-            raise Music3Error(f"connector setting codec_streaming must be true or false, got {codec_streaming!r}")
-        threshold = extra.get("shm_threshold_bytes", _DEFAULTS.shm_threshold_bytes)
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise Music3Error(f"connector setting shm_threshold_bytes must be an integer >= 0, got {threshold!r}")
-        return cls(
-            codec_streaming=codec_streaming,
-            shm_threshold_bytes=threshold,
-            get_sleep_s=_positive(extra, "connector_get_sleep_s"),
-            first_chunk_timeout_s=_positive(extra, "connector_get_max_wait_first_chunk") / 1000.0,
-            timeout_s=_positive(extra, "connector_get_max_wait") / 1000.0,
-        )
-
-
-def _positive(extra: Mapping[str, Any], key: str) -> float:
-    value = extra.get(key, _DEFAULT_EXTRA[key])
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise Music3Error(f"connector setting {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def timeouts(extra: Mapping[str, Any] | ConnectorSettings | None) -> tuple[float, float]:
-    """``(first_chunk_timeout_s, timeout_s)`` from a connector's ``extra`` block (given there in milliseconds).
-
-    The first applies to a request's first chunk (it also covers stage-0 prefill), the second to later ones."""
-    settings = ConnectorSettings.from_extra(extra)
-    return settings.first_chunk_timeout_s, settings.timeout_s
-
-
 # ---------------------------------------------------------------------------------------------------- messages
 
 
@@ -102,11 +42,6 @@ class Message(NamedTuple):
     key: str
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor | np.ndarray]
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of the tensors (what the shared-memory threshold is compared with)."""
-        return sum(tensor_nbytes(t) for t in self.tensors.values())
 
 
 def tensor_nbytes(t: torch.Tensor | np.ndarray) -> int:

@@ -9,7 +9,7 @@ The one implementation is :class:`SharedMemoryConnector` (:mod:`.shared_memory`)
 tensors travel in shared-memory segments that never outlive their use (:mod:`.shm_segments`). Stages that share a
 process (the colocated layout) need no connector: windows cross a plain queue there (:class:`.stage1.LocalStage1`).
 
-The message, the settings, the errors and the bounded wait live in :mod:`.connector_base`; :func:`make_connector`
+The message, the errors and the bounded wait live in :mod:`.connector_base`; :func:`make_connector`
 builds the connector a deploy YAML names.
 """
 
@@ -19,27 +19,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import Music3Error
-from .connector_base import (
-    ConnectorError,
-    ConnectorSettings,
-    ConnectorTimeout,
-    LostMessage,
-    Message,
-    PeerGone,
-    timeouts,
-)
+from .connector_base import ConnectorError, ConnectorTimeout, LostMessage, Message, PeerGone
+from .deploy_schema import SharedMemoryExtra
 from .shared_memory import SharedMemoryConnector
 
 __all__ = [
     "ConnectorError",
-    "ConnectorSettings",
     "ConnectorTimeout",
     "LostMessage",
     "Message",
     "PeerGone",
     "SharedMemoryConnector",
     "make_connector",
-    "timeouts",
 ]
 
 
@@ -47,7 +38,7 @@ _KINDS = {"SharedMemoryConnector": SharedMemoryConnector}
 
 
 def make_connector(
-    kind_name: str, extra: Mapping[str, Any] | None = None, *, channels: Iterable[str] = ()
+    kind_name: str, extra: Mapping[str, Any] | SharedMemoryExtra | None = None, *, channels: Iterable[str] = ()
 ) -> SharedMemoryConnector:
     """The connector a deploy YAML names (``connectors.<name>.name``), built from its ``extra`` block."""
     cls = _KINDS.get(kind_name) if isinstance(kind_name, str) else None

@@ -143,30 +143,38 @@ def _connectors(top: Section) -> dict[str, ConnectorConfig]:
     raw = top.data.get("connectors", {CONNECTOR: {}})
     if not isinstance(raw, dict) or not raw:
         raise top.bad("connectors", raw, "a non-empty mapping of connector names to {name, extra}")
-    out, d = {}, SharedMemoryExtra()
-    waits = f"an integer in [1, {MAX_WAIT_MS}] (milliseconds: up to a day)"
+    out = {}
     for cname in raw:
         if not (isinstance(cname, str) and cname.strip()):
             raise top.bad("connectors", cname, "connector names that are non-empty strings")
         m = Section(raw[cname], f"connectors.{cname}", top.source, ("name", "extra"))
         name = m.choice("name", "SharedMemoryConnector", CONNECTOR_CLASSES, "the only connector this engine has")
-        e = m.sub("extra", _EXTRA_KEYS)
-        first = e.int("connector_get_max_wait_first_chunk", d.connector_get_max_wait_first_chunk_ms, 1, MAX_WAIT_MS,
-                      waits)
-        later = e.int("connector_get_max_wait", d.connector_get_max_wait_ms, 1, MAX_WAIT_MS, waits)
-        limit = min(first, later) / 1000
-        extra = SharedMemoryExtra(
-            codec_streaming=e.bool("codec_streaming", d.codec_streaming),
-            shm_threshold_bytes=e.int("shm_threshold_bytes", d.shm_threshold_bytes, 0),
-            connector_get_sleep_s=e.number(
-                "connector_get_sleep_s", d.connector_get_sleep_s, lambda v: MIN_SLEEP_S <= v <= limit,
-                f"seconds in [{MIN_SLEEP_S:g}, {limit:g}]: a poll must fit in the shorter max wait, and a shorter one "
-                "only spins a CPU core (a payload wakes the reader at once)"),
-            connector_get_max_wait_first_chunk_ms=first,
-            connector_get_max_wait_ms=later,
-        )
-        out[cname] = ConnectorConfig(name, extra)
+        out[cname] = ConnectorConfig(name, _extra(m.sub("extra", _EXTRA_KEYS)))
     return out
+
+
+def connector_extra(data: Any) -> SharedMemoryExtra:
+    """A connector's `extra` block given on its own (a mapping under the YAML's key names; None: the defaults),
+    checked as in a deploy file."""
+    return _extra(Section({} if data is None else data, "extra", "connector settings", _EXTRA_KEYS))
+
+
+def _extra(e: Section) -> SharedMemoryExtra:
+    d = SharedMemoryExtra()
+    waits = f"an integer in [1, {MAX_WAIT_MS}] (milliseconds: up to a day)"
+    first = e.int("connector_get_max_wait_first_chunk", d.connector_get_max_wait_first_chunk_ms, 1, MAX_WAIT_MS, waits)
+    later = e.int("connector_get_max_wait", d.connector_get_max_wait_ms, 1, MAX_WAIT_MS, waits)
+    limit = min(first, later) / 1000
+    return SharedMemoryExtra(
+        codec_streaming=e.bool("codec_streaming", d.codec_streaming),
+        shm_threshold_bytes=e.int("shm_threshold_bytes", d.shm_threshold_bytes, 0),
+        connector_get_sleep_s=e.number(
+            "connector_get_sleep_s", d.connector_get_sleep_s, lambda v: MIN_SLEEP_S <= v <= limit,
+            f"seconds in [{MIN_SLEEP_S:g}, {limit:g}]: a poll must fit in the shorter max wait, and a shorter one "
+            "only spins a CPU core (a payload wakes the reader at once)"),
+        connector_get_max_wait_first_chunk_ms=first,
+        connector_get_max_wait_ms=later,
+    )
 
 
 # Why each stage refuses async_scheduling and enable_prefix_caching, by stage_id.

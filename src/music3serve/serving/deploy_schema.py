@@ -38,8 +38,18 @@ class SharedMemoryExtra:
     connector_get_max_wait_first_chunk_ms: int = 30000  # wait for a song's first window/chunk, then fail the song
     connector_get_max_wait_ms: int = 10000  # wait for each later one
 
+    @property
+    def first_chunk_timeout_s(self) -> float:
+        """The wait for a song's first chunk (it also covers stage 0's prefill), in seconds."""
+        return self.connector_get_max_wait_first_chunk_ms / 1000.0
+
+    @property
+    def timeout_s(self) -> float:
+        """The wait for each later chunk, in seconds."""
+        return self.connector_get_max_wait_ms / 1000.0
+
     def as_extra(self) -> dict[str, Any]:
-        """The `extra` block under its YAML key names (waits in milliseconds), as connectors read it."""
+        """The `extra` block under its YAML key names (waits in milliseconds)."""
         return {
             "codec_streaming": self.codec_streaming,
             "shm_threshold_bytes": self.shm_threshold_bytes,

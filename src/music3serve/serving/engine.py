@@ -90,7 +90,6 @@ class _Client:
     unread_bytes: int = 0  # PCM the song may still queue: its request's audio (its budget's once Accepted is read)
     # less the chunks read
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:

@@ -24,7 +24,6 @@ from . import shm_segments
 from .connector_base import (
     BoundedWait,
     ConnectorError,
-    ConnectorSettings,
     LostMessage,
     Message,
     PeerGone,
@@ -32,6 +31,8 @@ from .connector_base import (
     check_message,
     tensor_nbytes,
 )
+from .deploy_config import connector_extra
+from .deploy_schema import SharedMemoryExtra
 
 _ALIGN = 64  # byte alignment of each tensor inside a payload buffer
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
@@ -133,9 +134,9 @@ class SharedMemoryConnector:
     ``connector_get_sleep_s`` until ``timeout_s``."""
 
     def __init__(
-        self, extra: Mapping[str, Any] | ConnectorSettings | None = None, *, channels: Iterable[str] = ()
+        self, extra: Mapping[str, Any] | SharedMemoryExtra | None = None, *, channels: Iterable[str] = ()
     ):
-        self.settings = ConnectorSettings.from_extra(extra)
+        self.settings = extra if isinstance(extra, SharedMemoryExtra) else connector_extra(extra)
         self.prefix = f"m3s_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self._owner_pid = os.getpid()
         self._ctx = mp.get_context("spawn")
@@ -224,7 +225,7 @@ class SharedMemoryConnector:
     def get(self, channel: str, timeout_s: float | None) -> Message:
         self._check_open()
         ch = self._channel(channel)
-        wait = BoundedWait(channel, timeout_s, self.settings.get_sleep_s)
+        wait = BoundedWait(channel, timeout_s, self.settings.connector_get_sleep_s)
         try:
             while not ch.read_lock.acquire(True, wait.step()):
                 self._check_open()

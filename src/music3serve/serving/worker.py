@@ -19,9 +19,9 @@ import torch
 from .. import contract
 from ..acoustic.renderer import RenderedWindow, WindowPayload
 from ..acoustic.windows import Window
-from ..checkpoint import load_component
+from ..checkpoint import ACOUSTIC, load_component
 from ..errors import Music3Error
-from .connectors import ConnectorTimeout, LostMessage, Message, make_connector, timeouts
+from .connectors import ConnectorTimeout, LostMessage, Message, make_connector
 from .deploy_config import ConnectorConfig, Stage1Config
 from .heartbeat import RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
 from .outbox import Outbox
@@ -40,29 +40,37 @@ def windows_in_flight(render_batch: int) -> int:
     return max(WINDOWS_IN_FLIGHT, render_batch + 4)
 
 
+def window_meta(song: str, w: Window) -> dict[str, Any]:
+    """A window of a song as a message's meta (JSON values)."""
+    return {"song": song, "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
+
+
+def meta_window(meta: dict[str, Any]) -> Window:
+    return Window(meta["index"], meta["start"], meta["frames"], meta["last"])
+
+
 def window_message(payload: WindowPayload) -> Message:
-    w = payload.window
-    meta = {"song": payload.song, "seed": payload.seed, "steps": payload.steps,
-            "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
+    meta = {**window_meta(payload.song, payload.window), "seed": payload.seed, "steps": payload.steps}
     return Message("window", meta, {"mixed": payload.mixed.float().cpu()})
 
 
 def window_payload(message: Message) -> WindowPayload:
     m = message.meta
-    window = Window(m["index"], m["start"], m["frames"], m["last"])
-    return WindowPayload(m["song"], m["seed"], window, message.tensors["mixed"], m["steps"])
+    return WindowPayload(m["song"], m["seed"], meta_window(m), message.tensors["mixed"], m["steps"])
+
+
+def chunk_message(out: RenderedWindow) -> Message:
+    return Message("chunk", window_meta(out.song, out.window), {"pcm": out.pcm})
 
 
 def chunk_window(message: Message) -> RenderedWindow:
-    m = message.meta
-    window = Window(m["index"], m["start"], m["frames"], m["last"])
-    return RenderedWindow(m["song"], window, torch.from_numpy(np.asarray(message.tensors["pcm"])), torch.empty(0))
+    pcm = torch.from_numpy(np.asarray(message.tensors["pcm"]))
+    return RenderedWindow(message.meta["song"], meta_window(message.meta), pcm, torch.empty(0))
 
 
 def load_acoustic(root: str, device: str) -> SimpleNamespace:
     """Stage 1's components of the checkpoint at root, in float32 (the precision policy casts them)."""
-    names = ("condition_encoder", "dit", "vocoder")
-    return SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in names})
+    return SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in ACOUSTIC})
 
 
 def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector, slots) -> None:
@@ -110,9 +118,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
                 items.append((message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
 
     def on_chunk(out: RenderedWindow) -> None:
-        w = out.window
-        meta = {"song": out.song, "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
-        connector.put(PCM, Message("chunk", meta, {"pcm": out.pcm}))
+        connector.put(PCM, chunk_message(out))
 
     def on_error(song: str, message: str) -> None:
         connector.put(PCM, Message("failed", {"song": song, "message": message}, {}))
@@ -202,8 +208,8 @@ class RenderWorker:
     checkpoint."""
 
     def __init__(self, load: Callable[[str], Any], device: str, stage1: Stage1Config, connector: ConnectorConfig):
-        extra = connector.extra.as_extra()
-        self.deadlines = ChunkDeadlines(*timeouts(extra))
+        extra = connector.extra
+        self.deadlines = ChunkDeadlines(extra.first_chunk_timeout_s, extra.timeout_s)
         self.connector = make_connector(connector.name, extra, channels=(WINDOWS, PCM))
         context = multiprocessing.get_context("spawn")
         slots = context.Semaphore(windows_in_flight(stage1.render_batch))

@@ -37,10 +37,9 @@ class TalkerConfig:
     gpu_memory_utilization: float = 0.6
     fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
     # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py): fewer FLOPs,
-    # and as fast or slightly faster on the H200 (docs/performance.md, session 3: 8.93 vs 9.00 ms per step for one
-    # song, 9.86 vs 9.90 for eight, within run-to-run noise). With them, calls 2..7 of a frame look their new position
-    # and first q, k, v up in a table built at startup (talker/depth_inputs.py, 201 MB at full size): 0.2 ms
-    # less per step (session 18).
+    # and as fast or faster on the H200; with them, calls 2..7 of a frame look their new position and first q, k, v
+    # up in a table built at startup (talker/depth_inputs.py, 201 MB at full size). Measured in docs/performance.md
+    # (sessions 3 and 18).
     depth_cache: bool = True
 
 
