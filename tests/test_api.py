@@ -517,11 +517,12 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     root = Path(cli.__file__).parent
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
-    assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py"}
-    for module in ("request_body", "http_guard"):
+    assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py"}
+    for module, readers in (("request_body", {"serving/api.py"}), ("http_guard", {"serving/server.py"}),
+                            ("api", {"serving/server.py"}), ("server", {"cli.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                     if re.search(rf"^\s*(from|import) \S*{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
-        assert importers == {"serving/api.py"}, module
+                     if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
+        assert importers == readers, module
     # soundfile (audio files) only inside the one function that reads or writes a file, imported when called.
     soundfile = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                  if re.search(r"^\s*(from|import) soundfile\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
@@ -544,7 +545,7 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
         return FakeEngine()
 
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
-    from music3serve.serving.api import ForceQuitServer
+    from music3serve.serving.server import ForceQuitServer
 
     monkeypatch.setattr(ForceQuitServer, "run", lambda self, sockets=None: calls.update(vars(self.config)))
     assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8123"]) == 0
@@ -564,16 +565,16 @@ def test_serve_lifts_the_soft_limit_on_open_files_so_every_songs_connection_fits
     """A systemd service gets a soft limit of 1024 open files: short of 1024 songs' connections, so a flood of
     clients found the server out of files before its 429s (clients waited unanswered, EMFILE logged in a loop)."""
     resource = pytest.importorskip("resource")
-    from music3serve.serving import api
+    from music3serve.serving import server
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard < 2 * MAX_SONGS:
         pytest.skip(f"needs a finite hard limit on open files of at least {2 * MAX_SONGS}")
-    monkeypatch.setattr(api.ForceQuitServer, "run", lambda self, sockets=None: None)
+    monkeypatch.setattr(server.ForceQuitServer, "run", lambda self, sockets=None: None)
     engine = SimpleNamespace(max_songs=MAX_SONGS)
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
     try:
-        api.serve(engine)  # type: ignore[arg-type]
+        server.serve(engine)  # type: ignore[arg-type]
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -582,22 +583,23 @@ def test_serve_lifts_the_soft_limit_on_open_files_so_every_songs_connection_fits
 
 def test_serve_holds_fewer_songs_when_the_hard_limit_on_open_files_is_too_low(monkeypatch, caplog):
     resource = pytest.importorskip("resource")
-    from music3serve.serving import api
+    from music3serve.serving import server
 
     limits, served = [(300, 600)], {}
     monkeypatch.setattr(resource, "getrlimit", lambda which: limits[-1])
     monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.append(value))
-    monkeypatch.setattr(api.ForceQuitServer, "run", lambda self, sockets=None: served.update(vars(self.config)))
+    monkeypatch.setattr(server.ForceQuitServer, "run", lambda self, sockets=None: served.update(vars(self.config)))
     engine = SimpleNamespace(max_songs=MAX_SONGS)
-    api.serve(engine)  # type: ignore[arg-type]
-    assert limits[-1] == (600, 600) and engine.max_songs == 600 - api.FILES_RESERVE  # past them: 429, not a hang
+    server.serve(engine)  # type: ignore[arg-type]
+    assert limits[-1] == (600, 600) and engine.max_songs == 600 - server.FILES_RESERVE  # past them: 429, not a hang
     assert "too few open files" in caplog.text
     # Connections beyond the songs' are capped below the limit too (serving/http_guard.py): accept() never runs out.
-    assert served["http"].max_connections == 600 - api.ENGINE_FILES > engine.max_songs
+    assert served["http"].max_connections == 600 - server.ENGINE_FILES > engine.max_songs
 
 
 def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, root_logger):
-    monkeypatch.delitem(sys.modules, "music3serve.serving.api")  # import it afresh, without uvicorn
+    for module in ("music3serve.serving.api", "music3serve.serving.server"):  # import them afresh, without uvicorn
+        monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert cli.main(["serve", "--tiny"]) == 2
     assert "pip install 'music3serve[serve]'" in capsys.readouterr().err
@@ -796,7 +798,8 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
     loop's teardown cancelled the streams, logging a traceback for each and one for the app."""
     import socket
 
-    from music3serve.serving.api import CutResponses, ForceQuitServer, create_app
+    from music3serve.serving.api import CutResponses, create_app
+    from music3serve.serving.server import ForceQuitServer
 
     own = Engine.from_pretrained(tiny_dir, device="cpu")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -297,7 +297,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> None:
     try:
-        from .serving.api import serve
+        from .serving.server import serve
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn", "h11"):
             raise
