@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from music3serve import cli
+from music3serve import cli, tiny
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
@@ -619,11 +619,11 @@ def test_make_tiny_removes_the_staging_folders_of_killed_writers(tmp_path: Path,
                         lambda directory, seed=0: (Path(directory) / "modular_model_index.json").write_text("{}"))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    orphan = tmp_path / f"{cli.STAGING_PREFIX}{gone.pid}-k1ll3d"
+    orphan = tmp_path / f"{tiny.STAGING_PREFIX}{gone.pid}-k1ll3d"
     (orphan / "transformer").mkdir(parents=True)
     writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     foreign_pid = writer.pid + 1 if writer.pid + 1 != gone.pid else writer.pid + 2
-    living = [tmp_path / f"{cli.STAGING_PREFIX}{pid}-busy" for pid in (writer.pid, foreign_pid, 2**80)]
+    living = [tmp_path / f"{tiny.STAGING_PREFIX}{pid}-busy" for pid in (writer.pid, foreign_pid, 2**80)]
     for folder in living:
         folder.mkdir()
     real_kill = os.kill
