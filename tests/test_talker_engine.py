@@ -517,3 +517,22 @@ def test_a_failed_prefill_is_reported_even_when_its_step_then_fails(models):
     events = talker.step()
     assert [(type(e), e.song) for e in events] == [(SongFailed, "1")] and "out of memory" in events[0].message
     assert not talker.busy and not talker.songs
+
+
+def test_a_song_cancelled_mid_prefill_gives_its_rows_back(models):
+    """A prompt prefilled in chunks and cancelled between two of them: nothing of it stays queued or holds rows, and
+    the one pair takes the next song, which comes out as it does alone."""
+    config = TalkerConfig(max_num_seqs=2, max_num_batched_tokens=8)
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, config)
+    talker.submit("a", *prompt(models, 1), 1, 5)
+    talker.step()
+    assert 0 < talker.songs["a"].prefilled < talker.songs["a"].ids.shape[1]
+    assert talker.cancel("a")
+    assert not talker.waiting and not talker.active and not talker.busy
+    _, _, frames, seed = SONGS[3]
+    talker.submit("b", *prompt(models, 3), seed, frames)
+    codes = []
+    while talker.busy:
+        codes += [e.codes for e in talker.step() if isinstance(e, SongFinished)]
+    alone, _, _ = run(models, {3: 0}, config)
+    assert torch.equal(codes[0], alone[3].codes)
