@@ -29,8 +29,7 @@ from ..acoustic.renderer import RenderedWindow, WindowPayload
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
-from ..prompt import check_seed, check_steps, frames_for_duration
-from ..prompt import encode_prompt
+from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
 from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
