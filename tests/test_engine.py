@@ -1064,21 +1064,28 @@ def test_a_device_override_that_puts_both_stages_on_one_gpu_checks_their_memory_
         Engine.from_pretrained("unused", deploy, device="cuda:0")
 
 
-@pytest.mark.parametrize("override", ["cpu", "cpu:0", torch.device("cpu"), "cuda:1", torch.device("cuda", 1)])
-def test_any_spelling_of_a_device_override_loads_the_talker_in_the_dtype_of_its_kind(monkeypatch, override):
-    """The CPU runs the talker in float32 however it is named ("cpu:0" and torch.device("cpu") took the deploy file's
-    bfloat16, another song for the same seed); the override reaches the loader as a device string."""
+def load_models_arguments(monkeypatch, *args, **kwargs) -> dict:
+    """What Engine.from_pretrained("unused", *args, **kwargs) hands load_models (stopped there: no model loads)."""
     loaded = {}
 
     def fake_load_models(root, device, talker_dtype, acoustic, progress):
-        loaded.update(device=device, dtype=talker_dtype)
+        loaded.update(device=device, talker_dtype=talker_dtype, acoustic=acoustic)
         raise RuntimeError("stop before building the engine")
 
     monkeypatch.setattr("music3serve.serving.engine.load_models", fake_load_models)
     with pytest.raises(RuntimeError, match="stop before"):
-        Engine.from_pretrained("unused", device=override)
+        Engine.from_pretrained("unused", *args, **kwargs)
+    return loaded
+
+
+@pytest.mark.parametrize("override", ["cpu", "cpu:0", torch.device("cpu"), "cuda:1", torch.device("cuda", 1)])
+def test_any_spelling_of_a_device_override_loads_the_talker_in_the_dtype_of_its_kind(monkeypatch, override):
+    """The CPU runs the talker in float32 however it is named ("cpu:0" and torch.device("cpu") took the deploy file's
+    bfloat16, another song for the same seed); the override reaches the loader as a device string."""
+    loaded = load_models_arguments(monkeypatch, device=override)
     cpu = torch.device(override).type == "cpu"
-    assert loaded == {"device": str(torch.device(override)), "dtype": torch.float32 if cpu else torch.bfloat16}
+    assert (loaded["device"], loaded["talker_dtype"]) == (str(torch.device(override)),
+                                                          torch.float32 if cpu else torch.bfloat16)
 
 
 @pytest.mark.parametrize("override", ["gpu", "cuda:x", 3.5])
@@ -1100,16 +1107,8 @@ def test_stages_on_different_gpus_split_only_where_there_are_gpus(monkeypatch, c
     deploy = parse_deploy_config(data, source)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    loaded = {}
-
-    def fake_load_models(root, device, talker_dtype, acoustic, progress):
-        loaded.update(device=device, acoustic=acoustic)
-        raise RuntimeError("stop before building the engine")
-
-    monkeypatch.setattr("music3serve.serving.engine.load_models", fake_load_models)
-    with pytest.raises(RuntimeError, match="stop before"):
-        Engine.from_pretrained("unused", deploy)
-    assert loaded == ({"device": "cuda:0", "acoustic": False} if cuda else {"device": "cpu", "acoustic": True})
+    loaded = load_models_arguments(monkeypatch, deploy)
+    assert (loaded["device"], loaded["acoustic"]) == (("cuda:0", False) if cuda else ("cpu", True))
 
 
 def test_the_renderer_captures_the_stage_1_sizes_the_deploy_config_names(models, deploy, monkeypatch):
