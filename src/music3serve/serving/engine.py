@@ -1,8 +1,8 @@
 """The engine as a Python API: `submit(request)` streams events, `cancel(id)` stops a song.
 
-The talker runs on a thread of this process with its own CUDA stream; stage 1 (serving/stage1.py) is either a
-renderer on another thread and stream of this process (colocated: the talker keeps writing frames while it renders)
-or a worker process (split). A watch thread catches a stage stuck in one call.
+The talker runs on a thread of this process with its own CUDA stream (serving/talker_loop.py); stage 1
+(serving/stage1.py) is either a renderer on another thread and stream of this process (colocated: the talker keeps
+writing frames while it renders) or a worker process (split). A watch thread catches a stage stuck in one call.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import queue
 import re
 import secrets
 import threading
@@ -25,12 +24,12 @@ from typing import AsyncIterator
 import numpy as np
 import torch
 
-from ..acoustic.renderer import RenderedWindow, WindowPayload
+from ..acoustic.renderer import RenderedWindow
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
 from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
-from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
+from ..talker.engine import SongFinished, Talker
 from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
@@ -38,8 +37,9 @@ from .heartbeat import (
     PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
 )
 from .metrics import EngineMetrics
-from .render_loop import FAILED_CALLS_BEFORE_STOP, stage1_renderer
+from .render_loop import stage1_renderer
 from .stage1 import LocalStage1, Stage1, WorkerStage1
+from .talker_loop import Songs, TalkerLoop
 from .worker import RenderWorker, load_acoustic
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,6 @@ class Engine:
         self._clients: dict[str, _Client] = {}  # by key
         self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
         self._submissions = itertools.count()
-        self._control: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._closed = False
         self._failing = threading.Lock()
@@ -125,8 +124,11 @@ class Engine:
         else:
             self.stage1 = WorkerStage1(worker, self.device, self._on_chunk, self._fail_and_cancel, self._stop)
         self._hung_stage: str | None = None  # the stage whose thread the watch found stuck in one call
+        songs = Songs(self._live, self._accepted, self._refused, self._finished, self._fail)
+        self.talker_loop = TalkerLoop(self.talker, songs, self.stage1, self.stage_watches["stage 0"], self.metrics,
+                                      self._stop, deploy.async_chunk)
         self._threads = [
-            threading.Thread(target=self._guarded, args=(self._talker_loop,), name="music3-talker", daemon=True),
+            threading.Thread(target=self._guarded, args=(self.talker_loop.run,), name="music3-talker", daemon=True),
             threading.Thread(target=self._guarded, args=(self.stage1.run,), name="music3-stage1", daemon=True),
             threading.Thread(target=self._guarded, args=(self._watch_loop,), name="music3-watch", daemon=True),
         ]
@@ -208,7 +210,7 @@ class Engine:
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
             self._forget(key)
             raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
-        self._control.put(("submit", key, cond, uncond, seed, budget_request, steps))
+        self.talker_loop.control.put(("submit", key, cond, uncond, seed, budget_request, steps))
         ended = False
         try:
             while not ended:
@@ -294,7 +296,7 @@ class Engine:
                 del self._keys[song]
 
     def _cancel(self, key: str) -> None:
-        self._control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
+        self.talker_loop.control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
         self.stage1.drop_waits(key)  # now; again once the talker has stopped sending the song's windows
         self._emit(key, Failed, "cancelled")
 
@@ -319,7 +321,7 @@ class Engine:
         self._stop.set()  # first, so a submit racing with close either sees it or is failed below
         for key in list(self._clients):
             self._emit(key, Failed, "engine closed")
-        self._control.put(("stop",))
+        self.talker_loop.control.put(("stop",))
         self.stage1.stop()
         talker, stage1, watch = self._threads
         # A thread the watch found stuck is not waited for (it may never return; it is a daemon).
@@ -350,7 +352,7 @@ class Engine:
                 client.loop.call_soon_threadsafe(_deliver, client, event(client.song, *args))
             except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
                 self._forget(key)
-                self._control.put(("cancel", key))
+                self.talker_loop.control.put(("cancel", key))
 
     def _guarded(self, loop) -> None:
         """Run a stage loop; if it dies, every open stream fails with the reason instead of waiting forever."""
@@ -369,111 +371,22 @@ class Engine:
         for key in list(self._clients):
             self._fail(key, self._broken)
 
-    # Stage 0 thread.
-    def _talker_loop(self) -> None:
-        stream = self.talker.stream  # the talker's own high-priority stream (its graphs were captured on it)
-        steps: dict[str, int] = {}
-        held: dict[str, list] = {}  # async_chunk false: each song's windows until its last frame
-        failures_in_a_row = 0
-        watch = self.stage_watches["stage 0"]
-        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            while not self._stop.is_set():
-                watch.busy(None)  # waiting for work is no call
-                self._drain_control(steps, held, block=not self.talker.busy)
-                if not self.talker.busy:
-                    continue
-                written = self.talker.frames_written
-                watch.busy(1.0)  # the step, and the hand-over of its windows (split: their copy to the host)
-                try:
-                    events = self.talker.step()
-                except Exception as exc:  # a failed step fails its songs, never the engine nor the queue
-                    log.exception("talker step failed")
-                    # The songs decoding; a step that fails with none (say the device is gone) fails the queue too,
-                    # which would otherwise meet the same failure at every step, forever.
-                    for song in [s.id for s in self.talker.active] or list(self.talker.songs):
-                        self._drop(song, steps, held)  # its windows held here or sent on to stage 1 too
-                        self._fail(song, f"stage 0 failed: {exc}")
-                    failures_in_a_row += 1
-                    if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
-                                          "it stops") from exc
-                    continue
-                finally:
-                    self.metrics.frames.inc(self.talker.frames_written - written)
-                failures_in_a_row = 0
-                self.metrics.talker_steps.inc()
-                self._hand_on(events, steps, held)
-            self.talker.cancel_all()  # closing: songs cut mid-stream give back their rows and buffers now
+    # What the talker loop tells the songs' callers.
+    def _live(self, key: str) -> bool:
+        client = self._clients.get(key)
+        return client is not None and not client.ended
 
-    def _hand_on(self, events: list, steps: dict[str, int], held: dict[str, list]) -> None:
-        """A step's events to the songs' clients and their windows to stage 1 (held until the song's last frame with
-        async_chunk false)."""
-        for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
-            if isinstance(event, SongFinished):
-                client = self._clients.get(event.song)
-                if client:
-                    client.finished = event
-            elif isinstance(event, WindowReady) and event.song in self._clients:  # else cancelled meanwhile
-                payload = WindowPayload(event.song, event.seed, event.window, event.mixed, steps[event.song])
-                if self.deploy.async_chunk:
-                    self._to_stage1(payload, event.ready)
-                else:
-                    held.setdefault(event.song, []).append((payload, event.ready))
-            elif isinstance(event, SongFailed):
-                self._fail(event.song, event.message)
-        for event in events:
-            if isinstance(event, (SongFinished, SongFailed)):
-                steps.pop(event.song, None)
-                windows = held.pop(event.song, [])
-                if isinstance(event, SongFinished):  # async_chunk false: now all of them, in order
-                    for payload, ready in windows:
-                        self._to_stage1(payload, ready)
+    def _accepted(self, key: str, seed: int, budget: int, prompt_tokens: int) -> None:
+        self._emit(key, Accepted, seed, budget, prompt_tokens)
 
-    def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
-        client = self._clients.get(payload.song)
-        if client is None or client.ended:  # cancelled or failed meanwhile (say an earlier window was not sent)
-            return
-        self.stage1.send(payload, ready)
+    def _refused(self, key: str, message: str) -> None:
+        if self._end(key) is not None:  # ends once: a cancel now is too late, and counts nothing
+            self._emit(key, Failed, message, True)
 
-    def _drain_control(self, steps: dict[str, int], held: dict[str, list], block: bool) -> None:
-        try:
-            item = self._control.get(timeout=0.05) if block else self._control.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if item[0] == "submit":
-                _, song, cond, uncond, seed, requested, n_steps = item
-                watch = self.stage_watches["stage 0"]
-                try:
-                    watch.busy(1.0)  # taking a song copies its prompt to the device, behind the step in flight
-                    budget = self.talker.submit(song, cond, uncond, seed, requested)
-                except InputError as exc:  # a refused request (HTTP 400): neither a request nor a failure served
-                    self.metrics.refusals.labels("invalid").inc()
-                    if self._end(song) is not None:  # ends once: a cancel now is too late, and counts nothing
-                        self._emit(song, Failed, str(exc), True)
-                except Exception as exc:  # say a device error while queueing it: this song fails, the engine goes on
-                    log.exception("stage 0 could not take a song", extra={"song": song})
-                    self.talker.cancel(song)  # whatever part of it was queued
-                    self._fail(song, f"stage 0 could not take the song: {exc}")
-                else:
-                    steps[song] = n_steps
-                    self.metrics.requests.inc()
-                    self._emit(song, Accepted, seed, budget, len(cond))
-                finally:
-                    watch.busy(None)
-            elif item[0] == "cancel":
-                self._drop(item[1], steps, held)
-            try:
-                item = self._control.get_nowait()
-            except queue.Empty:
-                return
-
-    def _drop(self, song: str, steps: dict[str, int], held: dict[str, list]) -> None:
-        """Stop a song in both stages and forget what the talker loop keeps of it."""
-        self.talker.cancel(song)
-        steps.pop(song, None)
-        held.pop(song, None)
-        self.stage1.cancel(song)
+    def _finished(self, event: SongFinished) -> None:
+        client = self._clients.get(event.song)
+        if client:
+            client.finished = event
 
     # The watch: of the stage threads here for a call that never ends, and of stage 1's own needs (the worker).
     def _watch_loop(self) -> None:
