@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 import time
+from typing import Callable
 
 import pytest
 
@@ -54,6 +55,21 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     except ConnectionResetError:
         pass
     return True
+
+
+def drip(sock: socket.socket, data: bytes, every: float, for_s: float) -> bool:
+    """Sends `data` a byte every `every` s until the server closes the connection: whether it did within `for_s`."""
+    start = time.monotonic()
+    for byte in data:
+        try:
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+        if closed_within(sock, every):
+            return True
+        if time.monotonic() - start > for_s:
+            return False
+    raise AssertionError(f"{len(data)} bytes is too few to drip for {for_s} s")
 
 
 def request(body: bytes, path: bytes = b"/") -> bytes:
@@ -107,6 +123,16 @@ def test_a_request_sent_slowly_within_the_deadline_is_served(guarded):
         assert response(sock).startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.parametrize("before", [b"POST / HTTP/1.1\r\nHost: t\r\nX-Drip: ", request(b"x" * 1000)[:-1000]],
+                         ids=["headers", "body"])
+def test_a_request_kept_unfinished_by_a_drip_of_bytes_loses_its_connection(guarded, before):
+    """The deadline runs from the request's start, not from the last byte received: a byte every 0.1 s (a fifth of
+    the 0.5 s deadline) held a connection for as long as the client kept it up if each byte re-armed the deadline."""
+    with guarded() as url, connect(url) as sock:
+        sock.sendall(before)
+        assert drip(sock, b"x" * 100, every=0.1, for_s=3.0)
+
+
 def test_a_pipelined_request_gets_its_own_deadline(guarded):
     """A request that came in the same packet as the one before it starts only once that one is answered: it was
     never given a deadline, and one packet held the connection forever."""
@@ -138,6 +164,20 @@ def test_a_request_after_one_whose_body_went_unread_is_timed_from_its_own_start(
             sock.sendall(piece)
             time.sleep(0.3)
         assert response(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_connection_gone_before_its_deadline_is_not_timed_out_after(guarded, caplog):
+    """A connection that goes away disarms its deadline: the timer no longer fires on it once it is gone (closing
+    a closed transport). The second connection's deadline comes after the first's, so by the time it is closed the
+    first's would have fired."""
+    with caplog.at_level(logging.DEBUG, logger=http_guard.__name__), guarded() as url:
+        with connect(url) as gone:
+            gone.sendall(b"POST / HTTP/1.1\r\n")
+        with connect(url) as slow:
+            slow.sendall(b"POST / HTTP/1.1\r\n")
+            assert closed_within(slow, 5)
+            timed_out = [r.client for r in caplog.records if r.getMessage().endswith("was not read in time")]
+            assert timed_out == [slow.getsockname()]
 
 
 @pytest.fixture
@@ -184,3 +224,77 @@ def test_accept_errors_become_one_line_per_interval_with_their_count(caplog, qui
     lines = [r for r in caplog.records if r.name == http_guard.__name__]
     assert [r.failures for r in lines] == [1, 3] and all(r.exc_info is None for r in lines)
     assert lines[0].getMessage().startswith("accept() ran out of open files")
+
+
+class Clock:
+    """Stands in for http_guard's `time` (monotonic() reads `now`) and for the running loop's call_later: the timers
+    it is given run only at `advance`, once `now` reaches them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.delays: list[float] = []  # of each call_later
+        self.timers: list[tuple[asyncio.TimerHandle, Callable[[], None]]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        handle = asyncio.TimerHandle(self.now + delay, callback, (), asyncio.get_running_loop())
+        self.delays.append(delay)
+        self.timers.append((handle, callback))
+        return handle
+
+    def advance(self, to: float) -> None:
+        """Sets `now` and runs the timers due by then that were not cancelled, in order."""
+        self.now = to
+        for handle, callback in sorted(self.timers, key=lambda timer: timer[0].when()):
+            if handle.when() <= to:
+                self.timers.remove((handle, callback))
+                if not handle.cancelled():
+                    callback()
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(http_guard, "time", clock)
+    return clock
+
+
+def test_throttled_holds_a_count_without_a_loop_until_the_next_event_after_the_interval(clock):
+    """Outside a loop nothing flushes: the events held back are counted into the first line after the interval,
+    with the event that writes it."""
+    emitted: list[tuple[float, int]] = []
+    throttled = http_guard.Throttled(lambda count: emitted.append((clock.now, count)))
+    for now in (0, 1, 2, 60, 61, 119.5, 120):
+        clock.advance(now)
+        throttled()
+    assert emitted == [(0, 1), (60, 3), (120, 3)]
+
+
+def test_throttled_flushes_its_count_when_the_interval_since_the_last_line_ends(clock, monkeypatch):
+    """In a loop the count held back is written WARN_EVERY_S (60 s) after the last line, by one timer however many
+    events come. An event that finds the interval over before the loop ran that timer writes the count itself (its
+    own included) and cancels the timer: run, it wrote the count of the events after it at once, a second line in
+    the interval."""
+    emitted: list[tuple[float, int]] = []
+
+    async def events() -> None:
+        monkeypatch.setattr(asyncio.get_running_loop(), "call_later", clock.call_later)
+        throttled = http_guard.Throttled(lambda count: emitted.append((clock.now, count)))
+        for now in (0, 10, 20):
+            clock.advance(now)
+            throttled()
+        clock.advance(60)
+        assert emitted == [(0, 1), (60, 2)] and clock.delays == [50]
+        clock.advance(61)
+        throttled()
+        for now in (120, 120.5):  # the flush is due, but the loop runs these two events before it
+            clock.now = now
+            throttled()
+        clock.advance(120.5)
+        assert emitted == [(0, 1), (60, 2), (120, 2)]
+        clock.advance(180.5)
+        assert emitted == [(0, 1), (60, 2), (120, 2), (180.5, 1)] and clock.delays == [50, 59, 59.5]
+
+    asyncio.run(events())
