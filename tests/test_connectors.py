@@ -5,6 +5,7 @@ Every wait is bounded: gets have timeouts, children are joined with timeouts and
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -324,6 +325,82 @@ def test_a_message_larger_than_the_free_dev_shm_is_refused(monkeypatch: pytest.M
         conn.close()
 
 
+def test_the_free_space_check_counts_bytes_available_to_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm's free space is f_bavail fragments of f_frsize bytes (not f_bfree, which counts reserved blocks, nor
+    f_bsize): a message of exactly that size is written, one byte more is refused, saying how much is free."""
+    blocks, fragment = 16, 4096  # 64 KiB = THRESHOLD available
+    fake = SimpleNamespace(f_bavail=blocks, f_frsize=fragment, f_bfree=1 << 20, f_bsize=1 << 20)
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        monkeypatch.setattr(shm_segments.os, "statvfs", lambda path: fake)
+        fits = {"x": np.arange(blocks * fragment, dtype=np.uint8)}  # one tensor at offset 0: the segment's size
+        conn.put("c", ("fits", {}, fits))
+        with pytest.raises(ConnectorError, match=r"/dev/shm has 0\.1 MiB free but a message needs 0\.1 MiB"):
+            conn.put("c", ("over", {}, {"x": np.zeros(blocks * fragment + 1, dtype=np.uint8)}))
+        monkeypatch.undo()
+        assert len(conn.segments()) == 1  # the one that fitted, and nothing of the refused one
+        assert_same(conn.get("c", 1.0), "fits", {}, fits)
+        with pytest.raises(ConnectorTimeout):
+            conn.get("c", 0)  # the refused message never went out
+    finally:
+        conn.close()
+    assert conn.segments() == []
+
+
+def test_the_registry_of_unread_segments_forgets_the_read_ones_at_its_cap(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A sender's registry of segments it made and that may be unread is pruned once it holds the cap (256 names):
+    below the cap nothing is forgotten; at the cap the names whose segment is gone (read elsewhere) are, those
+    still present kept; the next cap is twice what was kept, never under 256."""
+    assert shm_segments._prune_at == 256  # nothing in the tests has that many segments unread at once
+    registry: dict[str, int] = {}
+    monkeypatch.setattr(shm_segments, "_OUTSTANDING", registry)
+    monkeypatch.setattr(shm_segments, "_prune_at", 256)  # restored afterwards: the test moves the cap
+    monkeypatch.setattr(shm_segments, "SHM_DIR", str(tmp_path))  # a stand-in /dev/shm
+    count = itertools.count()
+
+    def add(present: int, gone: int) -> set[str]:
+        """Register `present` names whose segment exists and `gone` names whose segment was unlinked."""
+        names = set()
+        for i in range(present + gone):
+            name = f"m3s_test_{next(count)}"
+            if i < present:
+                (tmp_path / name).touch()
+                names.add(name)
+            registry[name] = os.getpid()
+        return names
+
+    add(0, 255)
+    shm_segments._prune_outstanding()
+    assert len(registry) == 255  # below the cap: left alone
+    add(0, 1)
+    shm_segments._prune_outstanding()
+    assert registry == {}  # at the cap: every gone name forgotten
+
+    kept = add(150, 106)  # 256 again, 150 still unread
+    shm_segments._prune_outstanding()
+    assert set(registry) == kept
+    add(0, 149)  # 299: under the new cap of 300
+    shm_segments._prune_outstanding()
+    assert len(registry) == 299
+    add(0, 1)
+    shm_segments._prune_outstanding()
+    assert set(registry) == kept
+
+    for name in kept:  # read by now
+        (tmp_path / name).unlink()
+    add(0, 150)  # 300: at the cap
+    shm_segments._prune_outstanding()
+    assert registry == {}
+    add(0, 255)  # the cap is back at 256, not at twice nothing
+    shm_segments._prune_outstanding()
+    assert len(registry) == 255
+    add(0, 1)
+    shm_segments._prune_outstanding()
+    assert registry == {}
+
+
 def test_cleanup_by_pid_does_not_match_pids_that_begin_with_it() -> None:
     """cleanup(pid=12) removes segments of process 12 only, not those of process 123 (same leading digits)."""
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
@@ -339,6 +416,20 @@ def test_cleanup_by_pid_does_not_match_pids_that_begin_with_it() -> None:
     assert conn.segments() == []
 
 
+def wait_forked(child: int, limit_s: float = 10.0) -> int:
+    """Reap a child made by os.fork (killed past `limit_s`) and return its exit code."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child did not exit")
+        time.sleep(0.005)
+
+
 def test_a_forked_child_leaves_its_parents_unread_segments_alone() -> None:
     """The registry of unread segments is inherited by a fork; the child's cleanup must skip its parent's."""
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
@@ -351,17 +442,38 @@ def test_a_forked_child_leaves_its_parents_unread_segments_alone() -> None:
                 shm_segments.unlink_unread()
             finally:
                 os._exit(0)
-        deadline = time.monotonic() + 10.0
-        while os.waitpid(child, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(child, signal.SIGKILL)
-                os.waitpid(child, 0)
-                pytest.fail("the forked child did not exit")
-            time.sleep(0.005)
+        wait_forked(child)
         assert len(conn.segments()) == 1
         assert conn.get("c", 1.0).tensors["x"].shape == (THRESHOLD,)
     finally:
         conn.close()
+
+
+def test_close_in_a_worker_unlinks_what_it_sent_and_nobody_read() -> None:
+    """close() outside the owner unlinks that process's unread segments (its own, not its parent's), before and
+    without any exit hook: the forked child leaves by os._exit, which runs none."""
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    try:
+        conn.put("c", ("parent", {}, {"x": np.zeros(THRESHOLD, dtype=np.uint8)}))
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child: numpy only (no torch after a fork), then out at once
+            code = 3
+            try:
+                conn.put("c", ("child", {}, {"x": np.ones(THRESHOLD, dtype=np.uint8)}))
+                sent = len(conn.segments(pid=os.getpid()))
+                conn.close()  # not the owner: no cleanup by prefix
+                code = 0 if (sent, conn.segments(pid=os.getpid())) == (1, []) else 1
+            finally:
+                os._exit(code)
+        assert wait_forked(child) == 0
+        assert conn.segments(pid=child) == []
+        assert len(conn.segments(pid=os.getpid())) == 1  # the parent's own unread segment is still there
+        assert conn.get("c", 1.0).key == "parent"
+        with pytest.raises(LostMessage, match="'child'"):
+            conn.get("c", 1.0)
+    finally:
+        conn.close()
+    assert conn.segments() == []
 
 
 def test_sigterm_chained_before_a_python_handler_unlinks_then_calls_it() -> None:
@@ -501,6 +613,35 @@ def test_child_exit_and_sigterm_unlink_unread_segments() -> None:
         _stop(returns)
         _stop(waits)
         conn.close()
+
+
+def _put_and_return(conn: SharedMemoryConnector) -> None:
+    """A fork-started worker: put one large message nobody reads (numpy only: no torch after a fork), return."""
+    conn.put("c", ("child", {}, {"x": np.ones(THRESHOLD, dtype=np.uint8)}))
+
+
+def test_a_fork_started_child_unlinks_its_own_unread_segments_at_exit_and_not_its_parents() -> None:
+    """multiprocessing empties the finalizer registry of a fork-started child and it leaves by os._exit (no atexit):
+    its first segment installs a finalizer of its own, which unlinks what it sent unread and skips the parent's
+    segments it inherited in the registry."""
+    conn = SharedMemoryConnector(EXTRA, channels=("c",))
+    proc = None
+    try:
+        conn.put("c", ("parent", {}, {"x": np.zeros(THRESHOLD, dtype=np.uint8)}))
+        proc = mp.get_context("fork").Process(target=_put_and_return, args=(conn,), daemon=True)
+        proc.start()
+        proc.join(10.0)
+        assert proc.exitcode == 0
+        assert conn.segments(pid=proc.pid) == []
+        assert len(conn.segments(pid=os.getpid())) == 1
+        assert conn.get("c", 1.0).key == "parent"
+        with pytest.raises(LostMessage, match="'child'"):  # dropped when its sender exited
+            conn.get("c", 1.0)
+    finally:
+        if proc is not None:
+            _stop(proc)
+        conn.close()
+    assert conn.segments() == []
 
 
 def test_no_resource_tracker_warnings_and_nothing_left(tmp_path: Path) -> None:

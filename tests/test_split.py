@@ -739,6 +739,26 @@ def test_a_window_the_connector_refused_fails_its_song_at_the_next_check_saying_
     assert failed == [("a", "stage 1 could not take window 0: no space left in /dev/shm")]
 
 
+def test_a_cancelled_song_is_not_failed_later_for_the_windows_it_had_out():
+    """WorkerStage1.cancel drops the song's connector waits with the cancel: a window handed on before it is not
+    waited for, so the song is not failed as silent once its wait is up, and nothing of it is kept."""
+    sent: list[tuple[str, str]] = []
+    outbox = SimpleNamespace(put=lambda message: sent.append((message.key, message.meta["song"])),
+                             failures=lambda: [])
+    waits = ChunkDeadlines(first_chunk_s=0.01, later_s=0.01)
+    stage, failed = split_stage(deadlines=waits, outbox=outbox)
+    stage.send(payload("a", 0), ready=None)
+    stage.send(payload("b", 0), ready=None)  # not cancelled: its wait runs out as before
+    due = max(deadline for _, deadline, _, _ in waits.songs.values())
+    stage.cancel("a")
+    assert sent == [("window", "a"), ("window", "b"), ("cancel", "a")]
+    assert "a" not in waits.songs
+    while time.monotonic() <= due:  # past both waits (10 ms), whatever the clock's resolution
+        time.sleep(0.005)
+    stage.check()
+    assert [song for song, _ in failed] == ["b"] and waits.songs == {}
+
+
 ORPHAN_PARENT = """
 import os, sys
 from music3serve.serving.engine import Engine
