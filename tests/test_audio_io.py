@@ -12,7 +12,7 @@ import pytest
 soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
 
 from music3serve.errors import InputError
-from music3serve.serving.audio_io import check_output, resample, to_pcm16, write_audio
+from music3serve.serving.audio_io import PcmEncoder, check_output, resample, to_pcm16, write_audio
 
 SOURCE, TARGET = 44_100, 32_000
 EDGE = 64  # output samples skipped at each end (the filter reaches 32 source samples, ~23 output samples)
@@ -154,3 +154,43 @@ def test_a_song_named_by_a_symbolic_link_goes_to_the_file_it_points_to(tmp_path:
         assert song.getnframes() == 441
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.wav", "songs"]
     assert [p.name for p in (tmp_path / "songs").iterdir()] == ["real.wav"]
+
+
+def encoded(encoder: PcmEncoder, waveform: np.ndarray, cuts: list[int]) -> np.ndarray:
+    """The encoder's bytes for `waveform` fed in pieces split at `cuts` (the last piece marked last), as int16
+    [samples, channels]."""
+    pieces = np.split(waveform, cuts, axis=-1)
+    data = b"".join(encoder.feed(piece, last=i == len(pieces) - 1) for i, piece in enumerate(pieces))
+    return np.frombuffer(data, dtype="<i2").reshape(-1, 2)
+
+
+def test_the_stream_encoder_clamps_before_it_resamples() -> None:
+    """Out-of-range samples are clamped to [-1, 1] and then resampled to 32 kHz, as the offline song is (its
+    waveform is in [-1, 1] before the CLI resamples it): clamping only after resampling (which to_pcm16 does anyway)
+    lets the overshoot into the filter. Noise in [-2, 2] makes the two orders differ on most output samples."""
+    waveform = np.random.default_rng(2).uniform(-2, 2, (2, 3000)).astype(np.float32)
+    pcm = encoded(PcmEncoder(TARGET), waveform, [1000, 1700])
+    clamped_first = to_pcm16(resample(np.clip(waveform, -1.0, 1.0), SOURCE, TARGET))
+    clamped_after = to_pcm16(resample(waveform, SOURCE, TARGET))
+    assert np.mean(clamped_after != clamped_first) > 0.5  # the input tells the two orders apart
+    np.testing.assert_array_equal(pcm, clamped_first)
+
+
+@pytest.mark.parametrize("rate", [SOURCE, TARGET])
+def test_a_finished_encoder_returns_no_bytes(rate: int) -> None:
+    """Once fed its last piece the encoder is finished: a second finish (the API flushes at Done, after a chunk that
+    was already last) and a push of more audio both return exactly b"", so nothing more is sent or counted, and its
+    state is left alone."""
+    encoder = PcmEncoder(rate)
+    waveform = stereo_noise(2000) * 0.5
+    song = encoded(encoder, waveform, [700])
+    assert len(song) == (out_len(2000) if rate == TARGET else 2000)
+
+    def state() -> tuple[int, int] | None:
+        return None if encoder.resampler is None else (encoder.resampler.received, encoder.resampler.emitted)
+
+    before = state()
+    for piece, last in [(np.zeros((2, 0), np.float32), True), (waveform, False), (waveform, True)]:
+        tail = encoder.feed(piece, last)
+        assert type(tail) is bytes and tail == b""
+    assert state() == before

@@ -1160,3 +1160,40 @@ def test_a_songs_reservation_shrinks_to_its_frame_budget_once_accepted(engine):
             await close_stream(stream)
 
     run(scenario())
+
+
+class OutOfMemoryPrefill:
+    """The talker's language model for prefills (its frame steps hold their own reference): every prefill chunk runs
+    out of memory."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def __getattr__(self, name: str):
+        return getattr(self.lm, name)
+
+    def __call__(self, *args):
+        raise torch.OutOfMemoryError("out of memory for this prompt (test)")
+
+
+def test_a_song_whose_prefill_fails_is_accepted_then_failed(engine, monkeypatch) -> None:
+    """The talker takes the song (Accepted, with its budget: a request served, not refused) and its prefill then runs
+    out of memory: the caller gets Accepted, then Failed with the talker's reason under its own id (not refused, so
+    HTTP reports a failed song, not a bad request), and nothing else; the song is counted as one request and one
+    failure, and its id and rows are free again."""
+    monkeypatch.setattr(engine.talker, "lm", OutOfMemoryPrefill(engine.talker.lm))
+    req = request(0, id="prefill-fails")
+    before = samples(engine)
+    events = run(collect(engine, req))
+    assert [type(e) for e in events] == [Accepted, Failed], events
+    accepted, failed = events
+    assert accepted.song == failed.song == "prefill-fails" and accepted.seed == req.seed
+    assert accepted.prompt_tokens == prompt_tokens(engine, req) and accepted.budget_frames == 50
+    assert failed.message == "stage 0 could not prefill the song: out of memory for this prompt (test)"
+    assert not failed.refused
+    after = samples(engine)
+    assert after["music3_requests_total"] == before["music3_requests_total"] + 1
+    assert after["music3_failures_total"] == before["music3_failures_total"] + 1
+    invalid = 'music3_refusals_total{reason="invalid"}'
+    assert after[invalid] == before[invalid]
+    assert "prefill-fails" not in engine._keys and not engine.talker.busy

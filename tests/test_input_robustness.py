@@ -97,6 +97,9 @@ BAD_BODIES = {
     "duration 1e308": (raw(duration=1e308), "duration: Input should be less than or equal to 360"),
     "duration true": (raw(duration=True), "duration: Input should be a valid number"),
     "duration 1e-9": (raw(duration=1e-9), "duration 1e-09 s is shorter than one frame"),
+    # Zero is refused by the body's schema (duration > 0), not left for the engine's own check to catch.
+    "duration 0": (raw(duration=0), "duration: Input should be greater than 0"),
+    "duration -0.0": (raw(duration="=-0.0"), "duration: Input should be greater than 0"),
     "seed 2**63": (raw(seed=2**63), "seed: Input should be less than 9223372036854775808"),
     "seed 1.5": (raw(seed=1.5), "seed: Input should be a valid integer"),
     "seed of 5000 digits": (raw(seed="=" + "9" * 5000),

@@ -536,3 +536,56 @@ def test_a_song_cancelled_mid_prefill_gives_its_rows_back(models):
         codes += [e.codes for e in talker.step() if isinstance(e, SongFinished)]
     alone, _, _ = run(models, {3: 0}, config)
     assert torch.equal(codes[0], alone[3].codes)
+
+
+def test_admission_at_the_context_boundary(models) -> None:
+    """The prompt and the frames share max_model_len positions: a prompt of max_model_len - 1 tokens is admitted with
+    a budget of one frame (that song runs to its end in test_a_song_that_fills_the_context_equals_the_offline_pipeline);
+    one of exactly max_model_len tokens, or max_model_len + 1, leaves no frame and is refused at submit with the
+    numbers, queueing nothing (admitted, it had a budget of 0 or less)."""
+    cond, uncond = prompt(models, 0)
+    max_model_len = len(cond) + 1
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder,
+                    TalkerConfig(max_model_len=max_model_len))
+    for extra in (1, 2):  # prompts of max_model_len and max_model_len + 1 tokens
+        longer_cond, longer_uncond = cond + cond[-1:] * extra, uncond + uncond[-1:] * extra
+        with pytest.raises(InputError, match=f"^the prompt has {max_model_len + extra - 1} tokens and leaves no frames "
+                                             f"within max_model_len {max_model_len}$"):
+            talker.submit(f"long{extra}", longer_cond, longer_uncond, 1, 100)
+        assert not talker.busy and not talker.songs
+    assert talker.submit("fits", cond, uncond, 1, 100) == 1
+    assert [song.budget for song in talker.waiting] == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_bytes_needed_counts_the_scratch_position(models, dtype: torch.dtype) -> None:
+    """SlotCache.bytes_needed, which the startup memory check adds up, is what the cache allocates: K and V of
+    [layers, 2 * pairs, kv_heads, max_model_len + 1, head_dim], the + 1 being the scratch position padded rows
+    write. Left out, a cache whose scratch column tipped it past the memory limit would pass the check."""
+    from music3serve.talker.slots import SlotCache
+
+    cfg, pairs, max_model_len = models.language_model.cfg, 3, 17
+    cache = SlotCache(cfg, pairs, max_model_len, dtype, "cpu")
+    assert cache.k.shape == (cfg.layers, 2 * pairs, cfg.kv_heads, max_model_len + 1, cfg.head_dim)
+    allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert allocated == 2 * cfg.layers * 2 * pairs * cfg.kv_heads * (max_model_len + 1) * cfg.head_dim * itemsize
+    assert SlotCache.bytes_needed(cfg, pairs, max_model_len, dtype) == allocated
+
+
+def test_a_failed_prefill_is_reported_before_the_other_events_of_its_step(models) -> None:
+    """A step in which song 1's prefill fails and song 0 (decoding) ends: the step's events give song 1's SongFailed
+    first, as it happened first (the prefill runs before the frame step whose results end song 0), then song 0's
+    windows and its SongFinished."""
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    budget = 3
+    talker.submit("0", *prompt(models, 0), 1, budget)
+    while talker.songs["0"].frames < budget - 1:  # the next step reads its last frame
+        assert talker.step() == []
+    talker.lm = FailingPrefill(models.language_model, len(prompt(models, 1)[0]))
+    talker.submit("1", *prompt(models, 1), 2, 5)
+    events = talker.step()
+    assert [(type(e), e.song) for e in events] == [(SongFailed, "1")] + [(type(e), "0") for e in events[1:]]
+    assert "out of memory for this prompt" in events[0].message
+    assert isinstance(events[-1], SongFinished) and events[-1].frames == budget
+    assert not talker.songs and talker.step() == [] and not talker.busy  # the step queued past song 0's end: dropped
