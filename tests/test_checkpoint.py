@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from music3serve import checkpoint, contract
+from music3serve import checkpoint, checkpoint_config, contract
 from music3serve.checkpoint import COMPONENTS, load_component
 from music3serve.errors import CheckpointError
 from music3serve.models.language_model import KVCache
@@ -455,7 +455,7 @@ def test_configs_as_tiny_and_diffusers_write_them_pass(tiny_dir: Path, saved_by_
     diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1, invert_sigmas=True).save_pretrained(tmp_path)
     saved = tmp_path / "scheduler_config.json"
     assert "use_karras_sigmas" in json.loads(saved.read_text())
-    checkpoint.check_supported(saved, json.loads(saved.read_text()), checkpoint.SUPPORTED["scheduler"])
+    checkpoint_config.check_supported(saved, json.loads(saved.read_text()), checkpoint_config.SUPPORTED["scheduler"])
 
 
 def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:
