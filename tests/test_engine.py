@@ -33,8 +33,10 @@ from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_c
 from music3serve.serving.engine import (
     PCM_BYTES_PER_SAMPLE, Accepted, AudioChunk, Done, Engine, Failed, SongRequest, _callers_ids, caller_id
 )
+from music3serve.serving.events import Event
 from music3serve.serving.heartbeat import StageWatch
 from music3serve.serving.stage1 import LocalStage1
+from polling import poll_until  # tests/ is on the import path (no package)
 
 
 def callers(keys) -> set[str]:
@@ -1197,3 +1199,74 @@ def test_a_song_whose_prefill_fails_is_accepted_then_failed(engine, monkeypatch)
     invalid = 'music3_refusals_total{reason="invalid"}'
     assert after[invalid] == before[invalid]
     assert "prefill-fails" not in engine._keys and not engine.talker.busy
+
+
+def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(engine, monkeypatch) -> None:
+    """A caller reads its song's Accepted, then its event loop closes with the stream left open (say the thread that
+    ran it ended): window 0's audio finds nobody listening, and the song is forgotten and cancelled at once. Forgotten
+    only, the talker decoded the rest of the song for nobody and stage 1 kept its carry for good (its later windows
+    were no longer sent, the last included)."""
+    run(wait_until(lambda: not (engine.talker.busy or engine._clients or engine.renderer.songs), "it is idle"))
+    budget, real_step = 750, engine.talker.step  # 30 s; window 0 goes to stage 1 at frame 201
+
+    def song_state() -> object | None:  # the talker's state of the song, while it holds it
+        return next((s for s in list(engine.talker.songs.values()) if caller_id(s.id) == "loop-gone"), None)
+
+    # The talker waits at frame 220 (window 0 went to stage 1 at 201) until window 0's audio has found the loop gone:
+    # however slow the render, the song is mid-way when it is forgotten.
+    def step_once_window_0_is_out() -> list:
+        song, deadline = song_state(), time.monotonic() + EVENT_TIMEOUT
+        while (song is not None and song.frames >= 220 and song.id in engine._clients
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine.talker, "step", step_once_window_0_is_out)
+    frames, loop = engine.talker.frames_written, asyncio.new_event_loop()
+    stream = engine.submit(request(0, id="loop-gone", duration_s=budget / contract.FRAME_RATE))
+    try:
+        accepted = loop.run_until_complete(next_event(stream))
+    finally:
+        loop.close()  # the stream left open
+    assert isinstance(accepted, Accepted) and accepted.budget_frames == budget
+    poll_until(lambda: song_state() is None, EVENT_TIMEOUT)
+    assert engine.talker.frames_written - frames < budget, "the talker decoded the whole song for nobody"
+    poll_until(lambda: not engine.renderer.songs, EVENT_TIMEOUT)
+    assert not engine._clients and "loop-gone" not in engine._keys and not engine.talker.busy
+
+
+def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(engine, monkeypatch) -> None:
+    """talker.submit raises something other than InputError (say a device error) after it queued the song: that song
+    alone fails, as a failure (not refused, and not counted as a request) with "stage 0 could not take the song" and
+    the reason, the talker holds nothing of it by the time its caller hears, and the engine serves the next song."""
+    real_submit = engine.talker.submit
+
+    def submit_then_fail(song: str, *args) -> int:
+        budget = real_submit(song, *args)
+        if caller_id(song) == "untakeable":
+            raise RuntimeError("injected device error while queueing")
+        return budget
+
+    monkeypatch.setattr(engine.talker, "submit", submit_then_fail)
+    before = samples(engine)
+
+    async def scenario() -> tuple[Event, list[str], list]:
+        stream = engine.submit(request(0, id="untakeable", duration_s=30.0))  # 750 frames: long in the talker
+        try:
+            failed = await asyncio.wait_for(stream.__anext__(), 30)
+            held = list(engine.talker.songs)  # before the stream's end cancels whatever is left of the song
+        finally:
+            await close_stream(stream)
+        return failed, held, await collect(engine, request(0, id="taken-next"))
+
+    failed, held, events = run(scenario())
+    assert isinstance(failed, Failed) and failed.song == "untakeable" and not failed.refused, failed
+    assert failed.message == "stage 0 could not take the song: injected device error while queueing"
+    assert "untakeable" not in callers(held)
+    check_stream(events, request(0, id="taken-next"), prompt_tokens(engine, SONGS[0]))
+    after = samples(engine)
+    assert after["music3_failures_total"] == before["music3_failures_total"] + 1
+    assert after["music3_requests_total"] == before["music3_requests_total"] + 1  # the next song only
+    invalid = 'music3_refusals_total{reason="invalid"}'
+    assert after[invalid] == before[invalid]
+    assert "untakeable" not in engine._keys

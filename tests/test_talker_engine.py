@@ -519,6 +519,34 @@ def test_a_failed_prefill_is_reported_even_when_its_step_then_fails(models):
     assert not talker.busy and not talker.songs
 
 
+def test_a_failed_prefill_alone_keeps_the_talker_busy_until_a_step_reports_it(models) -> None:
+    """Song 0 (its step in flight) is cancelled and song 1's prefill fails in a step whose read-back of song 0's step
+    then raises: nothing waits, decodes or is in flight, only song 1's failure is left to report. The talker stays
+    busy until the next step reports it; idle, the serving loop would wait on its control queue and song 1's caller
+    would hear nothing (until some other song came)."""
+    config = TalkerConfig(max_num_seqs=2, depth_cache=False)  # one pair; no depth lookup table (8 s to build here)
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, config)
+    talker.submit("0", *prompt(models, 0), SONGS[0][3], SONGS[0][2])
+    talker.step()  # song 0 decodes, its first frame step in flight
+    assert talker.cancel("0")
+    talker.lm = FailingPrefill(models.language_model, len(prompt(models, 1)[0]))
+    talker.submit("1", *prompt(models, 1), SONGS[1][3], SONGS[1][2])
+    collect = talker._collect
+
+    def failing_collect(done):
+        talker._collect = collect
+        raise RuntimeError("injected read-back failure")
+
+    talker._collect = failing_collect
+    with pytest.raises(RuntimeError, match="injected read-back failure"):
+        talker.step()
+    assert not talker.waiting and not talker.active and talker._in_flight is None and not talker.songs
+    assert talker.busy
+    events = talker.step()
+    assert [(type(e), e.song) for e in events] == [(SongFailed, "1")] and "out of memory" in events[0].message
+    assert not talker.busy
+
+
 def test_a_song_cancelled_mid_prefill_gives_its_rows_back(models):
     """A prompt prefilled in chunks and cancelled between two of them: nothing of it stays queued or holds rows, and
     the one pair takes the next song, which comes out as it does alone."""
