@@ -48,7 +48,7 @@ _TRACK_KWARG = sys.version_info >= (3, 13)  # SharedMemory(track=False) exists f
 # Segments this process created and that may not have been read yet: name -> creating pid. The pid guards
 # against a forked child inheriting the dict and unlinking its parent's segments.
 _OUTSTANDING: dict[str, int] = {}
-_prune_at = 256  # forget consumed names once the registry grows past this
+_prune_at = 256  # forget consumed names once the registry holds this many
 _atexit_registered = False  # atexit handlers survive a fork: once per interpreter lineage
 _finalizer_pid: int | None = None  # a forked child starts with an empty finalizer registry: once per process
 _sigterm_pid: int | None = None
