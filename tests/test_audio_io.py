@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
-
 from music3serve.errors import InputError
 from music3serve.serving.audio_io import PcmEncoder, check_output, resample, to_pcm16, write_audio
 
@@ -120,6 +118,7 @@ def test_write_wav_round_trip(tmp_path: Path, name: str):
 
 
 def test_write_flac_round_trip(tmp_path: Path):
+    soundfile = pytest.importorskip("soundfile")  # the audio-file extra: the GPU box lacks it
     waveform = stereo_noise(1234)
     path = write_audio(tmp_path / "song.flac", waveform, SOURCE)
     info = soundfile.info(str(path))

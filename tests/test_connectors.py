@@ -353,10 +353,10 @@ def test_the_registry_of_unread_segments_forgets_the_read_ones_at_its_cap(
     """A sender's registry of segments it made and that may be unread is pruned once it holds the cap (256 names):
     below the cap nothing is forgotten; at the cap the names whose segment is gone (read elsewhere) are, those
     still present kept; the next cap is twice what was kept, never under 256."""
-    assert shm_segments._prune_at == 256  # nothing in the tests has that many segments unread at once
+    assert shm_segments.PRUNE_AT_LEAST == 256  # the numbers below
     registry: dict[str, int] = {}
     monkeypatch.setattr(shm_segments, "_OUTSTANDING", registry)
-    monkeypatch.setattr(shm_segments, "_prune_at", 256)  # restored afterwards: the test moves the cap
+    monkeypatch.setattr(shm_segments, "_prune_at", shm_segments.PRUNE_AT_LEAST)  # restored after: the test moves it
     monkeypatch.setattr(shm_segments, "SHM_DIR", str(tmp_path))  # a stand-in /dev/shm
     count = itertools.count()
 

@@ -36,7 +36,8 @@ from music3serve.serving.engine import (
 from music3serve.serving.events import Event
 from music3serve.serving.heartbeat import StageWatch
 from music3serve.serving.stage1 import LocalStage1
-from polling import poll_until  # tests/ is on the import path (no package)
+from failing_prefill import FailingPrefill  # tests/ is on the import path (no package)
+from polling import poll_until
 
 
 def callers(keys) -> set[str]:
@@ -1164,26 +1165,12 @@ def test_a_songs_reservation_shrinks_to_its_frame_budget_once_accepted(engine):
     run(scenario())
 
 
-class OutOfMemoryPrefill:
-    """The talker's language model for prefills (its frame steps hold their own reference): every prefill chunk runs
-    out of memory."""
-
-    def __init__(self, lm):
-        self.lm = lm
-
-    def __getattr__(self, name: str):
-        return getattr(self.lm, name)
-
-    def __call__(self, *args):
-        raise torch.OutOfMemoryError("out of memory for this prompt (test)")
-
-
 def test_a_song_whose_prefill_fails_is_accepted_then_failed(engine, monkeypatch) -> None:
     """The talker takes the song (Accepted, with its budget: a request served, not refused) and its prefill then runs
     out of memory: the caller gets Accepted, then Failed with the talker's reason under its own id (not refused, so
     HTTP reports a failed song, not a bad request), and nothing else; the song is counted as one request and one
     failure, and its id and rows are free again."""
-    monkeypatch.setattr(engine.talker, "lm", OutOfMemoryPrefill(engine.talker.lm))
+    monkeypatch.setattr(engine.talker, "lm", FailingPrefill(engine.talker.lm))
     req = request(0, id="prefill-fails")
     before = samples(engine)
     events = run(collect(engine, req))
@@ -1206,7 +1193,8 @@ def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(eng
     ran it ended): window 0's audio finds nobody listening, and the song is forgotten and cancelled at once. Forgotten
     only, the talker decoded the rest of the song for nobody and stage 1 kept its carry for good (its later windows
     were no longer sent, the last included)."""
-    run(wait_until(lambda: not (engine.talker.busy or engine._clients or engine.renderer.songs), "it is idle"))
+    assert engine.deploy.connector.extra.codec_streaming  # window 0's AudioChunk is what finds the loop gone
+    poll_until(lambda: not (engine.talker.busy or engine._clients or engine.renderer.songs), EVENT_TIMEOUT)
     budget, real_step = 750, engine.talker.step  # 30 s; window 0 goes to stage 1 at frame 201
 
     def song_state() -> object | None:  # the talker's state of the song, while it holds it
@@ -1231,8 +1219,8 @@ def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(eng
     assert isinstance(accepted, Accepted) and accepted.budget_frames == budget
     poll_until(lambda: song_state() is None, EVENT_TIMEOUT)
     assert engine.talker.frames_written - frames < budget, "the talker decoded the whole song for nobody"
-    poll_until(lambda: not engine.renderer.songs, EVENT_TIMEOUT)
-    assert not engine._clients and "loop-gone" not in engine._keys and not engine.talker.busy
+    poll_until(lambda: not (engine.renderer.songs or engine.talker.busy), EVENT_TIMEOUT)  # the step in flight ends
+    assert not engine._clients and "loop-gone" not in engine._keys
 
 
 def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(engine, monkeypatch) -> None:
@@ -1253,7 +1241,7 @@ def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(e
     async def scenario() -> tuple[Event, list[str], list]:
         stream = engine.submit(request(0, id="untakeable", duration_s=30.0))  # 750 frames: long in the talker
         try:
-            failed = await asyncio.wait_for(stream.__anext__(), 30)
+            failed = await next_event(stream)
             held = list(engine.talker.songs)  # before the stream's end cancels whatever is left of the song
         finally:
             await close_stream(stream)

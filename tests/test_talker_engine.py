@@ -22,6 +22,8 @@ from music3serve.talker.depth_inputs import DepthInputs
 from music3serve.talker.engine import device_bytes
 from music3serve.talker.frame import talker_frame
 
+from failing_prefill import FailingPrefill  # tests/ is on the import path (no package)
+
 # (caption, lyrics, frames, seed): prompts of different lengths.
 SONGS = [
     ("dreamy synth-pop", "[verse]\nneon skies", 230, 11),
@@ -455,21 +457,6 @@ def test_a_step_prefills_no_more_prompt_tokens_than_its_budget(models, budget):
         if len(steps_to_prefill) == 2:
             break
     assert steps_to_prefill["0"] == math.ceil(songs[0].ids.shape[1] / (budget // 2))
-
-
-class FailingPrefill:
-    """The language model, except that a prefill chunk of `tokens` tokens runs out of memory."""
-
-    def __init__(self, lm, tokens: int):
-        self.lm, self.tokens = lm, tokens
-
-    def __getattr__(self, name: str):
-        return getattr(self.lm, name)
-
-    def __call__(self, x, positions, attend):
-        if x.shape[1] == self.tokens:
-            raise torch.OutOfMemoryError("out of memory for this prompt (test)")
-        return self.lm(x, positions, attend)
 
 
 def test_a_failed_prefill_fails_only_its_song(models, solo):

@@ -1,5 +1,5 @@
 """Stage 0's thread (serving/talker_loop.py) driven with fakes: a talker whose steps return scripted events, a stage 1
-that records what it is sent, and the engine's side (Songs) as a set of songs still live."""
+that records what it is sent, and the engine's side (Callers) as a set of songs still live, with what it was told."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import torch
 
 from music3serve.acoustic.renderer import WindowPayload
 from music3serve.acoustic.windows import Window
+from music3serve.errors import InputError, Music3Error
 from music3serve.serving.heartbeat import StageWatch
 from music3serve.serving.metrics import EngineMetrics
-from music3serve.serving.talker_loop import Songs, TalkerLoop
+from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP
+from music3serve.serving.talker_loop import Callers, TalkerLoop
 from music3serve.talker.engine import Event, SongFinished, WindowReady
 
 
@@ -29,6 +31,7 @@ class ScriptedTalker:
         self.script, self.stop = list(script), stop
         self.songs: dict[str, int] = {}
         self.active: list = []
+        self.cancelled: list[str] = []  # by cancel (the loop's own end cancels all, apart)
 
     @property
     def busy(self) -> bool:
@@ -45,6 +48,7 @@ class ScriptedTalker:
         return events
 
     def cancel(self, song: str) -> bool:
+        self.cancelled.append(song)
         return self.songs.pop(song, None) is not None
 
     def cancel_all(self) -> None:
@@ -68,23 +72,31 @@ class RecordingStage1:
 
 
 class LiveSongs:
-    """The engine's side: songs are live from their acceptance until they fail (or `end` is called, as another
-    thread of the engine would, say a stage that died failing every song)."""
+    """The engine's side: songs are live from their acceptance until they are refused or fail (or `end` is called,
+    as another thread of the engine would, say a stage that died failing every song); `told` lists what it was told
+    but `live`."""
 
     def __init__(self):
         self.live: set[str] = set()
-        self.failed: list[str] = []
+        self.told: list[tuple] = []
 
     def end(self, song: str) -> None:
         self.live.discard(song)
 
-    def songs(self) -> Songs:
-        return Songs(
+    def tell(self, *what) -> None:
+        self.told.append(what)
+        if what[0] == "accepted":
+            self.live.add(what[1])
+        elif what[0] in ("refused", "fail"):
+            self.end(what[1])
+
+    def callers(self) -> Callers:
+        return Callers(
             live=lambda song: song in self.live,
-            accepted=lambda song, seed, budget, prompt_tokens: self.live.add(song),
-            refused=lambda song, message: self.end(song),
-            finished=lambda event: None,
-            fail=lambda song, message: (self.failed.append(song), self.end(song)),
+            accepted=lambda *args: self.tell("accepted", *args),
+            refused=lambda *args: self.tell("refused", *args),
+            finished=lambda event: self.tell("finished", event.song),
+            fail=lambda *args: self.tell("fail", *args),
         )
 
 
@@ -97,13 +109,14 @@ def finished() -> SongFinished:
     return SongFinished("a", 300, "budget", torch.zeros(300, 8, dtype=torch.int64))
 
 
-def run_loop(script: list[Callable[[], list[Event]]], stage1: RecordingStage1, songs: LiveSongs) -> TalkerLoop:
-    """Submit song "a", then run the talker loop (async_chunk false: windows held until the song's last frame)
-    through the script's steps, on this thread."""
+def run_loop(script: list[Callable[[], list[Event]]], stage1: RecordingStage1, songs: LiveSongs,
+             talker: type[ScriptedTalker] = ScriptedTalker) -> TalkerLoop:
+    """Submit song "a" (seed 7, 300 frames, a 2-token prompt, 2 Euler steps), then run the talker loop
+    (async_chunk false: windows held until the song's last frame) through the script's steps, on this thread."""
     stop = threading.Event()
-    loop = TalkerLoop(ScriptedTalker(script, stop), songs.songs(), stage1, StageWatch(math.inf, "talker call"),
+    loop = TalkerLoop(talker(script, stop), songs.callers(), stage1, StageWatch(math.inf, "talker call"),
                       EngineMetrics(lambda: 0, lambda: 0), stop, async_chunk=False)
-    loop.control.put(("submit", "a", [1, 2], [1, 2], 7, 300, 2))
+    loop.submit("a", [1, 2], [1, 2], 7, 300, 2)
     loop.run()
     return loop
 
@@ -129,3 +142,62 @@ def test_without_async_chunk_no_window_of_a_song_that_ended_is_sent_to_stage_1(h
     loop = run_loop(script, stage1, songs)
     assert stage1.sent == SENT[how]
     assert not loop.held and not loop.steps
+
+
+class RefusingTalker(ScriptedTalker):
+    def submit(self, song: str, cond: list[int], uncond: list[int], seed: int, requested: int) -> int:
+        raise InputError("the prompt leaves no room")
+
+
+class BrokenTalker(ScriptedTalker):
+    """Queues the song, then fails (say a device error while copying its prompt)."""
+
+    def submit(self, song: str, cond: list[int], uncond: list[int], seed: int, requested: int) -> int:
+        super().submit(song, cond, uncond, seed, requested)
+        raise RuntimeError("device lost")
+
+
+def test_a_song_taken_is_accepted_with_its_seed_budget_and_prompt_length() -> None:
+    songs, stage1 = LiveSongs(), RecordingStage1()
+    loop = run_loop([lambda: []], stage1, songs)
+    assert songs.told == [("accepted", "a", 7, 300, 2)]
+    assert loop.metrics.requests._value.get() == 1
+    assert loop.steps == {"a": 2}  # the Euler steps its windows' payloads will carry
+
+
+def test_a_song_the_talker_refuses_is_told_refused_and_counted_as_an_invalid_request() -> None:
+    songs = LiveSongs()
+    loop = run_loop([lambda: []], RecordingStage1(), songs, talker=RefusingTalker)
+    assert songs.told == [("refused", "a", "the prompt leaves no room")]
+    assert loop.metrics.requests._value.get() == 0
+    assert loop.metrics.refusals.labels("invalid")._value.get() == 1
+    assert not loop.steps
+
+
+def test_a_song_the_talker_fails_to_take_fails_and_what_was_queued_of_it_is_cancelled() -> None:
+    songs = LiveSongs()
+    loop = run_loop([lambda: []], RecordingStage1(), songs, talker=BrokenTalker)
+    assert songs.told == [("fail", "a", "stage 0 could not take the song: device lost")]
+    assert loop.talker.cancelled == ["a"]
+    assert loop.metrics.requests._value.get() == 0 and loop.metrics.refusals.labels("invalid")._value.get() == 0
+
+
+def test_a_failed_step_fails_its_songs_and_the_loop_stops_after_failing_calls_in_a_row() -> None:
+    """Each failed step fails the songs it held (here the queue, as no song is decoding) and the loop goes on; a
+    step that succeeds resets the count; FAILED_CALLS_BEFORE_STOP failures in a row stop the loop, at the last."""
+    songs, steps = LiveSongs(), []
+
+    def step(ok: bool) -> Callable[[], list[Event]]:
+        def run() -> list[Event]:
+            steps.append(ok)
+            if not ok:
+                raise RuntimeError("illegal memory access")
+            return []
+        return run
+
+    fails = [step(False)] * (FAILED_CALLS_BEFORE_STOP - 1)
+    script = [*fails, step(True), *fails, step(False), step(True)]
+    with pytest.raises(Music3Error, match=f"failed {FAILED_CALLS_BEFORE_STOP} steps in a row"):
+        run_loop(script, RecordingStage1(), songs)
+    assert len(steps) == 2 * FAILED_CALLS_BEFORE_STOP  # stopped at the failure that made it in a row, not before
+    assert songs.told == [("accepted", "a", 7, 300, 2), ("fail", "a", "stage 0 failed: illegal memory access")]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import re
 import typing
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,7 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import contract
-from .checkpoint_config import SUPPORTED, access_errors, check_supported, checked_fields, config_values, read_json
+from .checkpoint_config import SUPPORTED, check_supported, checked_fields, config_values, read_json
 from .errors import CheckpointError
 from .tokenizer import load_tokenizer
 from .models.condition_encoder import ConditionEncoder, ConditionEncoderConfig
@@ -72,6 +72,16 @@ COMPONENTS: dict[str, Component] = {
         Blocks("upsampling_ratios", "strides", "blocks."),
     ),
 }
+
+
+@contextmanager
+def access_errors() -> Iterator[None]:
+    """An OSError from looking at the checkpoint's files (a folder that cannot be entered: Python 3.11's Path.is_file
+    passes EACCES through) becomes a CheckpointError naming the path."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"cannot access {exc.filename or 'the checkpoint'}: {exc.strerror or exc}") from exc
 
 
 def component_folder(root: Path, name: str) -> Path:

@@ -79,8 +79,8 @@ def check_supported(path: Path, config: dict[str, Any], supported: dict[str, Sup
         items = value if want.each and isinstance(value, list) else [value]
         if not all(any(_same(item, ok) for ok in want.values) for item in items):
             shown = f"absent (read as {value!r})" if found is _ABSENT else repr(found)
-            allowed = " or ".join(repr(ok) for ok in want.values)
-            raise CheckpointError(f"{path}: {key} is {shown}, we support only {allowed}{' (each item)' if want.each else ''}")
+            allowed = " or ".join(repr(ok) for ok in want.values) + (" (each item)" if want.each else "")
+            raise CheckpointError(f"{path}: {key} is {shown}, we support only {allowed}")
 
 
 def _lookup(path: Path, config: dict[str, Any], key: str) -> Any:
@@ -101,16 +101,6 @@ def _lookup(path: Path, config: dict[str, Any], key: str) -> Any:
 def _same(found: Any, supported: Any) -> bool:
     """Equal, where a bool is no number (1 is not True, 0 is not False) and an int may stand for its float."""
     return isinstance(found, bool) == isinstance(supported, bool) and found == supported
-
-
-@contextmanager
-def access_errors() -> Iterator[None]:
-    """An OSError from looking at the checkpoint's files (a folder that cannot be entered: Python 3.11's Path.is_file
-    passes EACCES through) becomes a CheckpointError naming the path."""
-    try:
-        yield
-    except OSError as exc:
-        raise CheckpointError(f"cannot access {exc.filename or 'the checkpoint'}: {exc.strerror or exc}") from exc
 
 
 def read_json(path: Path) -> dict[str, Any]:

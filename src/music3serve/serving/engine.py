@@ -39,7 +39,7 @@ from .heartbeat import (
 from .metrics import EngineMetrics
 from .render_loop import stage1_renderer
 from .stage1 import LocalStage1, Stage1, WorkerStage1
-from .talker_loop import Songs, TalkerLoop
+from .talker_loop import Callers, TalkerLoop
 from .worker import RenderWorker, load_acoustic
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,9 @@ class Engine:
         else:
             self.stage1 = WorkerStage1(worker, self.device, self._on_chunk, self._fail_and_cancel, self._stop)
         self._hung_stage: str | None = None  # the stage whose thread the watch found stuck in one call
-        songs = Songs(self._live, self._accepted, self._refused, self._finished, self._fail)
-        self.talker_loop = TalkerLoop(self.talker, songs, self.stage1, self.stage_watches["stage 0"], self.metrics,
+        callers = Callers(live=self._live, accepted=self._accepted, refused=self._refused, finished=self._finished,
+                          fail=self._fail)
+        self.talker_loop = TalkerLoop(self.talker, callers, self.stage1, self.stage_watches["stage 0"], self.metrics,
                                       self._stop, deploy.async_chunk)
         self._threads = [
             threading.Thread(target=self._guarded, args=(self.talker_loop.run,), name="music3-talker", daemon=True),
@@ -210,7 +211,7 @@ class Engine:
         if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
             self._forget(key)
             raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
-        self.talker_loop.control.put(("submit", key, cond, uncond, seed, budget_request, steps))
+        self.talker_loop.submit(key, cond, uncond, seed, budget_request, steps)
         ended = False
         try:
             while not ended:
@@ -296,7 +297,7 @@ class Engine:
                 del self._keys[song]
 
     def _cancel(self, key: str) -> None:
-        self.talker_loop.control.put(("cancel", key))  # first: a retry under the same id is a new key anyway
+        self.talker_loop.cancel(key)  # first: a retry under the same id is a new key anyway
         self.stage1.drop_waits(key)  # now; again once the talker has stopped sending the song's windows
         self._emit(key, Failed, "cancelled")
 
@@ -321,7 +322,7 @@ class Engine:
         self._stop.set()  # first, so a submit racing with close either sees it or is failed below
         for key in list(self._clients):
             self._emit(key, Failed, "engine closed")
-        self.talker_loop.control.put(("stop",))
+        self.talker_loop.wake()
         self.stage1.stop()
         talker, stage1, watch = self._threads
         # A thread the watch found stuck is not waited for (it may never return; it is a daemon).
@@ -352,7 +353,7 @@ class Engine:
                 client.loop.call_soon_threadsafe(_deliver, client, event(client.song, *args))
             except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
                 self._forget(key)
-                self.talker_loop.control.put(("cancel", key))
+                self.talker_loop.cancel(key)
 
     def _guarded(self, loop) -> None:
         """Run a stage loop; if it dies, every open stream fails with the reason instead of waiting forever."""
@@ -434,8 +435,9 @@ class Engine:
             self._done(out.song, client, now)
 
     def _done(self, key: str, client: _Client, now: float) -> None:
-        # The talker emits a song's last window in the step that emits its SongFinished, and _hand_on takes that first:
-        # `finished` was set before the window was handed on. Checked before the song ends, so that a breach fails it.
+        # The talker emits a song's last window in the step that emits its SongFinished, and TalkerLoop._hand_on takes
+        # that first: `finished` was set before the window was handed on. Checked before the song ends, so that a
+        # breach fails it.
         finished = client.finished
         assert finished is not None, f"{key}: its last window came before its SongFinished"
         if self._end(key) is None:  # cancelled or failed since its last window was taken

@@ -48,7 +48,8 @@ _TRACK_KWARG = sys.version_info >= (3, 13)  # SharedMemory(track=False) exists f
 # Segments this process created and that may not have been read yet: name -> creating pid. The pid guards
 # against a forked child inheriting the dict and unlinking its parent's segments.
 _OUTSTANDING: dict[str, int] = {}
-_prune_at = 256  # forget consumed names once the registry holds this many
+PRUNE_AT_LEAST = 256  # the registry's smallest cap
+_prune_at = PRUNE_AT_LEAST  # forget consumed names once the registry holds this many
 _atexit_registered = False  # atexit handlers survive a fork: once per interpreter lineage
 _finalizer_pid: int | None = None  # a forked child starts with an empty finalizer registry: once per process
 _sigterm_pid: int | None = None
@@ -171,7 +172,7 @@ def _prune_outstanding() -> None:
     for name in list(_OUTSTANDING):
         if not os.path.exists(os.path.join(SHM_DIR, name)):
             _OUTSTANDING.pop(name, None)
-    _prune_at = max(256, 2 * len(_OUTSTANDING))
+    _prune_at = max(PRUNE_AT_LEAST, 2 * len(_OUTSTANDING))
 
 
 def _check_free_space(size: int) -> None:

@@ -1,5 +1,5 @@
 """Stage 0's thread in the engine: it takes songs and cancels from the engine, steps the talker while any song is
-decoding, and hands each step's events on: windows to stage 1, the rest to the songs' callers (through `Songs`)."""
+decoding, and hands each step's events on: windows to stage 1, the rest to the songs' callers (through `Callers`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from ..acoustic.renderer import WindowPayload
 from ..errors import InputError, Music3Error
-from ..talker.engine import SongFailed, SongFinished, Talker, WindowReady
+from ..talker.engine import Event, SongFailed, SongFinished, Talker, WindowReady
 from .heartbeat import StageWatch
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP
@@ -22,28 +22,39 @@ from .stage1 import Stage1
 log = logging.getLogger(__name__)
 
 
-class Songs(NamedTuple):
-    """The engine's side: what it holds of its callers' songs, by key."""
+class Callers(NamedTuple):
+    """The engine's side, by song key: what its callers hold and are told."""
 
     live: Callable[[str], bool]  # held by a caller and not ended (done, failed or cancelled)
     accepted: Callable[[str, int, int, int], None]  # (key, seed, frame budget, prompt tokens)
-    refused: Callable[[str, str], None]  # the talker refused the request (bad input): served and failed neither
+    refused: Callable[[str, str], None]  # (key, message): bad input the talker refused; served and failed neither
     finished: Callable[[SongFinished], None]  # the song's last frame is written; its last window is in the same step
-    fail: Callable[[str, str], None]
+    fail: Callable[[str, str], None]  # (key, message): the song failed, counted once
 
 
 class TalkerLoop:
-    """Takes ("submit", key, cond, uncond, seed, requested frames, Euler steps), ("cancel", key) and ("stop",) from
-    its control queue between steps; `run` is the thread's body, until `stop` is set."""
+    """`run` is the thread's body, until `stop` is set; `submit` and `cancel` (from any thread) take effect between
+    steps."""
 
-    def __init__(self, talker: Talker, songs: Songs, stage1: Stage1, watch: StageWatch, metrics: EngineMetrics,
+    def __init__(self, talker: Talker, callers: Callers, stage1: Stage1, watch: StageWatch, metrics: EngineMetrics,
                  stop: threading.Event, async_chunk: bool):
         """async_chunk false: a song's windows are held here until its last frame, then sent on together."""
-        self.talker, self.songs, self.stage1, self.watch, self.metrics = talker, songs, stage1, watch, metrics
+        self.talker, self.callers, self.stage1, self.watch, self.metrics = talker, callers, stage1, watch, metrics
         self.stop, self.async_chunk = stop, async_chunk
-        self.control: queue.Queue = queue.Queue()
+        self._control: queue.Queue = queue.Queue()  # ("submit", *arguments of _take) | ("cancel", key) | ("wake",)
         self.steps: dict[str, int] = {}  # each song's Euler steps, for its windows' payloads
         self.held: dict[str, list[tuple[WindowPayload, torch.cuda.Event | None]]] = {}  # async_chunk false
+
+    def submit(self, key: str, cond: list[int], uncond: list[int], seed: int, requested: int, steps: int) -> None:
+        """Queue a song: it is accepted with its frame budget, refused or failed (told to the callers)."""
+        self._control.put(("submit", key, cond, uncond, seed, requested, steps))
+
+    def cancel(self, key: str) -> None:
+        self._control.put(("cancel", key))
+
+    def wake(self) -> None:
+        """End a wait for work at once (closing: `stop` is set)."""
+        self._control.put(("wake",))
 
     def run(self) -> None:
         stream = self.talker.stream  # the talker's own high-priority stream (its graphs were captured on it)
@@ -64,7 +75,7 @@ class TalkerLoop:
                     # which would otherwise meet the same failure at every step, forever.
                     for song in [s.id for s in self.talker.active] or list(self.talker.songs):
                         self._drop(song)  # its windows held here or sent on to stage 1 too
-                        self.songs.fail(song, f"stage 0 failed: {exc}")
+                        self.callers.fail(song, f"stage 0 failed: {exc}")
                     failures_in_a_row += 1
                     if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
                         raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
@@ -77,20 +88,21 @@ class TalkerLoop:
                 self._hand_on(events)
             self.talker.cancel_all()  # closing: songs cut mid-stream give back their rows and buffers now
 
-    def _hand_on(self, events: list) -> None:
+    def _hand_on(self, events: list[Event]) -> None:
         """A step's events to the songs' callers and their windows to stage 1 (held until the song's last frame with
         async_chunk false)."""
         for event in sorted(events, key=lambda e: not isinstance(e, SongFinished)):
             if isinstance(event, SongFinished):
-                self.songs.finished(event)
-            elif isinstance(event, WindowReady) and self.songs.live(event.song):  # else cancelled meanwhile
+                self.callers.finished(event)
+            # A window of a song that ended meanwhile is dropped here (not held), and would not be sent on anyway.
+            elif isinstance(event, WindowReady) and self.callers.live(event.song):
                 payload = WindowPayload(event.song, event.seed, event.window, event.mixed, self.steps[event.song])
                 if self.async_chunk:
                     self._to_stage1(payload, event.ready)
                 else:
                     self.held.setdefault(event.song, []).append((payload, event.ready))
             elif isinstance(event, SongFailed):
-                self.songs.fail(event.song, event.message)
+                self.callers.fail(event.song, event.message)
         for event in events:
             if isinstance(event, (SongFinished, SongFailed)):
                 self.steps.pop(event.song, None)
@@ -100,12 +112,12 @@ class TalkerLoop:
                         self._to_stage1(payload, ready)
 
     def _to_stage1(self, payload: WindowPayload, ready: torch.cuda.Event | None) -> None:
-        if self.songs.live(payload.song):  # else cancelled or failed meanwhile (say an earlier window was not sent)
+        if self.callers.live(payload.song):  # else cancelled or failed meanwhile (say an earlier window was not sent)
             self.stage1.send(payload, ready)
 
     def _drain_control(self, block: bool) -> None:
         try:
-            item = self.control.get(timeout=0.05) if block else self.control.get_nowait()
+            item = self._control.get(timeout=0.05) if block else self._control.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -114,26 +126,25 @@ class TalkerLoop:
             elif item[0] == "cancel":
                 self._drop(item[1])
             try:
-                item = self.control.get_nowait()
+                item = self._control.get_nowait()
             except queue.Empty:
                 return
 
     def _take(self, song: str, cond: list[int], uncond: list[int], seed: int, requested: int, steps: int) -> None:
-        """Queue a song in the talker; it is accepted with its frame budget, refused, or failed."""
         try:
             self.watch.busy(1.0)  # taking a song copies its prompt to the device, behind the step in flight
             budget = self.talker.submit(song, cond, uncond, seed, requested)
         except InputError as exc:  # a refused request (HTTP 400): neither a request nor a failure served
             self.metrics.refusals.labels("invalid").inc()
-            self.songs.refused(song, str(exc))
+            self.callers.refused(song, str(exc))
         except Exception as exc:  # say a device error while queueing it: this song fails, the engine goes on
             log.exception("stage 0 could not take a song", extra={"song": song})
             self.talker.cancel(song)  # whatever part of it was queued
-            self.songs.fail(song, f"stage 0 could not take the song: {exc}")
+            self.callers.fail(song, f"stage 0 could not take the song: {exc}")
         else:
             self.steps[song] = steps
             self.metrics.requests.inc()
-            self.songs.accepted(song, seed, budget, len(cond))
+            self.callers.accepted(song, seed, budget, len(cond))
         finally:
             self.watch.busy(None)
 
