@@ -175,6 +175,13 @@ def test_talker_config_mapping():
          (("connectors", "connector_of_shared_memory", "extra", "connector_get_max_wait_first_chunk"), MAX_WAIT_MS),
          (("connectors", "connector_of_shared_memory", "extra", "connector_get_sleep_s"), MIN_SLEEP_S)],
         [(("stages", 0, "devices"), "0007"), (("stages", 1, "devices"), MAX_GPU_INDEX)],
+        # the lower bounds: everything in shared memory, waits of 1 ms, and a poll as long as the shorter wait
+        [(("connectors", "connector_of_shared_memory", "extra", "shm_threshold_bytes"), 0),
+         (("connectors", "connector_of_shared_memory", "extra", "connector_get_max_wait_first_chunk"), 1),
+         (("connectors", "connector_of_shared_memory", "extra", "connector_get_max_wait"), 1),
+         (("connectors", "connector_of_shared_memory", "extra", "connector_get_sleep_s"), 0.001)],
+        # stage 1's sizes count windows, not cond/uncond rows: odd sizes alone are fine there
+        [(("stages", 1, "compilation_config", "cudagraph_capture_sizes"), [1, 3])],
     ],
 )
 def test_accepted_variants(changes):
@@ -222,6 +229,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (EXTRA + ("connector_get_max_wait_first_chunk",), 0), (EXTRA + ("connector_get_max_wait_first_chunk",), 1.5),
     (EXTRA + ("connector_get_max_wait_first_chunk",), True), (EXTRA + ("connector_get_max_wait",), 0),
     (EXTRA + ("connector_get_max_wait_first_chunk",), MAX_WAIT_MS + 1), (EXTRA + ("connector_get_max_wait",), 10**20),
+    (EXTRA + ("connector_get_max_wait",), MAX_WAIT_MS + 1),
     (EXTRA + ("connector_get_sleep_s",), 1e-5), (EXTRA + ("connector_get_sleep_s",), 1e-300),
     (("stages",), {}), (("stages", 0), 5),
     (S0 + ("stage_id",), 2), (S0 + ("stage_id",), True), (S0 + ("stage_id",), "0"), (S1 + ("stage_id",), 0),
@@ -263,7 +271,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (P0 + ("extra_args", "cfg_role"), "uncond"), (P0 + ("extra_args", "cfg_scale"), 2.0),
     (P0 + ("extra_args", "cfg_scale"), True), (P0 + ("extra_args",), "cond"),
     (P1 + ("temperature",), 1.0), (P1 + ("max_tokens",), 88), (P1 + ("seed",), "0"),
-    (P1 + ("seed",), 7), (P1 + ("seed",), None), (P1 + ("seed",), False),
+    (P1 + ("seed",), 7), (P1 + ("seed",), 1), (P1 + ("seed",), None), (P1 + ("seed",), False),
 ]
 UNKNOWN: list[tuple] = [
     (), ("connectors", "connector_of_shared_memory"), EXTRA, S0, S1, C0, C1, P0, P1, P0 + ("extra_args",),
@@ -322,6 +330,9 @@ def test_unknown_key_at_every_level(where):
           (S1 + ("input_connectors", "from_stage_0"), "other")], "connectors.connector_of_shared_memory", "unused"),
         ([(S0 + ("devices",), "0, 1")], "stages[0].devices", "one GPU index (each stage runs on one GPU"),
         ([(S1 + ("gpu_memory_utilization",), 0.5)], "stages[1].gpu_memory_utilization", "sum over the stages on GPU 0"),
+        ([(("connectors",), {" ": {}}), (S0 + ("output_connectors", "to_stage_1"), " "),
+          (S1 + ("input_connectors", "from_stage_0"), " ")], "connectors",
+         "got ' '; allowed: connector names that are non-empty strings"),
     ],
 )
 def test_cross_checks_and_hints(changes, path, says):
@@ -476,6 +487,7 @@ HUGE = 10**400  # float() of it overflows
          path_text(EXTRA + ("connector_get_max_wait_first_chunk",))),
         ([(S0 + ("devices",), HUGE)], "stages[0].devices"),
         ([(S0 + ("devices",), "1" * 4400)], "stages[0].devices"),  # int() refuses over 4300 digits
+        ([(S0 + ("devices",), 2**16000)], "stages[0].devices"),  # str() refuses it too (devices: 0xfff...)
         ([((2**16000,), 1)], "<an integer of about 4816 digits>"),  # an unknown key: str() refuses it too
     ],
 )
@@ -516,6 +528,9 @@ def test_a_config_past_its_size_limit_is_refused_after_reading_at_most_one_byte_
     path.write_text("# " + "x" * 98 + "\n")
     with pytest.raises(ConfigError, match=r"long\.yaml: the deploy config is over 100 bytes"):
         load_deploy_config(path)
+    text = "pipeline: minimax_music3\n# "  # exactly the limit is read
+    path.write_text(text + "x" * (99 - len(text)) + "\n")
+    assert path.stat().st_size == 100 and load_deploy_config(path) == DeployConfig()
 
 
 def test_merge_keys_are_not_duplicates(tmp_path):
