@@ -319,6 +319,8 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     expect_error(root, "depth_decoder", str(folder / "config.json"), "num_layers")
     (folder / "config.json").write_text("{not json")
     expect_error(root, "depth_decoder", str(folder / "config.json"))
+    (folder / "config.json").write_text("[]")  # JSON, but not an object
+    expect_error(root, "depth_decoder", f"{folder / 'config.json'} does not hold a JSON object")
 
 
 @pytest.mark.parametrize("name,key,value,fragment", [
@@ -336,6 +338,7 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("language_model", "rms_norm_eps", "1e-6", "'eps' must be a positive float, got '1e-6'"),
     ("language_model", "rope_parameters", ["default"], "'rope_parameters' must be a JSON object"),
     ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
+    ("vocoder", "upsampling_ratios", [], "'strides' must be a non-empty list of positive ints, got ()"),
     # Values that name another architecture or change the math we run (these all loaded, and generated, silently).
     ("language_model", "hidden_act", "gelu", "hidden_act is 'gelu', we support only 'silu'"),
     ("language_model", "attention_bias", True, "attention_bias is True, we support only False"),
@@ -350,6 +353,7 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
     ("language_model", "rope_parameters", {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0},
      "rope_parameters.rope_type is 'llama3'"),
     ("language_model", "model_type", "llama", "model_type is 'llama', we support only 'qwen3'"),
+    ("language_model", "model_type", ["qwen3"], "model_type is ['qwen3'], we support only 'qwen3'"),  # not a list
     ("language_model", "architectures", ["LlamaForCausalLM"], "architectures is ['LlamaForCausalLM']"),
     ("language_model", "quantization_config", {"quant_method": "bitsandbytes"}, "quantization_config is {"),
     ("language_model", "torch_dtype", "int8", "torch_dtype is 'int8', we support only 'bfloat16' or"),
@@ -420,6 +424,7 @@ def tiny_with_json(tiny_dir: Path, tmp_path: Path, relative: str, **changes) -> 
     ("shift", 3.0, "shift is 3.0, we support only 1.0"),
     ("num_train_timesteps", 1000, "num_train_timesteps is 1000, we support only 1"),
     ("num_train_timesteps", True, "num_train_timesteps is True"),
+    ("num_train_timesteps", DELETE, "num_train_timesteps is absent (read as 1000), we support only 1"),
     ("invert_sigmas", DELETE, "invert_sigmas is absent (read as False), we support only True"),
     ("use_karras_sigmas", True, "use_karras_sigmas is True"),
     ("use_dynamic_shifting", True, "use_dynamic_shifting is True"),
