@@ -11,7 +11,14 @@ from tokenizers import Tokenizer
 
 from music3serve import contract
 from music3serve.errors import CheckpointError, InputError
-from music3serve.prompt import clean_caption, encode_prompt, normalize_lyrics, prompt_text
+from music3serve.prompt import (
+    MAX_CAPTION_CHARS,
+    MAX_LYRICS_CHARS,
+    clean_caption,
+    encode_prompt,
+    normalize_lyrics,
+    prompt_text,
+)
 from music3serve.tokenizer import QWEN2_SPLIT_PATTERN, added_token_names, load_tokenizer, write_tokenizer
 
 reference = pytest.importorskip("diffusers.modular_pipelines.minimax_music3.encoders")
@@ -259,6 +266,13 @@ def test_bad_text_inputs(tokenizer: Tokenizer, caption, lyrics, field: str, deta
         encode_prompt(tokenizer, caption, lyrics)
     assert field in str(error.value) and detail in str(error.value)
     assert isinstance(error.value, ValueError)
+
+
+def test_caption_and_lyrics_of_exactly_their_character_limits_are_encoded(tokenizer: Tokenizer) -> None:
+    """The character limits are inclusive: 5,000 caption and 20,000 lyrics characters (about 3,100 tokens) are
+    encoded; one more character is refused (test_input_robustness.py's BAD_BODIES)."""
+    cond, uncond = encode_prompt(tokenizer, "x" * MAX_CAPTION_CHARS, "x" * MAX_LYRICS_CHARS)
+    assert len(cond) == len(uncond) <= contract.MAX_PROMPT_TOKENS
 
 
 def test_prompt_token_limit(tokenizer: Tokenizer, reference_pipeline) -> None:
