@@ -193,13 +193,15 @@ def test_non_streaming_response_is_a_complete_wav(client, songs):
         ({"format": "mp3"}, "format"),
         ({"sample_rate": 48000}, "sample_rate"),
         ({"seed": "1"}, "seed"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -1}, "seed: Input should be greater than or equal to 0"),  # the schema's words, not the engine's
         ({"seed": True}, "seed"),
-        ({"steps": 0}, "steps"),
+        ({"steps": 0}, "steps: Input should be greater than or equal to 1"),
+        ({"steps": 201}, "steps: Input should be less than or equal to 200"),
         ({"stream": "yes"}, "stream"),
         ({"temperature": 0.7}, "temperature"),
         ({"id": "has spaces"}, "id"),
         ({"id": ".."}, "cannot be reached"),
+        ({"id": "."}, "cannot be reached"),
     ],
 )
 def test_bad_requests_are_400_and_never_reach_the_engine(client, change, needle):

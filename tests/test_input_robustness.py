@@ -33,7 +33,7 @@ from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_captio
 from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
-from music3serve.serving.request_body import MAX_BODY_BYTES, BoundedBody
+from music3serve.serving.request_body import MAX_BODY_BYTES, BoundedBody, SongBody
 from polling import poll_until  # tests/ is on the import path (no package)
 
 
@@ -125,6 +125,8 @@ BAD_BODIES = {
     "null body": ("null", "the body must be a JSON object"),
     "list body": ("[1, 2]", "the body must be a JSON object"),
     "id of 129 characters": (raw(id="a" * 129), "id: String should match pattern"),
+    "empty id": (raw(id=""), "id: String should match pattern"),
+    "id with a slash": (raw(id="a/b"), "id: String should match pattern"),  # GET /v1/songs/a/b could not reach it
 }
 
 
@@ -136,6 +138,14 @@ def test_bad_bodies_are_400_naming_the_problem(client, engine, case):
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]
     assert requests_total(engine) == before
+
+
+@pytest.mark.parametrize("field, value", [("duration", 360), ("seed", 2**63 - 1), ("steps", 200)])
+def test_the_body_schema_takes_its_inclusive_bounds(field: str, value: int) -> None:
+    """docs/api.md's duration (0, 360], seed [0, 2^63) and steps 1 to 200 hold at their closed ends: the body's
+    schema takes each (one past it is refused above and in test_api.py)."""
+    body = SongBody.model_validate_json(json.dumps({"caption": "pop", "lyrics": "la", field: value}))
+    assert getattr(body, field) == value
 
 
 def test_a_body_is_utf8_json_naming_each_key_once(client, engine):
