@@ -21,6 +21,7 @@ from music3serve.models.depth_decoder import DepthKV
 from music3serve.talker.depth_inputs import DepthInputs
 from music3serve.talker.engine import device_bytes
 from music3serve.talker.frame import talker_frame
+from music3serve.talker.slots import SlotCache
 
 from failing_prefill import FailingPrefill  # tests/ is on the import path (no package)
 
@@ -577,8 +578,6 @@ def test_slot_bytes_needed_counts_the_scratch_position(models, dtype: torch.dtyp
     """SlotCache.bytes_needed, which the startup memory check adds up, is what the cache allocates: K and V of
     [layers, 2 * pairs, kv_heads, max_model_len + 1, head_dim], the + 1 being the scratch position padded rows
     write. Left out, a cache whose scratch column tipped it past the memory limit would pass the check."""
-    from music3serve.talker.slots import SlotCache
-
     cfg, pairs, max_model_len = models.language_model.cfg, 3, 17
     cache = SlotCache(cfg, pairs, max_model_len, dtype, "cpu")
     assert cache.k.shape == (cfg.layers, 2 * pairs, cfg.kv_heads, max_model_len + 1, cfg.head_dim)
