@@ -163,6 +163,7 @@ def test_talker_config_mapping():
         [(("stages", 0, "dtype"), "float32"), (("stages", 1, "dtype"), "bfloat16")],
         [(("stages", 0, "max_model_len"), 1000), (("stages", 1, "max_model_len"), 9),
          (("stages", 1, "default_sampling_params", "max_tokens"), 9)],  # 999 frames: 9 windows
+        [(("stages", 0, "max_model_len"), 11)],  # the shortest prompt (10 tokens) and one frame
         [(("stages", 0, "default_sampling_params", "seed"), 2**63 - 1)],
         [(("stages", 0, "default_sampling_params", "temperature"), 1),
          (("stages", 1, "default_sampling_params", "temperature"), 0)],
@@ -197,11 +198,11 @@ def test_render_batch_is_capped_by_max_num_batched_tokens():
     assert Stage1Config(max_num_seqs=2, max_num_batched_tokens=8).render_batch == 2
 
 
-@pytest.mark.parametrize("s0_len, s1_len, refused", [(1001, 9, False), (1001, 8, True), (1002, 9, True),
-                                                     (1002, 10, False)])
+@pytest.mark.parametrize("s0_len, s1_len, refused", [(1010, 9, False), (1010, 8, True), (1011, 9, True),
+                                                     (1011, 10, False)])
 def test_stage1_max_model_len_bound_follows_stage0s_longest_song(s0_len, s1_len, refused):
-    """Stage 0's longest song is max_model_len - 1 frames (the prompt takes a token at least): 1001 gives 1000
-    frames, 9 windows; 1002 gives 1001 frames, 10 windows. Stage 1's max_model_len must hold them."""
+    """Stage 0's longest song is max_model_len - 10 frames (the shortest prompt is 10 tokens): 1010 gives 1000
+    frames, 9 windows; 1011 gives 1001 frames, 10 windows. Stage 1's max_model_len must hold them."""
     data = mutated((S0 + ("max_model_len",), s0_len), (S1 + ("max_model_len",), s1_len))
     if not refused:
         assert parse_deploy_config(data, SOURCE).stages[1].max_model_len == s1_len
@@ -209,7 +210,7 @@ def test_stage1_max_model_len_bound_follows_stage0s_longest_song(s0_len, s1_len,
     with pytest.raises(ConfigError) as info:
         parse_deploy_config(data, SOURCE)
     assert str(info.value).startswith(f"{SOURCE}: stages[1].max_model_len: got {s1_len}"), str(info.value)
-    assert f">= {s1_len + 1} (windows of the longest song stage 0 can write: {s0_len - 1} frames)" in str(info.value)
+    assert f">= {s1_len + 1} (windows of the longest song stage 0 can write: {s0_len - 10} frames)" in str(info.value)
 
 # Refusals: each names the file, the key path, the value and what is allowed.
 S0, S1 = ("stages", 0), ("stages", 1)
@@ -241,7 +242,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (S0 + ("gpu_memory_utilization",), True), (S0 + ("gpu_memory_utilization",), "0.6"),
     (S1 + ("gpu_memory_utilization",), -0.1), (S1 + ("gpu_memory_utilization",), 0.41),  # 0.6 + 0.41 on GPU 0
     (S0 + ("dtype",), "float16"), (S0 + ("dtype",), None), (S1 + ("dtype",), "int8"),
-    (S0 + ("max_model_len",), 10241), (S0 + ("max_model_len",), 0), (S0 + ("max_model_len",), True),
+    (S0 + ("max_model_len",), 10241), (S0 + ("max_model_len",), 10), (S0 + ("max_model_len",), True),
     (S1 + ("max_model_len",), 88), (S1 + ("max_model_len",), "4096"),
     (S0 + ("max_num_batched_tokens",), 1), (S0 + ("max_num_batched_tokens",), False),
     (S1 + ("max_num_batched_tokens",), 0), (S0 + ("max_num_batched_tokens",), MAX_NUM_BATCHED_TOKENS + 1),

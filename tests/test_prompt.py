@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -273,6 +274,21 @@ def test_caption_and_lyrics_of_exactly_their_character_limits_are_encoded(tokeni
     encoded; one more character is refused (test_input_robustness.py's BAD_BODIES)."""
     cond, uncond = encode_prompt(tokenizer, "x" * MAX_CAPTION_CHARS, "x" * MAX_LYRICS_CHARS)
     assert len(cond) == len(uncond) <= contract.MAX_PROMPT_TOKENS
+
+
+def test_the_shortest_prompt_is_min_prompt_tokens_long(tokenizer: Tokenizer, reference_pipeline) -> None:
+    """A caption that cleans away and one character of lyrics: 10 tokens, as the reference counts them too; no
+    caption or lyrics of one or two printable characters gives fewer (deploy configs rely on it for the smallest
+    context that can serve a song)."""
+    shortest = encode_prompt(tokenizer, "---", "a")[0]
+    assert len(shortest) == len(reference_ids(reference_pipeline, "---", "a")[0]) == contract.MIN_PROMPT_TOKENS
+    chars = [chr(c) for c in range(0x21, 0x7F)] + ["\u00e9", "\u4e00", "\U0001f3b5"]
+    texts = chars + [a + b for a in "[]\n -*#<|>" for b in "[]a\n*"]
+    lengths = {}
+    for caption, lyrics in [*(("---", text) for text in texts), *((text, "a") for text in texts)]:
+        with contextlib.suppress(InputError):  # whitespace-only text is refused
+            lengths[caption, lyrics] = len(encode_prompt(tokenizer, caption, lyrics)[0])
+    assert min(lengths.values()) == contract.MIN_PROMPT_TOKENS, min(lengths.items(), key=lambda item: item[1])
 
 
 def test_prompt_token_limit(tokenizer: Tokenizer, reference_pipeline) -> None:

@@ -35,6 +35,9 @@ RESIDUAL_CODES = 1024
 
 # Prompt and budget limits.
 MAX_PROMPT_TOKENS = 5_000
+# The shortest prompt: the template's 7 special tokens, the lyrics' "[start" and "]\n", and one token of lyrics text
+# (a caption may clean away to nothing, e.g. "---"). A context must hold it and a frame to serve any song.
+MIN_PROMPT_TOKENS = 10
 MAX_FRAMES = 9_000
 MAX_CONTEXT = 10_240
 MAX_DURATION_S = 360.0

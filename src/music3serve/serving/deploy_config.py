@@ -70,6 +70,7 @@ CONNECTOR_CLASSES = ("SharedMemoryConnector",)
 STAGE0_DTYPES = ("bfloat16", "float32")
 STAGE1_DTYPES = ("float32", "bfloat16")
 CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")
+MIN_CONTEXT = contract.MIN_PROMPT_TOKENS + 1  # stage 0's max_model_len: a shorter one could serve no song
 
 _REFUSED_GRAPH_MODES = {
     "FULL": "prefill steps always run eager here; only the uniform frame step of decoding songs is captured",
@@ -262,8 +263,10 @@ def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
                  allowed=f"an even integer in [2, {MAX_NUM_SEQS}] (rows: every song is a cond/uncond pair)")
     kw = _common(m, d, STAGE0_DTYPES, "the talker's weights and KV")
     kw.update(
-        max_model_len=m.int("max_model_len", d.max_model_len, 1, contract.MAX_CONTEXT,
-                            f"an integer in [1, {contract.MAX_CONTEXT}] (the checkpoint's max_position_embeddings)"),
+        max_model_len=m.int("max_model_len", d.max_model_len, MIN_CONTEXT, contract.MAX_CONTEXT,
+                            f"an integer in [{MIN_CONTEXT}, {contract.MAX_CONTEXT}] (the shortest prompt, "
+                            f"{contract.MIN_PROMPT_TOKENS} tokens, and a frame; at most the checkpoint's "
+                            "max_position_embeddings)"),
         max_num_batched_tokens=m.int("max_num_batched_tokens", d.max_num_batched_tokens, 2, MAX_NUM_BATCHED_TOKENS,
                                      f"an integer in [2, {MAX_NUM_BATCHED_TOKENS}] (a prefill chunk gives both rows "
                                      "of a pair a token; at most every row prefilling a whole context)"),
@@ -295,7 +298,7 @@ def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
 
 def _stage1(m: Section, connectors: dict[str, ConnectorConfig], s0: Stage0Config, s0_output: str) -> Stage1Config:
     d = Stage1Config()
-    longest = max(1, contract.frame_budget(contract.MAX_FRAMES, 1, s0.max_model_len))  # the longest song stage 0 writes
+    longest = contract.frame_budget(contract.MAX_FRAMES, contract.MIN_PROMPT_TOKENS, s0.max_model_len)  # its longest song
     windows = len(contract.window_starts(longest))
     need = f"an integer >= {windows} (windows of the longest song stage 0 can write: {longest} frames)"
     seqs = m.int("max_num_seqs", d.max_num_seqs, 1, MAX_NUM_SEQS,
