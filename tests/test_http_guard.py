@@ -166,6 +166,24 @@ def test_a_request_after_one_whose_body_went_unread_is_timed_from_its_own_start(
         assert response(sock).startswith(b"HTTP/1.1 200")
 
 
+def test_a_body_that_came_after_its_answer_is_bounded_by_the_deadline_not_the_keep_alive(serve_http, monkeypatch):
+    """An answer given before its request's body was read: uvicorn armed its keep-alive timer (here 0.3 s) at the
+    answer, which closed the connection under a client pausing in its body, the rest of the body refused; and once
+    the body came, no timer was armed at all: the connection was held open, idle, for as long as the client liked.
+    Now the read deadline (here 2 s) bounds the body, and the keep-alive the idle connection after it."""
+    monkeypatch.setattr(http_guard, "REQUEST_READ_S", 2.0)
+    with serve_http(echo, http=http_guard.guarded_protocol(None), timeout_keep_alive=0.3) as url, connect(url) as sock:
+        sock.sendall(request(b"hello", b"/unread")[:-5])
+        assert response(sock, b"\r\n\r\n").startswith(b"HTTP/1.1 404")
+        time.sleep(0.8)  # the keep-alive's time, not the deadline's
+        sock.sendall(b"hello" + request(b"hello"))  # the body, after its answer, and the next request
+        assert response(sock).startswith(b"HTTP/1.1 200")
+        sock.sendall(request(b"hello", b"/unread")[:-5])
+        assert response(sock, b"\r\n\r\n").startswith(b"HTTP/1.1 404")
+        sock.sendall(b"hello")
+        assert closed_within(sock, 1.5)  # idle after the body: the keep-alive (0.3 s) closes it, well before 2 s
+
+
 def test_a_connection_gone_before_its_deadline_is_not_timed_out_after(guarded, caplog, monkeypatch):
     """A connection that goes away disarms its deadline: the timer no longer fires on it once it is gone (closing
     a closed transport). The second connection's deadline comes after the first's, so by the time it is closed the

@@ -71,7 +71,9 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a request-read deadline and a connection cap (`max_connections`, set by
     `guarded_protocol`). The deadline runs while a request is being received: from the connection's opening, or
     from the first byte of a request that comes after an answered one (pipelined, or on a kept-alive connection),
-    until its last body byte; uvicorn's own keep-alive timer covers the idle time between requests."""
+    until its last body byte, also when the answer came first; uvicorn's own keep-alive timer covers the idle time
+    between requests (armed here after a body that came after its answer, where uvicorn left the connection with no
+    timer at all)."""
 
     max_connections: int | None = None
     refusals = Throttled(_refused)
@@ -90,10 +92,24 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         state = self.conn.their_state
         receiving = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
-        if not receiving or self.transport.get_protocol() is not self:  # read, idle, done, or upgraded away
+        upgraded = self.transport.get_protocol() is not self
+        if not receiving or upgraded:  # read, idle, done, or upgraded away
             self._disarm()
+            idle = state is h11.IDLE and self.conn.our_state is h11.IDLE
+            if idle and not upgraded and self.timeout_keep_alive_task is None and not self.transport.is_closing():
+                # The body of a request answered before it was read came after the answer: its bytes cancelled the
+                # keep-alive timer uvicorn armed at the answer, and uvicorn arms none once they are read.
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
         elif self._deadline is None:
             self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY:
+            # Answered before its body was read: the rest of the body is still the request's, bounded by the read
+            # deadline; uvicorn's keep-alive timer would close the connection under a client pausing mid-body.
+            self._unset_keepalive_if_required()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

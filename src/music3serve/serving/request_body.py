@@ -21,6 +21,13 @@ SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads
 # Far above a request at the caption and lyrics limits (25,000 characters, at most 4 UTF-8 bytes each).
 MAX_BODY_BYTES = 1 << 20
 MAX_ERRORS = 5  # an error message names at most this many problems, then says how many more there are
+# A refused body up to this size is read and dropped before its 411 or 413 is sent. A client that sends its whole
+# body before it reads the answer (httpx does) needs the connection open until it has: a server that closes it with
+# request bytes still unread makes its kernel reset the connection, and the client loses the answer ("connection
+# reset by peer"). Four times the limit covers a body too big by a mistake of degree (lyrics pasted twice);
+# dropping it holds little memory (uvicorn stops reading while 64 KiB wait) and takes no longer than the server's
+# read deadline (http_guard.REQUEST_READ_S). A larger body is answered at once and its connection closed.
+DRAIN_BYTES = 4 * MAX_BODY_BYTES
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -63,11 +70,31 @@ class SongBody(BaseModel):
 CLOSE = {"Connection": "close"}
 
 
+def _expects_continue(scope: dict[str, Any]) -> bool:
+    """Whether the client waits to be told to send its body (Expect: 100-continue): reading it would tell it to."""
+    return any(name == b"expect" and b"100-continue" in value.lower() for name, value in scope["headers"])
+
+
+async def _drop_body(receive: Callable, limit: int) -> bool:
+    """Reads the request's body, keeping none of it: whether it all came within `limit` bytes."""
+    read = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left
+            return False
+        read += len(message.get("body", b""))
+        if read > limit:
+            return False
+        if not message.get("more_body", False):
+            return True
+
+
 class BoundedBody:
     """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411),
     not come in chunks (a Transfer-Encoding overrides the Content-Length beside it, so the length would bound
     nothing: 411 too) and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's
-    404 or 405. Plain ASGI, so streamed responses pass through untouched."""
+    404 or 405. A refused body is read and dropped before the answer (up to DRAIN_BYTES), unless the client waits
+    for a 100 Continue. Plain ASGI, so streamed responses pass through untouched."""
 
     def __init__(self, app: Callable[..., Awaitable[None]]):
         self.app = app
@@ -84,6 +111,8 @@ class BoundedBody:
                 message = "send the body with a Content-Length header"
                 if chunked:
                     message += ", not in chunks (Transfer-Encoding)"
+                    if not _expects_continue(scope):
+                        await _drop_body(receive, DRAIN_BYTES)  # the answer closes: unread bytes would reset it
                 return await error_response(411, message, CLOSE if chunked else None)(scope, receive, send)
             if not (length.isascii() and length.isdigit()):  # "²".isdigit() too, and int() refuses it
                 message = f"Content-Length {length!r:.40} is not a byte count"
@@ -92,7 +121,12 @@ class BoundedBody:
             if len(digits) > len(str(MAX_BODY_BYTES)) or int(digits) > MAX_BODY_BYTES:
                 shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
                 message = f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
-                return await error_response(413, message)(scope, receive, send)
+                droppable = len(digits) <= len(str(DRAIN_BYTES)) and int(digits) <= DRAIN_BYTES
+                if droppable and not _expects_continue(scope) and await _drop_body(receive, DRAIN_BYTES):
+                    return await error_response(413, message)(scope, receive, send)
+                # The body stays unread (too big to drop, or the client holds it back for a 100 Continue): the
+                # answer closes the connection, which would otherwise wait for it or read and drop all of it.
+                return await error_response(413, message, CLOSE)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
