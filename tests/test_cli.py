@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from music3serve import cli, tiny
+from music3serve.acoustic.renderer import Renderer
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
@@ -212,6 +213,16 @@ def test_bad_request_values_exit_2(tiny_dir: Path, tmp_path: Path, capsys):
     assert code == 2
     assert "error: seed must be an integer" in err
     assert not (tmp_path / "out.wav").exists()
+
+
+def test_non_finite_audio_is_an_error_line_and_leaves_no_file(tiny_dir: Path, tmp_path: Path, capsys, monkeypatch):
+    """Audio that comes out NaN (broken weights) was a 25-line FloatingPointError traceback, exit 1, naming the song
+    by an object's address; it is the song's failure, said in one line."""
+    real = Renderer.vocode
+    monkeypatch.setattr(Renderer, "vocode", lambda self, latents: [w * float("nan") for w in real(self, latents)])
+    code, err = run_cli(generate_args(tmp_path / "out.wav", "--model", str(tiny_dir)), capsys)
+    assert (code, err.splitlines()[-1]) == (2, "error: window 0 of song <offline song> rendered to non-finite audio")
+    assert "Traceback" not in err and not (tmp_path / "out.wav").exists()
 
 
 def test_log_level_any_case(tmp_path: Path, capsys, recorder):

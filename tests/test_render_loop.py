@@ -11,7 +11,7 @@ import torch
 
 from music3serve.acoustic.renderer import WindowPayload
 from music3serve.acoustic.windows import Window
-from music3serve.errors import Music3Error
+from music3serve.errors import Music3Error, NonFiniteAudio
 from music3serve.serving import render_loop
 from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP, RenderLoop, check_weights_fit
 
@@ -212,7 +212,7 @@ def test_windows_whose_audio_comes_out_non_finite_fail_their_songs_but_never_sto
     class NonFinite(StandIn):
         def render(self, batch):
             if any(p.seed == 7 for p in batch):
-                raise FloatingPointError("window 0 rendered to non-finite audio")
+                raise NonFiniteAudio("window 0 rendered to non-finite audio")
             return super().render(batch)
 
     retries = [[window(f"retry{i}", 0, seed=7)] for i in range(2 * FAILED_CALLS_BEFORE_STOP)]

@@ -19,6 +19,7 @@ from music3serve.acoustic.solver import Carry, euler_masked, noise, solve, time_
 from music3serve.acoustic.windows import Window, song_samples, song_windows
 from music3serve.bench.precision import measure_precision, rel_err, snr_db
 from music3serve.checkpoint import load_component, load_models
+from music3serve.errors import NonFiniteAudio
 from music3serve.talker.windows import WindowTracker
 
 STEPS = 2  # nothing below but the precision test depends on the step count
@@ -341,7 +342,7 @@ def test_a_window_rendered_to_non_finite_audio_fails_the_call_and_leaves_the_son
         return waves
 
     monkeypatch.setattr(renderer, "vocode", vocode_with_nan)
-    with pytest.raises(FloatingPointError, match="window 0 of song 'y' rendered to non-finite audio"):
+    with pytest.raises(NonFiniteAudio, match="window 0 of song .y. rendered to non-finite audio"):
         renderer.render(batch)
     assert renderer.songs == []
     monkeypatch.undo()

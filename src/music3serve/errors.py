@@ -15,3 +15,8 @@ class EngineBusy(Music3Error):
 
 class CheckpointError(Music3Error):
     """A model folder that is missing, incomplete, corrupted or not the MiniMax-Music3 layout."""
+
+
+class NonFiniteAudio(Music3Error, FloatingPointError):
+    """A window rendered to NaN or infinite audio: the song's own content (or the weights) is at fault, not the
+    device, so the same request fails again."""

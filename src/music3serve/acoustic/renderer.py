@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import contract
+from ..errors import NonFiniteAudio
 from ..models.condition_encoder import ConditionEncoder
 from ..models.dit import DiT
 from ..models.fusion import enable_fusion
@@ -166,7 +167,7 @@ class Renderer:
         crops = [crop_waveform(wave, p.window) for p, wave in zip(payloads, waves)]
         for p, crop in zip(payloads, crops):  # checked before the clamp, which would turn infinities into full scale
             if not torch.isfinite(crop).all():  # NaN would reach the listener as clicks (int16 of NaN): a failure
-                raise FloatingPointError(f"window {p.window.index} of song {p.song!r} rendered to non-finite audio")
+                raise NonFiniteAudio(f"window {p.window.index} of song {p.song!r} rendered to non-finite audio")
         results = [
             RenderedWindow(p.song, p.window, crop.clamp(-1.0, 1.0).cpu(), latent.float().cpu())
             for p, latent, crop in zip(payloads, latents, crops)
@@ -233,7 +234,7 @@ class Renderer:
         progress: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A whole song offline, window after window: waveform [2, samples] on the CPU and each window's latent."""
-        song = object() if song is None else song
+        song = _OfflineSong() if song is None else song
         if song in self._songs:  # its windows would be refused as out of order, and the cancel below drop its state
             raise ValueError(f"song {song!r} is streaming on this renderer: render it offline under another id")
         pieces, latents = [], []
@@ -246,6 +247,13 @@ class Renderer:
         finally:
             self.cancel(song)
         return torch.cat(pieces, dim=-1), latents
+
+
+class _OfflineSong:
+    """The key of a song rendered offline without an id: unique to its call, and named so in error messages."""
+
+    def __repr__(self) -> str:
+        return "<offline song>"
 
 
 def _next_state(payload: WindowPayload, latent: torch.Tensor, condition: torch.Tensor) -> _SongState | None:

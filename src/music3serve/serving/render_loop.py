@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 from .. import contract
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
-from ..errors import Music3Error
+from ..errors import Music3Error, NonFiniteAudio
 from ..memory import GIB, card_share, host_memory
 from .deploy_schema import Stage1Config
 
@@ -133,7 +133,7 @@ class RenderLoop:
             if len(batch) == 1:
                 log.exception("render failed")
                 self.fail(batch[0].song, f"stage 1 failed: {exc}")
-                if isinstance(exc, FloatingPointError):  # non-finite audio: the call ran, the window's content is
+                if isinstance(exc, NonFiniteAudio):  # non-finite audio: the call ran, the window's content is
                     return  # at fault (the same request sent again fails again), not the device
                 self.failures_in_a_row += 1
                 if self.failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
