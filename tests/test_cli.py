@@ -679,6 +679,22 @@ def test_make_tiny_names_folders_through_links_and_never_moves_the_current_one(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]  # no staging or old folder left
 
 
+def test_make_tiny_gives_every_file_and_folder_the_umasks_mode(tmp_path: Path, capsys):
+    """The weights came out 0o600 (safetensors writes a temporary file and renames it) beside 0o644 configs: a
+    checkpoint root made in an image build could not be read by the service's user. Every file is 0o666 less the
+    umask, every folder 0o777 less it."""
+    old_umask = os.umask(0o027)
+    try:
+        assert run_cli(["make-tiny", str(tmp_path / "ckpt")], capsys)[0] == 0
+    finally:
+        os.umask(old_umask)
+    entries = [tmp_path / "ckpt", *(tmp_path / "ckpt").rglob("*")]
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in entries}
+    wrong = {name: oct(mode) for name, mode in modes.items()
+             if mode != (0o750 if (tmp_path / name).is_dir() else 0o640)}
+    assert wrong == {} and sum(name.endswith(".safetensors") for name in modes) >= 5, wrong
+
+
 def test_a_ctrl_c_landing_as_the_command_ends_still_exits_130(tmp_path: Path, capsys, monkeypatch):
     """A Ctrl-C delivered while main() restores its SIGTERM handler (just after a song was written, the models being
     freed) escaped as a traceback."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from . import contract
 from .checkpoint import COMPONENTS, PIPELINE_CLASS, checkpoint_tensors
@@ -127,17 +127,24 @@ def random_tensor(key: str, shape: tuple[int, ...], gen: torch.Generator) -> tor
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A .safetensors file created as open() creates one, 0o666 less the umask like the configs beside it:
+    safetensors' save_file writes a temporary file and renames it into place, which left the weights 0o600 (a
+    checkpoint root made in an image build could not be read by the service's own user)."""
+    path.write_bytes(save(tensors, metadata={"format": "pt"}))
+
+
 def _write_weights(folder: Path, stem: str, tensors: dict[str, torch.Tensor], shards: int) -> None:
     keys = list(tensors)
     if shards == 1:
-        save_file(tensors, folder / f"{stem}.safetensors", metadata={"format": "pt"})
+        _save(tensors, folder / f"{stem}.safetensors")
         return
     per_shard = math.ceil(len(keys) / shards)
     weight_map: dict[str, str] = {}
     for index in range(shards):
         name = f"{stem}-{index + 1:05d}-of-{shards:05d}.safetensors"
         part = {key: tensors[key] for key in keys[index * per_shard : (index + 1) * per_shard]}
-        save_file(part, folder / name, metadata={"format": "pt"})
+        _save(part, folder / name)
         weight_map.update(dict.fromkeys(part, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
