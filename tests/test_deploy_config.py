@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from importlib import resources
 from pathlib import Path
@@ -560,3 +561,137 @@ def test_a_number_yaml_reads_as_text_says_how_to_write_it():
     """YAML 1.1 reads 5e-1 (no dot) as a string: the error says so and gives the number to write."""
     with pytest.raises(ConfigError, match=r"'5e-1' was read as text: write it with a dot, as 0\.5"):
         parse_deploy_config(mutated((S1 + ("gpu_memory_utilization",), "5e-1")), SOURCE)
+
+
+# Numbers in YAML 1.1's other notations: read silently as something else (010 as 8, 1:30 as 90), so refused.
+TWO_STAGES = "stages:\n  - stage_id: 0\n    {key}: {value}\n  - stage_id: 1\n"
+
+
+NOT_DECIMAL = [
+    ("max_num_seqs", "010", "'010' has a leading zero, so YAML 1.1 reads it as 8 (octal): write integers in decimal, "
+     "without leading zeros"),
+    ("max_num_seqs", "-010", "'-010' has a leading zero, so YAML 1.1 reads it as -8 (octal)"),
+    ("max_num_seqs", "00", "'00' has a leading zero, so YAML 1.1 reads it as 0 (octal)"),
+    ("max_num_batched_tokens", "1:30", "'1:30' is written in base 60 (YAML 1.1 reads it as 90): write integers in "
+     "decimal\n"),
+    ("max_num_seqs", "0x10", "'0x10' is written in hexadecimal (YAML 1.1 reads it as 16): write integers in "
+     "decimal, as 16"),
+    ("max_num_seqs", "0b100", "'0b100' is written in binary (YAML 1.1 reads it as 4): write integers in decimal, "
+     "as 4"),
+    ("max_num_batched_tokens", "10_240", "'10_240' has '_' in it (YAML 1.1 reads it as 10240): write integers in "
+     "decimal, as 10240"),
+    ("max_num_seqs", "+4", "'+4' has a '+' sign: write integers in decimal, as 4"),
+    ("max_num_seqs", '!!int "0x10"', "'0x10' is written in hexadecimal"),  # an explicit tag reads it too
+    ("max_num_seqs", '!!int " 4"', "' 4' is not written in plain decimal (YAML 1.1 reads it as 4): write "
+     "integers in decimal, as 4"),
+    ("max_num_seqs", "0x" + "f" * 200, "is written in hexadecimal (YAML 1.1 reads it as <an integer of about 240 "
+     "digits>): write integers in decimal\n"),
+    ("gpu_memory_utilization", "0:30.5", "'0:30.5' is written in base 60 (YAML 1.1 reads it as 30.5): write "
+     "numbers in decimal\n"),
+    ("gpu_memory_utilization", "0.000_5", "'0.000_5' has '_' in it (YAML 1.1 reads it as 0.0005): write numbers "
+     "in decimal, as 0.0005"),
+    ("gpu_memory_utilization", ".5", "'.5' has no digit before its dot: write numbers in decimal, as 0.5"),
+    ("gpu_memory_utilization", "1.", "'1.' has no digit after its dot: write numbers in decimal, as 1.0"),
+    ("gpu_memory_utilization", "+0.5", "'+0.5' has a '+' sign: write numbers in decimal, as 0.5"),
+    ("gpu_memory_utilization", "00.5", "'00.5' has a leading zero: write numbers in decimal, as 0.5"),
+    ("gpu_memory_utilization", "1_0.0e+300", "as 1.0e+301"),  # a float YAML 1.1 reads back (repr: 1e+301)
+    ("gpu_memory_utilization", "!!float Infinity", "'Infinity' is not written in plain decimal (YAML 1.1 reads "
+     "it as inf): write numbers in decimal\n"),
+]
+
+
+@pytest.mark.parametrize("key, value, says", NOT_DECIMAL, ids=[f"{k}={v[:12]}" for k, v, _ in NOT_DECIMAL])
+def test_numbers_not_written_in_plain_decimal_are_refused(tmp_path, key, value, says):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(TWO_STAGES.format(key=key, value=value))
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: stages[0].{key}: ") and says in message, message
+    assert "not valid YAML" not in message and f'in "{path}", line 3, column ' in message, message
+
+
+@pytest.mark.parametrize(
+    "text, path",
+    [
+        ("stages:\n  - stage_id: 0\n    compilation_config: {cudagraph_capture_sizes: [2, 010]}\n",
+         "stages[0].compilation_config.cudagraph_capture_sizes[1]: '010' has a leading zero"),
+        ("0x10: 1\n", "'0x10' is written in hexadecimal"),  # a key
+        ("stages: [{stage_id: 0, default_sampling_params: {seed: 1_000}}]\n",
+         "stages[0].default_sampling_params.seed: '1_000' has '_' in it"),
+    ],
+    ids=["list", "key", "nested"],
+)
+def test_numbers_not_in_plain_decimal_are_refused_in_lists_and_keys_too(tmp_path, text, path):
+    file = tmp_path / "deploy.yaml"
+    file.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(file)
+    assert str(info.value).startswith(f"{file}: ") and path in str(info.value), str(info.value)
+
+
+def test_plain_decimal_numbers_and_quoted_strings_load_as_written(tmp_path):
+    path = tmp_path / "numbers.yaml"
+    path.write_text("ints: [0, -0, 7, 10, -1, 10240, 123456789012345678901234567890]\n"
+                    "floats: [0.0, -0.0, 1.0, 0.6, 0.01, -2.5, 1.0e-3, 1.5E+10, 2.0e-300, .inf, -.inf]\n"
+                    "tagged: [!!float 1e-3, !!float 5, !!int 12]\n"
+                    "strings: ['010', \"0x10\", '1:30', '+5', '10_240', \".5\", '1.', 0o10, 09, 1e-3, -.5]\n")
+    data, _ = read_deploy_yaml(path)
+    assert data == yaml.safe_load(path.read_text()) == {
+        "ints": [0, 0, 7, 10, -1, 10240, 123456789012345678901234567890],
+        "floats": [0.0, -0.0, 1.0, 0.6, 0.01, -2.5, 0.001, 1.5e10, 2e-300, math.inf, -math.inf],
+        "tagged": [0.001, 5.0, 12],
+        "strings": ["010", "0x10", "1:30", "+5", "10_240", ".5", "1.", "0o10", "09", "1e-3", "-.5"],
+    }
+    assert [type(v) for v in data["ints"] + data["floats"]] == [int] * 7 + [float] * 11
+
+
+@pytest.mark.parametrize("path", [None, SEED], ids=["default", "seed"])
+def test_the_shipped_default_and_the_seed_read_as_plain_yaml_reads_them(path):
+    default = resources.files("music3serve.serving").joinpath("default_deploy.yaml")
+    text = (path or default).read_text(encoding="utf-8")
+    data, _ = read_deploy_yaml(path)
+    assert data == yaml.safe_load(text) and repr(data) == repr(yaml.safe_load(text))
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("max_num_seqs", "0o10", "got '0o10'; allowed: an even integer in [2, 1024] (rows: every song is a cond/uncond "
+         "pair); '0o10' was read as text (YAML 1.1 has no 0o): write integers in decimal"),
+        ("max_num_seqs", "09", "got '09'; allowed: an even integer in [2, 1024] (rows: every song is a cond/uncond "
+         "pair); '09' was read as text (YAML 1.1 reads a leading zero as octal, and it is not): write integers in "
+         "decimal, without leading zeros"),
+        ("max_num_seqs", "'010'", "got '010'; allowed: an even integer in [2, 1024] (rows: every song is a "
+         "cond/uncond pair)\n"),  # quoted on purpose: a string, no hint
+        ("max_num_seqs", "-2", "got -2; allowed: an even integer in [2, 1024]"),  # decimal: the range check's turn
+        ("gpu_memory_utilization", "-0.5", "got -0.5; allowed: a number in (0, 1]\n"),
+        ("gpu_memory_utilization", "1e300", "'1e300' was read as text: write it with a dot, as 1.0e+300\n"),
+        ("gpu_memory_utilization", "1.0e3", "'1.0e3' was read as text: write it with a sign in its exponent, as "
+         "1000.0\n"),
+        ("gpu_memory_utilization", "-.5", "'-.5' was read as text: write it in decimal, as -0.5\n"),
+    ],
+)
+def test_numbers_yaml_reads_as_text_or_decimals_out_of_range_get_the_typed_reads_message(tmp_path, key, value, says):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(TWO_STAGES.format(key=key, value=value))
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(path)
+    message = str(info.value) + "\n"
+    assert message.startswith(f"{path}: stages[0].{key}: ") and says in message, message
+
+
+def test_plain_decimal_numbers_load_into_the_config(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: 10\n    gpu_memory_utilization: 0.5\n"
+                    "    compilation_config: {cudagraph_capture_sizes: [2, 10]}\n"
+                    "    default_sampling_params: {seed: 0, temperature: 1.0}\n"
+                    "  - {stage_id: 1, gpu_memory_utilization: 1.0e-1}\n"
+                    "connectors:\n  connector_of_shared_memory:\n    name: SharedMemoryConnector\n"
+                    "    extra: {connector_get_sleep_s: 1.0e-3}\n")
+    cfg = load_deploy_config(path)
+    s0, s1 = cfg.stages
+    assert (s0.max_num_seqs, s0.gpu_memory_utilization, s0.compilation_config.cudagraph_capture_sizes) == (
+        10, 0.5, (2, 10))
+    assert (s0.default_sampling_params.seed, s1.gpu_memory_utilization) == (0, 0.1)
+    assert cfg.connector.extra.connector_get_sleep_s == 0.001

@@ -1,10 +1,11 @@
-"""Reading the deploy YAML: a loader that refuses duplicate keys, deep nesting and scalars their tag cannot read,
-naming the key path; and typed reads of one mapping at a time whose errors name the file, the key path, the value
-(quoted at a bounded length) and what is allowed."""
+"""Reading the deploy YAML: a loader that refuses duplicate keys, deep nesting, scalars their tag cannot read and
+numbers not written in plain decimal, naming the key path; and typed reads of one mapping at a time whose errors name
+the file, the key path, the value (quoted at a bounded length) and what is allowed."""
 
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from importlib import resources
 from pathlib import Path
@@ -75,7 +76,8 @@ def read_deploy_yaml(path: Path | str | None) -> tuple[Any, str]:
         return loader.get_single_data(), source
     except yaml.YAMLError as exc:
         where = loader.key_path(exc) if loader is not None else ""
-        raise ConfigError(f"{source}: {where}not valid YAML: {exc}") from None
+        what = "" if isinstance(exc, _NotDecimal) else "not valid YAML: "  # valid YAML, read as the writer did not mean
+        raise ConfigError(f"{source}: {where}{what}{exc}") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -83,7 +85,8 @@ def read_deploy_yaml(path: Path | str | None) -> tuple[Any, str]:
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that refuses a key written twice in one mapping (PyYAML would keep the last silently), nesting
-    deeper than MAX_DEPTH, and scalars its tag cannot read; it remembers each node's key path to name it in errors."""
+    deeper than MAX_DEPTH, scalars its tag cannot read and numbers in YAML 1.1's other notations; it remembers each
+    node's key path to name it in errors."""
 
     def __init__(self, text: str, source: str):
         super().__init__(text)
@@ -179,9 +182,76 @@ def _checked(construct: Callable[[_Loader, yaml.Node], Any]) -> Callable[[_Loade
     return checked
 
 
+class _NotDecimal(yaml.constructor.ConstructorError):
+    """A number YAML reads, but not written in plain decimal."""
+
+
+# Integers as JSON writes them; floats too, or YAML's own .inf and .nan (the typed reads refuse those, saying what
+# is allowed). YAML 1.1 reads a leading zero as octal (010 is 8), d:dd as base 60 (1:30 is 90), and takes 0x, 0b,
+# a '+', '_' between digits, and floats such as .5 or 1. without a digit on one side of the dot.
+_INT = r"-?(?:0|[1-9][0-9]*)"
+_DECIMAL = {
+    "int": re.compile(_INT),
+    "float": re.compile(rf"{_INT}(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"),
+}
+
+
+def _decimal(kind: str, construct: Callable[[_Loader, yaml.Node], Any]) -> Callable[[_Loader, yaml.Node], Any]:
+    """An int or float constructor that refuses the number read unless its text is plain decimal (after reading, so
+    text the tag cannot read at all gets _checked's message)."""
+
+    def decimal(loader: _Loader, node: yaml.Node) -> Any:
+        value = construct(loader, node)
+        if not _DECIMAL[kind].fullmatch(node.value):
+            raise _NotDecimal(None, None, _not_decimal(kind, node.value, value), node.start_mark)
+        return value
+
+    return decimal
+
+
+def _not_decimal(kind: str, text: str, value: Any) -> str:
+    """What is wrong with a number's text and how to write it instead (what YAML made of octal or base 60 is shown,
+    not offered: 010 may have meant 10)."""
+    digits = text.lstrip("+-").lower()
+    read = f"YAML 1.1 reads it as {quote(value)}"
+    if kind == "float":
+        offer = f", as {yaml_float(value)}" if math.isfinite(value) else ""
+    else:
+        offer = f", as {value}" if value.bit_length() <= 128 else ""  # str() refuses an int of over 4300 digits
+    if ":" in text:
+        how, then = f"is written in base 60 ({read})", ""
+    elif kind == "int" and digits.startswith(("0x", "0b")):
+        how, then = f"is written in {'hexadecimal' if digits[1] == 'x' else 'binary'} ({read})", offer
+    elif kind == "int" and digits.startswith("0"):
+        how, then = f"has a leading zero, so {read} (octal)", ", without leading zeros"
+    elif "_" in text:
+        how, then = f"has '_' in it ({read})", offer
+    elif text.startswith("+"):
+        how, then = "has a '+' sign", offer
+    elif digits.startswith("."):
+        how, then = "has no digit before its dot", offer
+    elif re.search(r"\.(?![0-9])", text):
+        how, then = "has no digit after its dot", offer
+    elif re.match(r"0[0-9]", digits):
+        how, then = "has a leading zero", offer
+    else:
+        how, then = f"is not written in plain decimal ({read})", offer
+    return f"{quote(text)} {how}: write {'integers' if kind == 'int' else 'numbers'} in decimal{then}"
+
+
+def yaml_float(x: float) -> str:
+    """A finite float as a deploy YAML can hold it: YAML 1.1 reads an exponent only after a dot (1.0e+300, where
+    repr() writes 1e+300)."""
+    text = repr(x)
+    mantissa, e, exponent = text.partition("e")
+    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
+
+
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
-for _tag in (f"tag:yaml.org,2002:{name}" for name in ("bool", "int", "float", "timestamp")):
-    _Loader.add_constructor(_tag, _checked(yaml.SafeLoader.yaml_constructors[_tag]))
+for _name in ("bool", "int", "float", "timestamp"):
+    _tag = f"tag:yaml.org,2002:{_name}"
+    _construct = yaml.SafeLoader.yaml_constructors[_tag]
+    _Loader.add_constructor(_tag, _checked(_decimal(_name, _construct) if _name in _DECIMAL else _construct))
 
 
 def bad(source: str, path: str, value: Any, allowed: str) -> ConfigError:
@@ -234,15 +304,17 @@ class Section:
         v = self.data.get(key, default)
         if not (is_int(v) and lo <= v <= hi and not (even and v % 2)):
             span = f"an integer >= {lo}" if hi == math.inf else f"an integer in [{lo}, {hi}]"
-            raise self.bad(key, v, allowed or span)
+            raise self.bad(key, v, (allowed or span) + (_int_text_hint(v) if isinstance(v, str) else ""))
         return v
 
     def number(self, key: str, default: float, ok: Any, allowed: str) -> float:
         """A finite number for which ``ok`` holds, as a float."""
         v = self.data.get(key, default)
         if not (is_number(v) and ok(v)):
-            if isinstance(v, str) and _reads_as_number(v):  # YAML 1.1 takes 5e-1 (no dot) for text
-                allowed += f"; {quote(v)} was read as text: write it with a dot, as {float(v)!r}"
+            if isinstance(v, str) and _reads_as_number(v):  # YAML 1.1 takes 5e-1 (no dot), 1.0e3 and -.5 for text
+                how = ("with a dot" if "." not in v else "with a sign in its exponent" if re.search("[eE][0-9]", v)
+                       else "in decimal")
+                allowed += f"; {quote(v)} was read as text: write it {how}, as {yaml_float(float(v))}"
             raise self.bad(key, v, allowed)
         return float(v)
 
@@ -261,6 +333,17 @@ class Section:
         if v is not None and not (is_int(v) and 0 <= v < SEED_LIMIT):
             raise self.bad(key, v, "null or an integer in [0, 2**63)")
         return v
+
+
+def _int_text_hint(text: str) -> str:
+    """Why an integer in a notation YAML 1.1 does not read was read as text: 0o10 (YAML 1.2's octal) and 08 (a
+    leading zero, but not octal)."""
+    if re.fullmatch(r"[-+]?0[oO][0-7_]+", text):
+        return f"; {quote(text)} was read as text (YAML 1.1 has no 0o): write integers in decimal"
+    if re.fullmatch(r"[-+]?0[0-7_]*[89][0-9_]*", text):  # quoted "010" is just a string
+        return (f"; {quote(text)} was read as text (YAML 1.1 reads a leading zero as octal, and it is not): write "
+                "integers in decimal, without leading zeros")
+    return ""
 
 
 def _reads_as_number(text: str) -> bool:
