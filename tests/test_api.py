@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import math
 import re
@@ -455,6 +456,52 @@ def test_a_failure_mid_stream_drops_the_connection(client, engine, monkeypatch):
     assert metric(client, "music3_failures") == failures + 1
 
 
+def http10_song(base_url: str, song_id: str) -> tuple[bytes, bool]:
+    """A streamed song asked for over HTTP/1.0 on a raw socket: what came, and whether the connection was reset."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps({**SONG, "duration": SHORT, "id": song_id}).encode()
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(b"POST /v1/songs HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            while data := conn.recv(65536):
+                answer += data
+        except ConnectionResetError:
+            return answer, True
+    return answer, False
+
+
+def test_over_http_1_0_a_failed_stream_is_reset_and_a_finished_one_ends_cleanly(serve_http, engine, monkeypatch,
+                                                                              caplog):
+    """HTTP/1.0 has no chunked encoding, so a stream cut by its song's failure ended with a plain close, which reads
+    as a whole (short) song: through a proxy that speaks HTTP/1.0 upstream (nginx's default) every failed song
+    reached its listener as a finished one. The connection is reset instead (by the server's protocol, as
+    `music3serve serve` runs it), and uvicorn's traceback for the cut is one warning line."""
+    from music3serve.serving.api import CutResponses, create_app
+    from music3serve.serving.http_guard import guarded_protocol
+
+    def broken(batch):
+        raise RuntimeError("out of tiny memory")
+
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    monkeypatch.setattr(uvicorn_log, "filters", [*uvicorn_log.filters, CutResponses()])  # as serve() installs it
+    with serve_http(create_app(engine), http=guarded_protocol(None)) as base_url:
+        answer, reset = http10_song(base_url, "http10-done")
+        assert answer.startswith(b"HTTP/1.1 200 ") and not reset
+        assert httpx.get(f"{base_url}/v1/songs/http10-done").json()["state"] == "done"
+        monkeypatch.setattr(engine.renderer, "render", broken)
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+            answer, reset = http10_song(base_url, "http10-failed")
+        assert answer.startswith(b"HTTP/1.1 200 ") and reset
+        assert httpx.get(f"{base_url}/v1/songs/http10-failed").json()["state"] == "failed"
+    cut = [r for r in caplog.records if r.name == "uvicorn.error" and "http10-failed" in r.getMessage()]
+    assert [(r.levelname, r.exc_info) for r in cut] == [("WARNING", None)], cut
+    assert cut[0].getMessage().startswith("a response was cut: song http10-failed failed after 0 samples")
+
+
 def test_a_whole_song_that_fails_answers_500_with_the_reason(client, engine, monkeypatch):
     """stream: false and the render fails: a 500 saying the song failed and why (not a 409 "cancelled")."""
 
@@ -521,7 +568,8 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py"}
     for module, readers in (("request_body", {"serving/api.py"}), ("http_guard", {"serving/server.py"}),
-                            ("api", {"serving/server.py"}), ("server", {"cli.py"})):  # cli: inside `serve` only
+                            ("api", {"serving/server.py", "serving/http_guard.py"}),  # http_guard: api.RESET
+                            ("server", {"cli.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
         assert importers == readers, module

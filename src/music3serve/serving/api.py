@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
+# The ASGI scope extension by which a server lets the app reset a connection: {"reset": callable} (serving/http_guard
+# offers it). A response without the chunked encoding (HTTP/1.0) cannot say it was cut short but by a reset: a plain
+# close reads as its end.
+RESET = "music3serve.reset"
 
 
 # A song is accepted within one talker step of its POST (tokenizing and a prefill at most). On a GPU the engine's
@@ -130,12 +134,17 @@ class SongStream(StreamingResponse):
                 CutResponses.stalled += 1  # uvicorn will log this response as unfinished
                 raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s") from None
 
+        ended = False
         try:
             await self.stream_response(send_or_give_up)
+            ended = True
         except OSError:  # the client went away between two chunks (ASGI 2.4 servers raise on send), or stalled
             self.song.stop.set()
         finally:
             watcher.cancel()
+            reset = scope.get("extensions", {}).get(RESET)
+            if not ended and scope.get("http_version") == "1.0" and reset:
+                reset["reset"]()  # no chunked encoding to leave unfinished: only a reset says the body was cut
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             if self.song.state == "running":
                 await self.abandon()
@@ -358,8 +367,10 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
 class CutResponses(logging.Filter):
     """uvicorn logs the responses this app cuts on purpose as errors: each request task it cancels once the shutdown
     grace is over as "Exception in ASGI application" with a CancelledError traceback, and a stream SongStream ended
-    because its client stopped reading as "ASGI callable returned without completing response.". Both are documented
-    behaviour: each becomes one warning line. (Any other unfinished response stays an error.)"""
+    because its client stopped reading as "ASGI callable returned without completing response.", and a stream cut
+    because its song failed as "Exception in ASGI application" with a SongFailedMidStream traceback (the failure
+    itself is logged as an error where it happened). All are documented behaviour: each becomes one warning line.
+    (Any other unfinished response stays an error.)"""
 
     stalled = 0  # streams SongStream cut for a stalled client whose unfinished response uvicorn has not logged yet
 
@@ -369,6 +380,8 @@ class CutResponses(logging.Filter):
         if (isinstance(error, asyncio.CancelledError) and "graceful shutdown" in str(error)
                 and message.startswith("Exception in ASGI")):
             self._warn(record, "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)")
+        elif isinstance(error, SongFailedMidStream) and message.startswith("Exception in ASGI"):
+            self._warn(record, f"a response was cut: {error}")
         elif message == "ASGI callable returned without completing response." and CutResponses.stalled > 0:
             CutResponses.stalled -= 1
             self._warn(record, "a response was cut: its client stopped reading (its song is cancelled)")

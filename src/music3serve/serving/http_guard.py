@@ -15,11 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 from typing import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .api import RESET
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,8 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         """Runs on every arrival of data and after every answered request (which may start a pipelined one)."""
         super().handle_events()
+        if self.cycle is not None:  # set as the request arrives, before its app task starts
+            self.cycle.scope.setdefault("extensions", {}).setdefault(RESET, {"reset": self._reset})
         state = self.conn.their_state
         receiving = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
         upgraded = self.transport.get_protocol() is not self
@@ -110,6 +116,14 @@ class GuardedH11Protocol(H11Protocol):
             # Answered before its body was read: the rest of the body is still the request's, bounded by the read
             # deadline; uvicorn's keep-alive timer would close the connection under a client pausing mid-body.
             self._unset_keepalive_if_required()
+
+    def _reset(self) -> None:
+        """Close the connection with a TCP reset: a zero linger time makes the close send RST, not FIN."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -131,10 +131,11 @@ class RenderLoop:
             rendered = self.render_call(batch)
         except Exception as exc:
             if len(batch) == 1:
-                log.exception("render failed")
                 self.fail(batch[0].song, f"stage 1 failed: {exc}")
-                if isinstance(exc, NonFiniteAudio):  # non-finite audio: the call ran, the window's content is
-                    return  # at fault (the same request sent again fails again), not the device
+                if isinstance(exc, NonFiniteAudio):  # the call ran, the window's content is at fault (the same
+                    log.error("render failed: %s", exc)  # request sent again fails again), not the device: no trace
+                    return
+                log.exception("render failed")
                 self.failures_in_a_row += 1
                 if self.failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
                     raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: {exc!r}); "
