@@ -611,6 +611,26 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     assert {r.path for r in calls["app"].routes} >= {"/v1/songs", "/v1/songs/{song_id}", "/health", "/metrics"}
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers: main thread")
+def test_a_ctrl_c_while_the_engine_loads_stops_serve_also_where_sigint_was_ignored(monkeypatch, tmp_path, capsys):
+    """A script's background job starts with SIGINT ignored: uvicorn takes Ctrl-C once it runs, but one sent while
+    the weights loaded (minutes at full size) was dropped and the server started all the same."""
+    import signal
+
+    def from_pretrained(root, deploy, device, progress):
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("the Ctrl-C did not stop the loading")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8124"]) == 130
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # given back as it was
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert capsys.readouterr().err.endswith("interrupted\n")
+
+
 def test_serve_lifts_the_soft_limit_on_open_files_so_every_songs_connection_fits(monkeypatch):
     """A systemd service gets a soft limit of 1024 open files: short of 1024 songs' connections, so a flood of
     clients found the server out of files before its 429s (clients waited unanswered, EMFILE logged in a loop)."""

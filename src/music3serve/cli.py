@@ -299,8 +299,13 @@ def exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    handlers = {signal.SIGTERM: exit_on_sigterm}
+    if args.command == "serve" and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started as a script's background job: Ctrl-C (kill -INT) stops the server all the same, as it does once
+        # uvicorn runs, and also while the weights load (minutes at full size).
+        handlers[signal.SIGINT] = signal.default_int_handler
     on_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
-    previous = signal.signal(signal.SIGTERM, exit_on_sigterm) if on_main_thread else None
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()} if on_main_thread else {}
     try:
         try:
             if args.command == "generate":
@@ -315,11 +320,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     except KeyboardInterrupt:  # outside the finally too: a Ctrl-C may land while it runs (the command's memory freed)
         print("interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        if exc.code == 128 + signal.SIGTERM:  # exit_on_sigterm's
+            print("terminated", file=sys.stderr)
+        raise
     return 0
 
 
