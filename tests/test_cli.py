@@ -479,15 +479,28 @@ def test_a_text_file_is_read_only_as_far_as_the_longest_allowed_text(tmp_path: P
     """--lyrics @FILE with a huge file (or /dev/zero) reads a bounded prefix and is refused as too long."""
     big = tmp_path / "lyrics.txt"
     big.write_text("la " * 1_000_000, encoding="utf-8")
-    longest = max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS)
-    with pytest.raises(argparse.ArgumentTypeError, match=f"holds more than {longest} characters"):
-        cli.text_argument(f"@{big}")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"holds more than {MAX_LYRICS_CHARS} characters, the "
+                       "longest lyrics allowed"):
+        cli.text_argument("lyrics", MAX_LYRICS_CHARS)(f"@{big}")
     with pytest.raises(SystemExit) as info:  # argparse's usage error
         cli.main(generate_args(tmp_path / "out.wav", lyrics=f"@{big}"))
     assert info.value.code == 2 and "--lyrics" in capsys.readouterr().err and recorder.calls == []
     exact = tmp_path / "exact.txt"
-    exact.write_text("a" * longest, encoding="utf-8")
-    assert cli.text_argument(f"@{exact}") == "a" * longest
+    exact.write_text("a" * MAX_LYRICS_CHARS, encoding="utf-8")
+    assert cli.text_argument("lyrics", MAX_LYRICS_CHARS)(f"@{exact}") == "a" * MAX_LYRICS_CHARS
+
+
+def test_a_caption_file_is_held_to_the_captions_limit(tmp_path: Path, capsys, recorder):
+    """A caption file past the caption's 5,000 characters was refused as past "the longest text allowed", 20,000
+    (the lyrics' limit) once it held more than that."""
+    caption = tmp_path / "caption.txt"
+    caption.write_text("a" * MAX_CAPTION_CHARS, encoding="utf-8")
+    assert run_cli(generate_args(tmp_path / "out.wav", "--model", "m", caption=f"@{caption}"), capsys)[0] == 0
+    caption.write_text("a" * (MAX_LYRICS_CHARS + 1), encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        cli.main(generate_args(tmp_path / "out.wav", "--model", "m", caption=f"@{caption}"))
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"holds more than {MAX_CAPTION_CHARS} characters, the longest caption" in err
 
 
 def test_a_text_files_byte_order_mark_is_not_part_of_the_text(tmp_path: Path, capsys, recorder):

@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from . import contract
 from .errors import Music3Error
@@ -77,25 +77,28 @@ def resolve_model(model: str | None, tiny: bool) -> Path:
     return snapshot
 
 
-def text_argument(value: str) -> str:
-    """A literal text, or the contents of a file given as @path."""
-    if not value.startswith("@"):
-        if any("\udc80" <= c <= "\udcff" for c in value):  # bytes the command line could not decode as UTF-8
-            raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. "
-                                             "Latin-1); use UTF-8, or @FILE with UTF-8 text")
-        return value
-    path = Path(value[1:])
-    longest = max(MAX_CAPTION_CHARS, MAX_LYRICS_CHARS)
-    try:
-        # utf-8-sig: a byte-order mark (Windows editors write one) is no part of the text; bounded: past the
-        # longest allowed text the rest is not needed.
-        with open(path, encoding="utf-8-sig") as file:
-            text = file.read(longest + 1)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
-    if len(text) > longest:
-        raise argparse.ArgumentTypeError(f"{path} holds more than {longest} characters, the longest text allowed")
-    return text
+def text_argument(field: str, limit: int) -> Callable[[str], str]:
+    """argparse type of a text argument of at most `limit` characters: the text itself, or a file's as @path."""
+
+    def read(value: str) -> str:
+        if not value.startswith("@"):
+            if any("\udc80" <= c <= "\udcff" for c in value):  # bytes the command line could not decode as UTF-8
+                raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. "
+                                                 "Latin-1); use UTF-8, or @FILE with UTF-8 text")
+            return value
+        path = Path(value[1:])
+        try:
+            # utf-8-sig: a byte-order mark (Windows editors write one) is no part of the text; bounded: past the
+            # longest allowed text the rest is not needed.
+            with open(path, encoding="utf-8-sig") as file:
+                text = file.read(limit + 1)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+        if len(text) > limit:
+            raise argparse.ArgumentTypeError(f"{path} holds more than {limit} characters, the longest {field} allowed")
+        return text
+
+    return read
 
 
 def port_number(value: str) -> int:
@@ -122,16 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="write one song to a .wav or .flac file")
-    gen.add_argument("--caption", required=True, type=text_argument, help="music description, or @file")
-    gen.add_argument("--lyrics", required=True, type=text_argument, help="lyrics with [tags], or @file")
-    gen.add_argument("--duration", type=float, default=30.0, help="seconds (the model may end sooner)")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--steps", type=int, default=contract.DIT_STEPS, help="Euler steps per window")
+    gen.add_argument("--caption", required=True, type=text_argument("caption", MAX_CAPTION_CHARS),
+                     help="music description, or @file (a caption starting with @: put it in a file)")
+    gen.add_argument("--lyrics", required=True, type=text_argument("lyrics", MAX_LYRICS_CHARS),
+                     help="lyrics with [tags], or @file")
+    gen.add_argument("--duration", type=float, default=30.0,
+                     help="seconds (default: %(default)s; the model may end sooner)")
+    gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    gen.add_argument("--steps", type=int, default=contract.DIT_STEPS, help="Euler steps per window (default: %(default)s)")
     gen.add_argument("-o", "--output", required=True, help="output .wav or .flac")
     gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES)
+    gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES,
+                     help="default: %(default)s")
     gen.add_argument("--acoustic-dtype", default="float32", choices=["float32", "bfloat16"],
-                     help="stage-1 precision: float32 is the reference, bfloat16 ~10x faster DiT (docs/precision.md)")
+                     help="stage-1 precision: float32 (the default) is the reference, bfloat16 ~10x faster DiT "
+                          "(docs/precision.md)")
 
     serve = commands.add_parser("serve", help="HTTP API: stream songs to clients while they are written")
     for sub in (gen, serve):
@@ -143,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, choices=["cpu", "cuda"],
                        help="run both stages on this device (default: each stage on its deploy-config `devices` GPU, "
                             "split into two processes when they differ; cpu when there is no GPU)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=port_number, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    serve.add_argument("--port", type=port_number, default=8000, help="default: %(default)s")
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
