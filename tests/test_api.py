@@ -254,6 +254,10 @@ def test_malformed_json_and_unknown_routes(client):
     assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
     assert client.post("/health").status_code == 405
     assert client.get("/v1/songs/never-seen").status_code == 404
+    longest = "a" * 128  # the longest id is quoted whole; a longer path is cut short, not echoed whole
+    assert client.get(f"/v1/songs/{longest}").json()["error"] == f"no song {longest!r} is running or finished recently"
+    error = client.get(f"/v1/songs/{'b' * 5000}").json()["error"]
+    assert error == f"no song '{'b' * 131} is running or finished recently", error
     for method, path in (("GET", "/health/"), ("GET", "/v1/songs/"), ("DELETE", "/v1/songs/"), ("POST", "/v1/songs/")):
         response = client.request(method, path, follow_redirects=False)  # not a 307 to the path without the slash
         assert response.status_code == 404 and response.json()["error"], (method, path)

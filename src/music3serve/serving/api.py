@@ -342,7 +342,8 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
     async def song_status(song_id: str) -> JSONResponse:
         song = service.lookup(song_id)
         if song is None:
-            return error_response(404, f"no song {song_id!r} is running or finished recently")
+            # An id is at most 128 characters: a longer path is quoted cut short, not echoed whole.
+            return error_response(404, f"no song {song_id!r:.132} is running or finished recently")
         return JSONResponse(song.public())
 
     @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)
