@@ -582,12 +582,14 @@ def test_cli_bad_values_fail_before_the_model_loads(tmp_path, capsys, root_logge
     assert not (tmp_path / "out.wav").exists()
 
 
-def test_cli_output_that_is_a_folder_fails_before_the_model_loads(tmp_path, capsys, root_logger):
-    (tmp_path / "song.wav").mkdir()
-    argv = ["generate", "--caption", "pop", "--lyrics", "la", "-o", str(tmp_path / "song.wav"),
+@pytest.mark.parametrize("name", ["song.wav", "songs"])  # a folder without a suffix was "must be NAME.wav ..."
+def test_cli_output_that_is_a_folder_fails_before_the_model_loads(tmp_path, capsys, root_logger, name):
+    (tmp_path / name).mkdir()
+    argv = ["generate", "--caption", "pop", "--lyrics", "la", "-o", str(tmp_path / name),
             "--model", str(tmp_path / "absent")]
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'song.wav'}: it is a folder\n"
+    assert capsys.readouterr().err == (f"error: cannot write {tmp_path / name}: it is a folder (give the song's file "
+                                       "name, NAME.wav or NAME.flac)\n")
 
 
 def test_cli_deploy_config_errors_quote_long_values_briefly(tmp_path, capsys, root_logger):

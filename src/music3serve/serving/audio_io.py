@@ -91,16 +91,16 @@ def _song_name(path: Path | str) -> Path:
     if str(path).endswith(("/", os.sep)):
         raise InputError(f"output file must be NAME.wav or NAME.flac, got a folder name {str(path)!r}")
     path = Path(path)
-    if path.suffix.lower() not in FORMATS or not path.stem:
-        raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
-    if path.suffix.lower() == ".flac":
-        _soundfile()
     try:
         is_folder = path.is_dir()
     except OSError:  # a name too long to look up, a folder we may not search: check_output and the write say so
         is_folder = False
     if is_folder:
-        raise InputError(f"cannot write {path}: it is a folder")
+        raise InputError(f"cannot write {path}: it is a folder (give the song's file name, NAME.wav or NAME.flac)")
+    if path.suffix.lower() not in FORMATS or not path.stem:
+        raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
+    if path.suffix.lower() == ".flac":
+        _soundfile()
     return path
 
 
