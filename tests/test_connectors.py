@@ -264,7 +264,7 @@ def test_get_returns_at_its_timeout_not_after_a_longer_poll_interval() -> None:
         started = time.monotonic()
         with pytest.raises(ConnectorTimeout):
             conn.get("c", 0.05)
-        assert 0.05 <= time.monotonic() - started < 0.5
+        assert 0.05 <= time.monotonic() - started < 0.9  # under the 1 s poll, with room for a loaded machine
     finally:
         conn.close()
 
