@@ -99,6 +99,16 @@ def test_latent_formula_in_float_order_matches_the_integer_floor():
         assert int(frames * 44100 / 24000 * 960 / 512) == expected_latent(frames)
 
 
+def test_every_window_length_has_the_contracts_latent_length():
+    """L = int(frames * 44100/24000 * 960/512), i.e. floor(441 frames / 128), for every length a window can have:
+    1..200 frames (a song's only window, or the last of a longer one). 128 frames (5.12 s) are exactly 441 columns
+    of 512 samples, where a ratio off by a hair would floor to 440; 127 and 129 frames fall between columns."""
+    lengths = {w.frames: w.latent_length for frames in range(1, 401) for w in song_windows(frames)}
+    assert sorted(lengths) == list(range(1, 201))
+    assert all(length == expected_latent(frames) for frames, length in lengths.items())
+    assert (lengths[127], lengths[128], lengths[129]) == (437, 441, 444)
+
+
 @pytest.mark.parametrize("frames", [1, 201, 450])
 def test_crop_waveform_keeps_the_right_samples(frames):
     total = []
