@@ -70,6 +70,12 @@ class SongBody(BaseModel):
 CLOSE = {"Connection": "close"}
 
 
+def _at_most(digits: str, limit: int) -> bool:
+    """Whether a decimal count without leading zeros is at most `limit` (by length first: int() refuses over 4300
+    digits)."""
+    return len(digits) <= len(str(limit)) and int(digits) <= limit
+
+
 def _expects_continue(scope: dict[str, Any]) -> bool:
     """Whether the client waits to be told to send its body (Expect: 100-continue): reading it would tell it to."""
     return any(name == b"expect" and b"100-continue" in value.lower() for name, value in scope["headers"])
@@ -117,11 +123,11 @@ class BoundedBody:
             if not (length.isascii() and length.isdigit()):  # "²".isdigit() too, and int() refuses it
                 message = f"Content-Length {length!r:.40} is not a byte count"
                 return await error_response(400, message)(scope, receive, send)
-            digits = length.lstrip("0") or "0"  # int() refuses over 4300 digits: compared by length first
-            if len(digits) > len(str(MAX_BODY_BYTES)) or int(digits) > MAX_BODY_BYTES:
+            digits = length.lstrip("0") or "0"
+            if not _at_most(digits, MAX_BODY_BYTES):
                 shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
                 message = f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
-                droppable = len(digits) <= len(str(DRAIN_BYTES)) and int(digits) <= DRAIN_BYTES
+                droppable = _at_most(digits, DRAIN_BYTES)
                 if droppable and not _expects_continue(scope) and await _drop_body(receive, DRAIN_BYTES):
                     return await error_response(413, message)(scope, receive, send)
                 # The body stays unread (too big to drop, or the client holds it back for a 100 Continue): the
