@@ -6,10 +6,14 @@ import asyncio
 import os
 import queue
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterable
 
@@ -875,3 +879,45 @@ def test_an_orphaned_worker_removes_the_segments_and_stops(monkeypatch):
                         lambda: SimpleNamespace(is_alive=lambda: False))
     run_worker_main(monkeypatch, connector, threading.Semaphore(1), lambda inbox: taken.append(inbox(True)))
     assert taken == [[("stop",)]] and connector.cleaned
+
+
+KILLED_CHILD_WITH_A_PROGRESS_BAR = """
+import functools, multiprocessing as mp, os, signal, sys
+from tqdm.auto import tqdm
+from music3serve.serving.worker import worker_main
+
+def load(writer, device):
+    with tqdm(total=1, disable=True):  # as the checkpoint loader does; a disabled bar too takes tqdm's lock
+        pass
+    writer.send("loading")
+    signal.pause()
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    loader = functools.partial(load, writer)
+    if sys.argv[1] == "worker":
+        proc = ctx.Process(target=worker_main, args=(loader, "cpu", None, None, None))
+    else:
+        proc = ctx.Process(target=loader, args=("cpu",))
+    proc.start()
+    assert reader.recv() == "loading"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+"""
+
+
+@pytest.mark.parametrize("lock", ["worker", "tqdm's default"])
+def test_a_worker_killed_after_a_progress_bar_leaves_no_semaphore_to_report(lock, tmp_path):
+    """tqdm's default lock is a multiprocessing semaphore: a stage-1 worker killed with SIGKILL while loading (or
+    after) left it registered, and the resource tracker warned of a leaked semaphore when the engine process exited.
+    worker_main gives tqdm a thread lock first; the same loader outside worker_main shows that the scenario does
+    reproduce the warning."""
+    script = tmp_path / "killed_child.py"
+    script.write_text(textwrap.dedent(KILLED_CHILD_WITH_A_PROGRESS_BAR))
+    src = str(Path(worker_module.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script), lock.split()[0]], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert ("leaked semaphore" in done.stderr) == (lock != "worker"), done.stderr

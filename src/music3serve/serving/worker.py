@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from .. import contract
 from ..acoustic.renderer import RenderedWindow, WindowPayload
@@ -73,6 +74,13 @@ def load_acoustic(root: str, device: str) -> SimpleNamespace:
     return SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in ACOUSTIC})
 
 
+def use_thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock holds a multiprocessing semaphore, which a worker killed with SIGKILL cannot unregister
+    (the resource tracker then warns of a leaked semaphore when the engine exits). The worker's bars need no lock
+    shared between processes, only one between its threads."""
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector, slots) -> None:
     """The worker process: load(device) the acoustic stage, then render windows until told to stop; each window read
     gives its slot back (serving/outbox.py).
@@ -80,6 +88,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     SIGTERM and SIGINT are ignored: a stop signal sent to the whole process group (systemd's default, `kill --
     -PGID`, Ctrl-C) reaches the worker too, and the engine process stops it after its own graceful shutdown (songs
     get their grace period). Orphaned, the worker stops by itself; `RenderWorker.kill` uses SIGKILL."""
+    use_thread_lock_for_progress_bars()
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, signal.SIG_IGN)
     if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
