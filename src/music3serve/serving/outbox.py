@@ -21,7 +21,7 @@ class Outbox:
     the windows the connector could not take come back from `failures()` as (song, reason).
 
     `slots`, a semaphore shared with the reader, bounds the windows written and not yet read: each window takes one
-    before it is written (into shared memory, 3.2 MB) and the reader gives it back once it has read the window, so a
+    before it is written (into shared memory, 3.3 MB) and the reader gives it back once it has read the window, so a
     reader that is busy rendering leaves the rest waiting here, in this process's memory, not in /dev/shm. Cancels go
     out ahead of the windows waiting (the worker stops rendering the song at once)."""
 
