@@ -19,3 +19,30 @@ def test_values_with_spaces_quotes_and_line_breaks_parse_back():
     assert fields["song"] == "s1" and fields["samples"] == "0" and fields["took"] == "1.235"
     error = fields["error"][1:-1].encode().decode("unicode_escape")
     assert error == 'stage 0 failed: "out of memory" samples=7\nnext line \\ end'
+
+
+BREAKERS = "\t\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\x1b\x00"  # every character str.splitlines() breaks at, and more
+
+
+def test_every_line_breaking_or_control_character_is_escaped_in_values_and_message():
+    """An id from the Python API may hold any character; each event must still be one line (a value with U+2028 or
+    a vertical tab used to go out raw, and a message with a line feed as two lines)."""
+    text = f"a{BREAKERS}b é ♪"
+    record = logging.makeLogRecord({"msg": f"multi\nline {BREAKERS}", "song": text})
+    line = KeyValueFormatter("%(message)s").format(record)
+    assert len(line.splitlines()) == 1 and all(c not in line for c in BREAKERS + "\n")
+    assert line.startswith("multi\\nline \\t\\x0b\\x0c\\x1c\\x1d\\x1e\\x85\\u2028\\u2029\\x1b\\x00 song=")
+    value = dict(PAIR.findall(line))["song"]
+    assert value.startswith('"') and value.endswith('"') and "é ♪" in value  # printable text is left as it is
+    assert value[1:-1].replace("é ♪", "").encode().decode("unicode_escape") == text.replace("é ♪", "")
+
+
+def test_a_traceback_keeps_its_lines():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = logging.makeLogRecord({"msg": "failed", "exc_info": sys.exc_info()})
+    lines = KeyValueFormatter("%(message)s").format(record).splitlines()
+    assert lines[0] == "failed" and lines[-1] == "ValueError: boom" and len(lines) > 2

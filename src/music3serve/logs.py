@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
+import unicodedata
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}  # uvicorn adds the last
 
 
 class KeyValueFormatter(logging.Formatter):
     """The record's extra fields as logfmt after the message: None is left out, a value with a space, quote, equals
-    sign or line break is quoted and escaped, so each event stays one line that parses back."""
+    sign, backslash or control character is quoted and escaped, and the message's control characters are escaped,
+    so each event stays one line that parses back (a traceback still follows on lines of its own)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _one_line(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -18,12 +24,26 @@ class KeyValueFormatter(logging.Formatter):
         return f"{line} {tail}" if tail else line
 
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _visible(c: str) -> str:
+    """A control or line-separating character (tab, line feed, ESC, NUL, U+0085, U+2028...) as its escape in Python's
+    notation, any other character as itself."""
+    if unicodedata.category(c) not in ("Cc", "Zl", "Zp"):
+        return c
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def _one_line(text: str) -> str:
+    return "".join(map(_visible, text))
+
+
 def _value(value: object) -> str:
     text = f"{value:.3f}" if isinstance(value, float) else str(value)
-    if text and not any(c in text for c in ' "=\\\n\r\t'):
+    if text and not any(c in ' "=\\' or _visible(c) != c for c in text):
         return text
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-    return f'"{escaped}"'
+    return '"' + _one_line(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
 def setup_logging(level: str = "INFO") -> None:
