@@ -843,6 +843,11 @@ def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
     cut = record(asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded"))
     assert CutResponses().filter(cut) and cut.levelno == logging.WARNING and cut.exc_info is None
     assert "cut at shutdown" in logging.Formatter().format(cut) and "Traceback" not in logging.Formatter().format(cut)
+    announced = logging.getLogger("uvicorn.error").makeRecord(
+        "uvicorn.error", logging.ERROR, __file__, 1, "Cancel %s running task(s), timeout graceful shutdown exceeded",
+        (2,), None)
+    assert CutResponses().filter(announced) and announced.levelno == logging.WARNING
+    assert announced.getMessage().startswith("Cancel 2 running task(s), timeout graceful shutdown exceeded")
     for error in RuntimeError("a real bug"), asyncio.CancelledError():  # only the shutdown's own cancellation
         other = record(error)
         assert CutResponses().filter(other) and other.levelno == logging.ERROR and other.exc_info is not None

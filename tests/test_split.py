@@ -84,7 +84,8 @@ def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, c
     assert not connector.segments()
 
 
-def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir):
+def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir, caplog):
+    caplog.set_level("ERROR", logger="music3serve.serving.engine")
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     connector = engine.worker.connector
     try:
@@ -105,6 +106,10 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
     finally:
         engine.close()
     assert not connector.segments()
+    stopped = [r for r in caplog.records if r.name == "music3serve.serving.engine"]
+    assert stopped and all(r.getMessage() == "engine stage stopped" and not r.exc_info for r in stopped), [
+        (r.getMessage(), r.exc_info) for r in stopped]  # the death is one line, not a traceback
+    assert "worker died" in stopped[0].error
 
 
 def test_a_stop_signal_to_the_process_group_leaves_the_worker_to_the_engine(tiny_dir):

@@ -370,8 +370,9 @@ class CutResponses(logging.Filter):
     grace is over as "Exception in ASGI application" with a CancelledError traceback, and a stream SongStream ended
     because its client stopped reading as "ASGI callable returned without completing response.", and a stream cut
     because its song failed as "Exception in ASGI application" with a SongFailedMidStream traceback (the failure
-    itself is logged as an error where it happened). All are documented behaviour: each becomes one warning line.
-    (Any other unfinished response stays an error.)"""
+    itself is logged as an error where it happened); before cutting at shutdown it says "Cancel N running task(s),
+    timeout graceful shutdown exceeded". All are documented behaviour: each becomes one warning line. (Any other
+    unfinished response stays an error.)"""
 
     stalled = 0  # streams SongStream cut for a stalled client whose unfinished response uvicorn has not logged yet
 
@@ -383,6 +384,8 @@ class CutResponses(logging.Filter):
             self._warn(record, "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)")
         elif isinstance(error, SongFailedMidStream) and message.startswith("Exception in ASGI"):
             self._warn(record, f"a response was cut: {error}")
+        elif message.startswith("Cancel ") and message.endswith("timeout graceful shutdown exceeded"):
+            self._warn(record, f"{message} (the grace period was over, or a second Ctrl-C)")
         elif message == "ASGI callable returned without completing response." and CutResponses.stalled > 0:
             CutResponses.stalled -= 1
             self._warn(record, "a response was cut: its client stopped reading (its song is cancelled)")

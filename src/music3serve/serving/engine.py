@@ -362,7 +362,10 @@ class Engine:
                 torch.cuda.set_device(self.device)
             loop()
         except BaseException as exc:
-            log.exception("engine thread died")
+            if isinstance(exc, Music3Error):  # a stop the stage names itself (say its worker died): one line
+                log.error("engine stage stopped", extra={"stage": threading.current_thread().name, "error": str(exc)})
+            else:
+                log.exception("engine thread died")
             self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {exc!r}")
 
     def _stop_serving(self, reason: str) -> None:
