@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
-from music3serve.logs import KeyValueFormatter
+from music3serve.logs import KeyValueFormatter, setup_logging
 
 PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 
@@ -46,3 +46,18 @@ def test_a_traceback_keeps_its_lines():
         record = logging.makeLogRecord({"msg": "failed", "exc_info": sys.exc_info()})
     lines = KeyValueFormatter("%(message)s").format(record).splitlines()
     assert lines[0] == "failed" and lines[-1] == "ValueError: boom" and len(lines) > 2
+
+
+def test_lines_are_stamped_in_utc_iso_8601_with_milliseconds():
+    """The stamp was local time without a zone, and its space split it into two fields."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging("INFO")
+        record = logging.makeLogRecord({"msg": "song ended", "name": "music3serve.x", "levelname": "INFO",
+                                        "created": 86400.25, "msecs": 250.0, "song": "s1"})
+        line = root.handlers[0].format(record)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert line == "1970-01-02T00:00:00.250Z INFO music3serve.x song ended song=s1"

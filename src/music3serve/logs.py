@@ -1,8 +1,9 @@
-"""Structured logs: one line per event, `time level logger message key=value ...`."""
+"""Structured logs: one line per event, `time level logger message key=value ...` (time in UTC, ISO 8601)."""
 
 from __future__ import annotations
 
 import logging
+import time
 import unicodedata
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}  # uvicorn adds the last
@@ -47,8 +48,11 @@ def _value(value: object) -> str:
 
 
 def setup_logging(level: str = "INFO") -> None:
+    """Every logger's records to stderr as key=value lines stamped like 2026-12-02T14:33:04.814Z."""
+    formatter = KeyValueFormatter("%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s %(message)s", "%Y-%m-%dT%H:%M:%S")
+    formatter.converter = time.gmtime
     handler = logging.StreamHandler()
-    handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
