@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 8, 13, 21, 34, 60, 120, 300)
 
@@ -37,5 +38,18 @@ class EngineMetrics:
         )
 
     def exposition(self) -> bytes:
-        """The Prometheus text format of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text format of every metric, without prometheus_client's `*_created` series (a creation
+        timestamp per counter and histogram: as many series again, for nothing a scrape needs)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry's metrics with their `*_created` samples left out."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
