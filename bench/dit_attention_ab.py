@@ -7,46 +7,30 @@ replayed in alternating rounds; the median per call of each over all rounds.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from music3serve import contract
-from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
-from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import graphed, random_module, table, time_ms
+from music3serve.acoustic.precision import float32_matmuls
+from music3serve.bench.acoustic import PEAK_TFLOPS, dit_call, dit_flops, fused_bf16_dit
+from music3serve.bench.common import graphed, interleaved_ms, table
 from music3serve.kernels import dit_attention as attention
 from music3serve.models import dit as dit_module
-from music3serve.models.fusion import enable_fusion
-
-ROUNDS = 15
 
 
 @torch.inference_mode()
 def main() -> None:
-    dit = random_module("dit", "cuda", torch.float32)
-    apply_dit_policy(dit, BFLOAT16)
-    enable_fusion()
-    length, rows = contract.latent_length(contract.WINDOW_FRAMES), []
+    dit, rows = fused_bf16_dit(), []
     variants = {"triton kernel": attention.dit_attention, "sdpa": attention.dit_attention_reference}
     with float32_matmuls("cuda"):
         for windows in (1, 8):
-            x = torch.randn(2 * windows, 128, length, device="cuda", dtype=torch.bfloat16)
-            cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
-            t = torch.full((2 * windows,), 0.5, device="cuda")
+            call = dit_call(dit, windows, "cuda", torch.bfloat16)
             replays, outputs = {}, {}
             for name, fn in variants.items():
                 dit_module.dit_attention = fn
-                outputs[name] = dit(x, t, cond).float()
-                replays[name] = graphed(lambda: dit(x, t, cond))
+                outputs[name] = call().float()
+                replays[name] = graphed(call)
             dit_module.dit_attention = attention.dit_attention
-            times = {name: [] for name in variants}
-            for _ in range(ROUNDS):
-                for name, replay in replays.items():
-                    times[name].append(time_ms(replay, warmup=1, repeat=5))
             rel = ((outputs["triton kernel"] - outputs["sdpa"]).norm() / outputs["sdpa"].norm()).item()
-            for name in variants:
-                ms = statistics.median(times[name])
+            for name, ms in interleaved_ms(replays).items():
                 rows.append([name, windows, ms, dit_flops(windows) / ms / 1e9 / PEAK_TFLOPS, f"{rel:.1e}"])
                 print(table(["attention", "windows", "graph ms", "x peak", "rel diff of outputs"], rows[-1:]),
                       flush=True)

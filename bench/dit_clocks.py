@@ -19,11 +19,9 @@ from typing import Callable
 
 import torch
 
-from music3serve import contract
-from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
-from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import call_ms, graphed, random_module, table
-from music3serve.models.fusion import enable_fusion
+from music3serve.acoustic.precision import float32_matmuls
+from music3serve.bench.acoustic import PEAK_TFLOPS, dit_call, dit_flops, fused_bf16_dit
+from music3serve.bench.common import call_ms, graphed, table
 
 PHASE_S = 6.0
 
@@ -82,17 +80,12 @@ def main() -> None:
         b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         rows.append(run_phase("idle (sleep 50 ms)", lambda: time.sleep(0.05), 0.0, samples))
         rows.append(run_phase("bf16 matmul 8192^3", lambda: a @ b, 2 * 8192**3, samples))
-        dit = random_module("dit", "cuda", torch.float32)
-        apply_dit_policy(dit, BFLOAT16)
-        enable_fusion()
-        length = contract.latent_length(contract.WINDOW_FRAMES)
+        dit = fused_bf16_dit()
         with float32_matmuls("cuda"):
             for windows in (8, 1, 8):
-                x = torch.randn(2 * windows, 128, length, device="cuda", dtype=torch.bfloat16)
-                cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
-                t = torch.full((2 * windows,), 0.5, device="cuda")
-                rows.append(run_phase(f"DiT call, {windows} windows (graph)", graphed(lambda: dit(x, t, cond)),
-                                      dit_flops(windows), samples))
+                call = dit_call(dit, windows, "cuda", torch.bfloat16)
+                rows.append(run_phase(f"DiT call, {windows} windows (graph)", graphed(call), dit_flops(windows),
+                                      samples))
                 print(table(HEADERS, rows[-1:]), flush=True)
         rows.append(run_phase("bf16 matmul 8192^3 again", lambda: a @ b, 2 * 8192**3, samples))
     finally:

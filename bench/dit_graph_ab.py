@@ -6,39 +6,22 @@ alternating rounds in one process so that clock drift cancels; the median of eac
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from music3serve import contract
-from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
-from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import graphed, random_module, table, time_ms
-from music3serve.models.fusion import enable_fusion
+from music3serve.acoustic.precision import float32_matmuls
+from music3serve.bench.acoustic import PEAK_TFLOPS, dit_call, dit_flops, fused_bf16_dit
+from music3serve.bench.common import graphed, interleaved_ms, table
 
-ROUNDS = 15
 HEADERS = ["launch", "windows", "ms", "x peak"]
 
 
 @torch.inference_mode()
 def main() -> None:
-    dit = random_module("dit", "cuda", torch.float32)
-    apply_dit_policy(dit, BFLOAT16)
-    enable_fusion()
-    length, rows = contract.latent_length(contract.WINDOW_FRAMES), []
+    dit, rows = fused_bf16_dit(), []
     with float32_matmuls("cuda"):
         for windows in (8, 1):
-            x = torch.randn(2 * windows, 128, length, device="cuda", dtype=torch.bfloat16)
-            cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
-            t = torch.full((2 * windows,), 0.5, device="cuda")
-            call = lambda: dit(x, t, cond)  # noqa: E731
-            variants = {"graph": graphed(call), "eager": call}
-            times = {name: [] for name in variants}
-            for _ in range(ROUNDS):
-                for name, fn in variants.items():
-                    times[name].append(time_ms(fn, warmup=1, repeat=5))
-            for name in variants:
-                ms = statistics.median(times[name])
+            call = dit_call(dit, windows, "cuda", torch.bfloat16)
+            for name, ms in interleaved_ms({"graph": graphed(call), "eager": call}).items():
                 rows.append([name, windows, ms, dit_flops(windows) / ms / 1e9 / PEAK_TFLOPS])
                 print(table(HEADERS, rows[-1:]), flush=True)
     print(table(HEADERS, rows))

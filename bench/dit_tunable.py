@@ -7,19 +7,15 @@ graphs are captured on the same weights and inputs, then replayed in alternating
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import torch
 
-from music3serve import contract
-from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_matmuls
-from music3serve.bench.acoustic import PEAK_TFLOPS, dit_flops
-from music3serve.bench.common import graphed, random_module, table, time_ms
-from music3serve.models.fusion import enable_fusion
+from music3serve.acoustic.precision import float32_matmuls
+from music3serve.bench.acoustic import PEAK_TFLOPS, dit_call, dit_flops, fused_bf16_dit
+from music3serve.bench.common import graphed, interleaved_ms, table
 
-ROUNDS = 15
 HEADERS = ["GEMMs", "windows", "graph ms", "x peak", "rel diff to default"]
 
 
@@ -27,16 +23,10 @@ HEADERS = ["GEMMs", "windows", "graph ms", "x peak", "rel diff to default"]
 def main() -> None:
     tunable = torch.cuda.tunable
     tunable.set_filename(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tunableop_results.csv")
-    dit = random_module("dit", "cuda", torch.float32)
-    apply_dit_policy(dit, BFLOAT16)
-    enable_fusion()
-    length, rows = contract.latent_length(contract.WINDOW_FRAMES), []
+    dit, rows = fused_bf16_dit(), []
     with float32_matmuls("cuda"):
         for windows in (1, 8):
-            x = torch.randn(2 * windows, 128, length, device="cuda", dtype=torch.bfloat16)
-            cond = torch.randn(2 * windows, length, 2048, device="cuda", dtype=torch.bfloat16)
-            t = torch.full((2 * windows,), 0.5, device="cuda")
-            call = lambda: dit(x, t, cond)  # noqa: E731
+            call = dit_call(dit, windows, "cuda", torch.bfloat16)
             tunable.enable(False)
             outputs = {"default": call().float()}
             replays = {"default": graphed(call)}
@@ -50,13 +40,8 @@ def main() -> None:
             outputs["TunableOp"] = call().float()
             replays["TunableOp"] = graphed(call)
             tunable.enable(False)
-            times = {name: [] for name in replays}
-            for _ in range(ROUNDS):
-                for name, replay in replays.items():
-                    times[name].append(time_ms(replay, warmup=1, repeat=5))
-            for name in replays:
+            for name, ms in interleaved_ms(replays).items():
                 rel = ((outputs[name] - outputs["default"]).norm() / outputs["default"].norm()).item()
-                ms = statistics.median(times[name])
                 rows.append([name, windows, ms, dit_flops(windows) / ms / 1e9 / PEAK_TFLOPS, f"{rel:.1e}"])
                 print(table(HEADERS, rows[-1:]), flush=True)
     print(table(HEADERS, rows))

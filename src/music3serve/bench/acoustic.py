@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
+from torch import nn
 
 from .. import contract
 from ..acoustic.precision import BFLOAT16, FLOAT32, PrecisionPolicy, apply_dit_policy, float32_matmuls
@@ -27,20 +29,33 @@ def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW
     return 2 * windows * per_sequence
 
 
+def fused_bf16_dit(device: str = "cuda") -> nn.Module:
+    """The full-size DiT with random weights under the bf16 policy, its hot paths fused: as the renderer runs it."""
+    dit = random_module("dit", device, torch.float32)
+    apply_dit_policy(dit, BFLOAT16)
+    enable_fusion()
+    return dit
+
+
+def dit_call(dit: nn.Module, windows: int, device: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """One DiT call over cond + uncond of `windows` full-length windows, on random latents and conditioning."""
+    length = contract.latent_length(contract.WINDOW_FRAMES)
+    x = torch.randn(2 * windows, 128, length, device=device, dtype=dtype)
+    cond = torch.randn(2 * windows, length, 2048, device=device, dtype=dtype)
+    t = torch.full((2 * windows,), 0.5, device=device)
+    return lambda: dit(x, t, cond)
+
+
 @torch.inference_mode()
 def dit_rows(device: str, policy: PrecisionPolicy, batches, fuse: bool) -> list[list]:
     """DiT calls as the renderer makes them under `policy` (islands, TF32 off), hot paths fused or not."""
     dit = random_module("dit", device, torch.float32)
     apply_dit_policy(dit, policy)
     (enable_fusion if fuse else disable_fusion)()
-    length = contract.latent_length(contract.WINDOW_FRAMES)
     rows = []
     with float32_matmuls(device):
         for windows in batches:
-            x = torch.randn(2 * windows, 128, length, device=device, dtype=policy.dit)
-            cond = torch.randn(2 * windows, length, 2048, device=device, dtype=policy.dit)
-            t = torch.full((2 * windows,), 0.5, device=device)
-            call = lambda: dit(x, t, cond)  # noqa: E731
+            call = dit_call(dit, windows, device, policy.dit)
             eager, graph = time_ms(call), time_ms(graphed(call))
             best = min(eager, graph)
             rows.append([policy.name + (", fused" if fuse else ""), windows, eager, graph,

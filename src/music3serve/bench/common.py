@@ -66,6 +66,16 @@ def time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 20) -> float:
     return statistics.median(call_ms(fn) for _ in range(repeat))
 
 
+def interleaved_ms(fns: dict[str, Callable[[], Any]], rounds: int = 15) -> dict[str, float]:
+    """Median milliseconds of each fn over `rounds` rounds that time every fn in turn (5 calls each), so that clock
+    drift during the run falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_ms(fn, warmup=1, repeat=5))
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
 def call_ms(fn: Callable[[], Any]) -> float:
     """Milliseconds of one fn() on the current CUDA stream, between two events (waits for the second)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
