@@ -13,6 +13,8 @@ from torch import nn
 from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
 from ..kernels.add_layer_norm import uses_kernel as uses_add_norm_kernel
 from ..kernels.dit_attention import dit_attention
+from ..kernels.glu_linear import glu, glu_linear, pair_rows
+from ..kernels.glu_linear import uses_kernel as uses_glu_kernel
 from ..kernels.split_rope import split_rope
 from .fusion import between_library_calls, hot
 from .layers import rope_angles
@@ -64,6 +66,14 @@ class DiTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.width)
         self.ff_in = nn.Linear(cfg.width, 2 * cfg.ff)
         self.ff_out = nn.Linear(cfg.ff, cfg.width)
+        self.glu_pairs = False  # ff_in's rows: [value; gate] halves as in the checkpoint, or pairs (pair_glu_rows)
+
+    def pair_glu_rows(self) -> None:
+        """Reorder ff_in's rows (in place, once) into the (gate, value) pairs that kernels/glu_linear.py fuses."""
+        if not self.glu_pairs:
+            self.ff_in.weight.data = pair_rows(self.ff_in.weight.data)
+            self.ff_in.bias.data = pair_rows(self.ff_in.bias.data)
+            self.glu_pairs = True
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]
@@ -74,11 +84,12 @@ class DiTBlock(nn.Module):
         # Decided here, outside the compiled hot paths, so they specialize on it (and fuse the torch ops if False).
         kernel1 = uses_add_norm_kernel(x, self.norm1.weight, self.norm1.bias, self.qkv.weight.dtype)
         kernel2 = uses_add_norm_kernel(x, self.norm2.weight, self.norm2.bias, self.ff_in.weight.dtype)
+        fused_glu = self.glu_pairs and uses_glu_kernel(x.numel() // x.shape[-1], self.ff_in.weight, self.ff_in.bias)
         x, qkv = dit_qkv(x, delta, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps, kernel1)
         q, k, v = split_rope(qkv, *rope, self.heads)
         return dit_block_output(
             x, dit_attention(q, k, v), self.o.weight, self.norm2.weight, self.norm2.bias, self.ff_in.weight,
-            self.ff_in.bias, self.ff_out.weight, self.ff_out.bias, self.norm2.eps, kernel2,
+            self.ff_in.bias, self.ff_out.weight, self.ff_out.bias, self.norm2.eps, kernel2, self.glu_pairs, fused_glu,
         )
 
 
@@ -98,13 +109,15 @@ def dit_qkv(
 @between_library_calls
 @hot
 def dit_block_output(
-    x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float, kernel: bool
+    x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float, kernel: bool, pairs: bool,
+    fused_glu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, tokens, width]."""
+    """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, tokens, width]. `pairs`:
+    ff_in's rows are in (gate, value) pairs; `fused_glu`: glu_linear's fused GEMM takes them."""
     attn_out = F.linear(attn.to(o_w.dtype), o_w)
     x, h = add_norm(x, attn_out, norm_w, norm_b, eps, ff_in_w.dtype, kernel)
-    value, gate = F.linear(h, ff_in_w, ff_in_b).chunk(2, dim=-1)
-    return x, F.linear((value * F.silu(gate)).to(ff_out_w.dtype), ff_out_w, ff_out_b)
+    act = glu_linear(h, ff_in_w, ff_in_b) if fused_glu else glu(F.linear(h, ff_in_w, ff_in_b), pairs)
+    return x, F.linear(act.to(ff_out_w.dtype), ff_out_w, ff_out_b)
 
 
 def add_norm(x, delta, norm_w, norm_b, eps: float, out_dtype: torch.dtype, kernel: bool):

@@ -1,0 +1,16 @@
+# Sourced by the device-call scripts that need the `hopper` extra (quack-kernels, flash-attn-4, nvidia-cutlass-dsl):
+# bench/gpu_env.sh, then the CuTe-DSL wheels installed once per machine into a site-packages folder (quack keys its
+# compile cache by the functions it finds outside site-packages, and fails on the DSL's own). The DSL's 92 MB cu13
+# wheel is over one call's 64 MiB carry: bench/gpu_s24_stash.sh leaves its first 58 MB on the machine (carry
+# .cute_a), and the next call, within the machine's 30 s idle time, carries the rest in .cute_b with the other wheels.
+source bench/gpu_env.sh
+SITE=/tmp/cute_env/lib/python3.12/site-packages
+WHEEL=/tmp/cute/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+if [ ! -d $SITE/quack ]; then
+  cat /tmp/cute/libs_cu13.part_aa .cute_b/libs_cu13.part_ab > $WHEEL
+  echo "50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90  $WHEEL" | sha256sum -c || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEEL .cute_b/*.whl \
+    || exit 1
+fi
+# A --target install runs no .pth file: the DSL's puts its dsl_packages folder on the path.
+export PYTHONPATH=$PYTHONPATH:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages

@@ -1,0 +1,84 @@
+"""value * silu(gate) of the DiT's feed-forward input projection, its rows stored in (gate, value) pairs.
+
+The checkpoint stores ff_in's rows as [value; gate] halves. `pair_rows` interleaves them as (gate_0, value_0,
+gate_1, value_1, ...), the layout of quack-kernels' gated GEMM: on Hopper, with the `hopper` extra installed, for
+bf16 operands and at least ``MIN_ROWS`` rows, `glu_linear` is that one GEMM, which applies SiLU and the product to
+the float32 accumulator in its epilogue and rounds once, so the [rows, 2 * ff] projection never reaches memory
+(docs/performance.md, session 24). Elsewhere `glu` runs the torch ops on the projection's columns, rounding after
+each op as the checkpoint-layout code does. A custom op (``music3serve::glu_linear``), so the DiT's compiled hot
+path calls it whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "uses_kernel"]
+
+# Below this many rows (cond + uncond of one window: 1380) cuBLAS plus the separate gate pass is faster.
+MIN_ROWS = 2048
+TILE = (128, 192)  # M x N of quack's ping-pong kernel in clusters of 2 along M: the fastest at 2 to 8 windows
+
+
+def pair_rows(t: Tensor) -> Tensor:
+    """Rows [value; gate] (two halves along dim 0) reordered as (gate_i, value_i) pairs."""
+    value, gate = t.chunk(2, dim=0)
+    return torch.stack((gate, value), dim=1).flatten(0, 1)
+
+
+def glu(projection: Tensor, pairs: bool) -> Tensor:
+    """value * silu(gate) from a projection whose last dim holds (gate, value) pairs, or [value, gate] halves."""
+    if pairs:
+        gate, value = projection[..., 0::2], projection[..., 1::2]
+    else:
+        value, gate = projection.chunk(2, dim=-1)
+    return value * F.silu(gate)
+
+
+@functools.cache
+def _quack_available() -> bool:
+    try:
+        importlib.import_module("quack.gemm_interface")
+    except Exception:  # ImportError, or a broken install (a CUTLASS DSL without its CUDA libraries)
+        return False
+    return True
+
+
+def uses_kernel(rows: int, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether glu_linear runs quack's fused GEMM on `rows` rows of input in weight's dtype and device: a bf16
+    weight on a Hopper device, at least MIN_ROWS rows, 16-byte aligned rows in and out, and quack importable."""
+    n, k = weight.shape
+    return (
+        weight.is_cuda and weight.dtype == torch.bfloat16 and rows >= MIN_ROWS and k % 8 == 0 and n % 16 == 0
+        and (bias is None or (bias.dtype == weight.dtype and bias.shape == (n,) and bias.device == weight.device))
+        and torch.cuda.get_device_capability(weight.device)[0] == 9 and _quack_available()
+    )
+
+
+@torch.library.custom_op("music3serve::glu_linear", mutates_args=())
+def glu_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """glu(F.linear(h, weight, bias), pairs=True) for `weight` [2 * ff, width] in pairs: quack's fused GEMM where
+    uses_kernel says so, the torch ops otherwise."""
+    k = weight.shape[1]
+    if h.dtype != weight.dtype or h.device != weight.device or h.shape[-1] != k or not uses_kernel(
+            h.numel() // k, weight, bias):
+        return glu(F.linear(h, weight, bias), pairs=True).contiguous()
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_act
+
+    config = GemmConfig(tile_m=TILE[0], tile_n=TILE[1], pingpong=True, cluster_m=2, cluster_n=1,
+                        is_dynamic_persistent=False, device_capacity=9)
+    rows = h.reshape(-1, h.shape[-1]).contiguous()
+    _, out = gemm_act(rows, weight.T, bias=bias, activation="swiglu", store_preact=False, tuned=False,
+                      config=config)
+    return out.view(*h.shape[:-1], weight.shape[0] // 2)
+
+
+@glu_linear.register_fake
+def _(h, weight, bias):
+    return h.new_empty(*h.shape[:-1], weight.shape[0] // 2)
