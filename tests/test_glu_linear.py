@@ -4,6 +4,9 @@ from it than the torch ops, and compiled or graphed callers get its eager bits."
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,3 +125,63 @@ def test_the_kernel_is_not_taken_where_it_cannot_run():
     assert not uses_kernel(10**6, weight, bias.float())
     h = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(glu_linear(h, weight, bias), glu(F.linear(h, weight, bias), pairs=True))
+
+
+def test_a_missing_quack_is_named_with_the_extra_to_install(monkeypatch):
+    real_import = glu_module.importlib.import_module
+
+    def without_quack(name, *args):
+        if name.split(".")[0] == "quack":
+            raise ModuleNotFoundError(f"No module named {name!r}", name="quack")
+        return real_import(name, *args)
+
+    glu_module.quack_import_error.cache_clear()
+    monkeypatch.setattr(glu_module.importlib, "import_module", without_quack)
+    try:
+        assert "pip install 'music3serve[hopper]'" in glu_module.quack_import_error()
+    finally:
+        glu_module.quack_import_error.cache_clear()
+    assert glu_module.unavailable_reason(torch.zeros(2, 2, dtype=torch.bfloat16)) == "not a Hopper GPU"
+
+
+@pytest.mark.parametrize("reason, level", [(None, "INFO"), ("quack-kernels is not installed", "WARNING"),
+                                           ("not a Hopper GPU", None)])
+def test_the_renderer_says_how_the_gate_runs(monkeypatch, caplog, reason, level):
+    from music3serve.acoustic.renderer import log_feed_forward_gate
+
+    monkeypatch.setattr(glu_module, "unavailable_reason", lambda weight: reason)
+    with caplog.at_level("INFO", logger="music3serve.acoustic.renderer"):
+        log_feed_forward_gate(torch.zeros(2, 2))
+    assert [r.levelname for r in caplog.records] == ([level] if level else [])
+    if level == "WARNING":
+        assert caplog.records[0].reason == reason
+
+
+def test_a_failing_quack_gemm_falls_back_once_and_for_good(monkeypatch, caplog):
+    """The fused GEMM compiles on first use: if that fails, the call still returns the gate (the torch ops), says so,
+    and no later call tries quack again."""
+    calls = []
+
+    def gemm_act(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("no ptxas here")
+
+    interface = types.ModuleType("quack.gemm_interface")
+    interface.gemm_act = gemm_act
+    config = types.ModuleType("quack.gemm_config")
+    config.GemmConfig = lambda **kwargs: kwargs
+    for name, module in (("quack", types.ModuleType("quack")), ("quack.gemm_interface", interface),
+                         ("quack.gemm_config", config)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(glu_module, "_failure", [])
+    monkeypatch.setattr(glu_module, "unavailable_reason", lambda w: glu_module._failure[0] if glu_module._failure
+                        else None)  # a Hopper GPU with quack importable, as far as glu_linear can tell
+    monkeypatch.setattr(glu_module, "MIN_ROWS", 1)
+    h, weight, bias = operands(37, 64, 96, "cpu")
+    weight, bias = pair_rows(weight), pair_rows(bias)
+    want = glu(F.linear(h, weight, bias), pairs=True)
+    with caplog.at_level("WARNING", logger="music3serve.kernels.glu_linear"):
+        assert torch.equal(glu_linear(h, weight, bias), want)
+        assert torch.equal(glu_linear(h, weight, bias), want)
+    assert len(calls) == 1 and not uses_kernel(37, weight, bias)
+    assert [r.reason for r in caplog.records] == ["quack's GEMM failed: RuntimeError: no ptxas here"]

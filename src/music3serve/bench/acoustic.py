@@ -11,6 +11,7 @@ from torch import nn
 from .. import contract
 from ..acoustic.precision import BFLOAT16, FLOAT32, PrecisionPolicy, apply_dit_policy, float32_matmuls
 from ..checkpoint import ACOUSTIC
+from ..kernels import glu_linear
 from ..models.fusion import disable_fusion, enable_fusion
 from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
 
@@ -81,8 +82,10 @@ def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
     with float32_matmuls(device, conv_tf32=True):
         vocoder["float32 with TF32 convolutions"] = vocoder_ms(device, torch.float32)
     headers = ["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"]
-    out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window",
-           "", table(headers, rows), "", "vocoder per 689-column window: " +
+    gate = glu_linear.unavailable_reason(torch.empty(0, 0, device=device, dtype=torch.bfloat16))
+    gate = f"a separate pass ({gate})" if gate else f"quack's GEMM from {glu_linear.MIN_ROWS} rows"
+    out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window; "
+           f"bf16 feed-forward gate: {gate}", "", table(headers, rows), "", "vocoder per 689-column window: " +
            ", ".join(f"{k} {v:.2f} ms" for k, v in vocoder.items())]
     if peers:
         from .peers import diffusers_dit_ms

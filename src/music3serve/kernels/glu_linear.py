@@ -6,22 +6,26 @@ bf16 operands and at least ``MIN_ROWS`` rows, `glu_linear` is that one GEMM, whi
 the float32 accumulator in its epilogue and rounds once, so the [rows, 2 * ff] projection never reaches memory
 (docs/performance.md, session 24). Elsewhere `glu` runs the torch ops on the projection's columns, rounding after
 each op as the checkpoint-layout code does. A custom op (``music3serve::glu_linear``), so the DiT's compiled hot
-path calls it whole.
+path calls it whole. quack compiles its kernel on first use (the renderer's warm-up); should that fail, the call
+falls back to the torch ops, logs why, and the process keeps the gate pass.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "uses_kernel"]
+__all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "quack_import_error", "unavailable_reason", "uses_kernel"]
 
 # Below this many rows (cond + uncond of one window: 1380) cuBLAS plus the separate gate pass is faster.
 MIN_ROWS = 2048
+log = logging.getLogger(__name__)
+_failure: list[str] = []  # why quack's GEMM failed in this process, if it did: it is not tried again
 TILE = (128, 192)  # M x N of quack's ping-pong kernel in clusters of 2 along M: the fastest at 2 to 8 windows
 
 
@@ -41,12 +45,26 @@ def glu(projection: Tensor, pairs: bool) -> Tensor:
 
 
 @functools.cache
-def _quack_available() -> bool:
+def quack_import_error() -> str | None:
+    """Why quack-kernels cannot be used here (None: it imports)."""
     try:
         importlib.import_module("quack.gemm_interface")
-    except Exception:  # ImportError, or a broken install (a CUTLASS DSL without its CUDA libraries)
-        return False
-    return True
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "quack":
+            return "quack-kernels is not installed (pip install 'music3serve[hopper]')"
+        return f"quack-kernels does not import: {exc}"
+    except Exception as exc:  # a broken install: a CUTLASS DSL without its CUDA libraries, say
+        return f"quack-kernels does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def unavailable_reason(weight: Tensor) -> str | None:
+    """Why glu_linear cannot fuse the gate for this weight at any row count (None: it does from MIN_ROWS rows)."""
+    if not weight.is_cuda or torch.cuda.get_device_capability(weight.device)[0] != 9:
+        return "not a Hopper GPU"
+    if weight.dtype != torch.bfloat16:
+        return f"{weight.dtype} weights, not bf16"
+    return _failure[0] if _failure else quack_import_error()
 
 
 def uses_kernel(rows: int, weight: Tensor, bias: Tensor | None) -> bool:
@@ -54,9 +72,9 @@ def uses_kernel(rows: int, weight: Tensor, bias: Tensor | None) -> bool:
     weight on a Hopper device, at least MIN_ROWS rows, 16-byte aligned rows in and out, and quack importable."""
     n, k = weight.shape
     return (
-        weight.is_cuda and weight.dtype == torch.bfloat16 and rows >= MIN_ROWS and k % 8 == 0 and n % 16 == 0
+        rows >= MIN_ROWS and k % 8 == 0 and n % 16 == 0
         and (bias is None or (bias.dtype == weight.dtype and bias.shape == (n,) and bias.device == weight.device))
-        and torch.cuda.get_device_capability(weight.device)[0] == 9 and _quack_available()
+        and unavailable_reason(weight) is None
     )
 
 
@@ -74,8 +92,18 @@ def glu_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     config = GemmConfig(tile_m=TILE[0], tile_n=TILE[1], pingpong=True, cluster_m=2, cluster_n=1,
                         is_dynamic_persistent=False, device_capacity=9)
     rows = h.reshape(-1, h.shape[-1]).contiguous()
-    _, out = gemm_act(rows, weight.T, bias=bias, activation="swiglu", store_preact=False, tuned=False,
-                      config=config)
+    try:
+        _, out = gemm_act(rows, weight.T, bias=bias, activation="swiglu", store_preact=False, tuned=False,
+                          config=config)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # its compile, on first use (the renderer's warm-up): fall back for good
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        _failure.append(f"quack's GEMM failed: {type(exc).__name__}: {exc}")
+        log.warning("the fused feed-forward gate failed; the gate runs as a separate pass from now on",
+                    extra={"reason": _failure[0]})
+        return glu(F.linear(h, weight, bias), pairs=True).contiguous()
     return out.view(*h.shape[:-1], weight.shape[0] // 2)
 
 
