@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from music3serve.acoustic.precision import BFLOAT16, FLOAT32, apply_dit_policy
 from music3serve.kernels import glu_linear as glu_module
-from music3serve.kernels.glu_linear import glu, glu_linear, pair_rows, uses_kernel
+from music3serve.kernels.glu_linear import glu, glu_linear, pair_rows, unpair_rows, uses_kernel
 from music3serve.models.dit import DiT, DiTConfig
 
 TINY = DiTConfig(channels=8, condition=16, layers=2, heads=2, head_dim=16, ff=48, rotary_dim=8, fourier=16)
@@ -42,21 +42,22 @@ def test_pair_rows_interleaves_gate_then_value():
 def test_pairs_give_the_checkpoint_layouts_values_on_the_cpu(dtype):
     h, weight, bias = operands(37, 64, 96, "cpu", dtype)
     want = checkpoint_glu(h, weight, bias)
-    assert torch.equal(glu(F.linear(h, weight, bias), pairs=False), want)
+    assert torch.equal(unpair_rows(pair_rows(weight)), weight)
     # The same dot products in other output columns: bit for bit here in bf16; a CPU GEMM may block the columns
     # otherwise (float32 here: last-bit differences), so a rounding of the dtype is allowed.
     torch.testing.assert_close(glu_linear(h, pair_rows(weight), pair_rows(bias)), want)
     assert not uses_kernel(10**6, pair_rows(weight), pair_rows(bias))  # no fused GEMM off CUDA
 
 
-def unpair(t: torch.Tensor) -> torch.Tensor:
-    """pair_rows' inverse."""
-    return torch.cat((t[1::2], t[0::2]))
+def tiny_dit() -> DiT:
+    torch.manual_seed(0)
+    dit = DiT(TINY).eval()
+    dit.fourier.data.normal_()  # torch.empty until a checkpoint fills it
+    return dit
 
 
 def test_the_bf16_policy_pairs_the_rows_once_and_the_dit_computes_the_same():
-    torch.manual_seed(0)
-    paired, plain = DiT(TINY).eval(), DiT(TINY).eval()
+    paired, plain = tiny_dit(), DiT(TINY).eval()
     plain.load_state_dict(paired.state_dict())
     checkpoint_ff_in = paired.blocks[0].ff_in.weight.detach().clone()
     apply_dit_policy(plain, FLOAT32)
@@ -67,7 +68,7 @@ def test_the_bf16_policy_pairs_the_rows_once_and_the_dit_computes_the_same():
         assert torch.equal(paired.blocks[0].ff_in.weight, pair_rows(checkpoint_ff_in).bfloat16())
     apply_dit_policy(plain, BFLOAT16)
     for block in plain.blocks:  # the same bf16 model back in the checkpoint's order
-        block.ff_in.weight.data, block.ff_in.bias.data = unpair(block.ff_in.weight), unpair(block.ff_in.bias)
+        block.ff_in.weight.data, block.ff_in.bias.data = unpair_rows(block.ff_in.weight), unpair_rows(block.ff_in.bias)
         block.glu_pairs = False
     assert torch.equal(plain.blocks[0].ff_in.weight, checkpoint_ff_in.bfloat16())
     latents, t, cond = torch.randn(2, 8, 5), torch.rand(2), torch.randn(2, 5, 16)
@@ -78,16 +79,38 @@ def test_the_bf16_policy_pairs_the_rows_once_and_the_dit_computes_the_same():
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
+def test_state_dicts_hold_the_checkpoint_order_whatever_the_layout():
+    dit = tiny_dit()
+    checkpoint = {k: v.clone() for k, v in dit.state_dict().items()}
+    apply_dit_policy(dit, BFLOAT16)
+    assert dit.blocks[0].glu_pairs
+    saved = dit.state_dict()
+    assert torch.equal(saved["blocks.0.ff_in.weight"], checkpoint["blocks.0.ff_in.weight"].bfloat16())
+    assert torch.equal(saved["blocks.1.ff_in.bias"], checkpoint["blocks.1.ff_in.bias"].bfloat16())
+    latents, t, cond = torch.randn(2, 8, 5), torch.rand(2), torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        want = dit(latents, t, cond)
+        dit.load_state_dict(saved)  # into the paired model: the rows are paired as they load
+        assert torch.equal(dit(latents, t, cond), want)
+        fresh = DiT(TINY).eval()
+        fresh.load_state_dict(saved)  # into a model in the checkpoint order, then the policy
+        apply_dit_policy(fresh, BFLOAT16)
+        assert torch.equal(fresh(latents, t, cond), want)
+    apply_dit_policy(dit, FLOAT32)  # back to the reference: the checkpoint's order in memory too
+    assert not dit.blocks[0].glu_pairs
+    assert torch.equal(dit.blocks[0].ff_in.weight, checkpoint["blocks.0.ff_in.weight"].bfloat16().float())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2048, 2049, 11048])
-def test_fused_gemm_is_as_close_to_exact_as_the_torch_ops(rows, monkeypatch):
-    monkeypatch.setattr(glu_module, "MIN_ROWS", 1)
+def test_fused_gemm_is_as_close_to_exact_as_the_torch_ops(rows):
     h, weight, bias = operands(rows, 2048, 8192, "cuda")
     weight, bias = pair_rows(weight), pair_rows(bias)
     if not uses_kernel(rows, weight, bias):
         pytest.skip("needs quack-kernels on a Hopper GPU")
     exact = glu(F.linear(h.double(), weight.double(), bias.double()), pairs=True)
     fused, ops = glu_linear(h, weight, bias), glu(F.linear(h, weight, bias), pairs=True)
+    assert glu_module._failure is None and not torch.equal(fused, ops)  # the fused GEMM ran: its own roundings
     assert fused.shape == ops.shape == (rows, 8192) and fused.dtype == torch.bfloat16
     err = lambda out: ((out.double() - exact).norm() / exact.norm()).item()  # noqa: E731
     # One rounding of the float32 result (2^-9 relative at most, ~2^-10 on average) against the torch ops' three.
@@ -106,6 +129,7 @@ def test_fused_gemm_in_compiled_and_graphed_callers_gives_the_eager_bits(monkeyp
         return glu_linear(h, weight, bias) * 2
 
     eager = feed_forward(h)
+    assert glu_module._failure is None
     assert torch.equal(torch.compile(feed_forward, fullgraph=True, dynamic=True)(h), eager)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -115,16 +139,23 @@ def test_fused_gemm_in_compiled_and_graphed_callers_gives_the_eager_bits(monkeyp
     assert torch.equal(out, feed_forward(h))
 
 
-@pytest.mark.gpu
-def test_the_kernel_is_not_taken_where_it_cannot_run():
-    _, weight, bias = operands(1, 64, 96, "cuda")
+def test_the_kernel_takes_enough_aligned_rows_only(monkeypatch):
+    monkeypatch.setattr(glu_module, "unavailable_reason", lambda weight: None)  # a Hopper GPU with quack, as it were
+    _, weight, bias = operands(1, 64, 96, "cpu")
     weight, bias = pair_rows(weight), pair_rows(bias)
+    assert uses_kernel(glu_module.MIN_ROWS, weight, bias) and uses_kernel(glu_module.MIN_ROWS, weight, None)
     assert not uses_kernel(glu_module.MIN_ROWS - 1, weight, bias)  # few rows: cuBLAS and the gate pass
-    assert not uses_kernel(10**6, weight.float(), bias.float())  # float32: the reference policy
-    assert not uses_kernel(10**6, weight[:, :60], bias)  # rows of 120 bytes: not 16-byte aligned
+    assert not uses_kernel(10**6, weight[:, :60], bias)  # input rows of 120 bytes: not 16-byte aligned
+    assert not uses_kernel(10**6, weight[:184], bias[:184])  # output rows of 184 bytes
     assert not uses_kernel(10**6, weight, bias.float())
-    h = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(glu_linear(h, weight, bias), glu(F.linear(h, weight, bias), pairs=True))
+    assert not uses_kernel(10**6, weight, bias[:-16])
+
+
+def test_the_kernel_is_not_taken_off_hopper_or_below_bf16():
+    _, weight, bias = operands(1, 64, 96, "cpu")
+    assert glu_module.unavailable_reason(weight) == "not a Hopper GPU"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        assert glu_module.unavailable_reason(weight.float().cuda()) == "torch.float32 weights, not bf16"
 
 
 def test_a_missing_quack_is_named_with_the_extra_to_install(monkeypatch):
@@ -141,7 +172,6 @@ def test_a_missing_quack_is_named_with_the_extra_to_install(monkeypatch):
         assert "pip install 'music3serve[hopper]'" in glu_module.quack_import_error()
     finally:
         glu_module.quack_import_error.cache_clear()
-    assert glu_module.unavailable_reason(torch.zeros(2, 2, dtype=torch.bfloat16)) == "not a Hopper GPU"
 
 
 @pytest.mark.parametrize("reason, level", [(None, "INFO"), ("quack-kernels is not installed", "WARNING"),
@@ -173,10 +203,10 @@ def test_a_failing_quack_gemm_falls_back_once_and_for_good(monkeypatch, caplog):
     for name, module in (("quack", types.ModuleType("quack")), ("quack.gemm_interface", interface),
                          ("quack.gemm_config", config)):
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(glu_module, "_failure", [])
-    monkeypatch.setattr(glu_module, "unavailable_reason", lambda w: glu_module._failure[0] if glu_module._failure
-                        else None)  # a Hopper GPU with quack importable, as far as glu_linear can tell
+    monkeypatch.setattr(glu_module, "_failure", None)
     monkeypatch.setattr(glu_module, "MIN_ROWS", 1)
+    # A Hopper GPU with quack importable, as far as glu_linear can tell, until quack fails:
+    monkeypatch.setattr(glu_module, "unavailable_reason", lambda weight: glu_module._failure)
     h, weight, bias = operands(37, 64, 96, "cpu")
     weight, bias = pair_rows(weight), pair_rows(bias)
     want = glu(F.linear(h, weight, bias), pairs=True)

@@ -123,11 +123,20 @@ def test_streamed_windows_equal_the_offline_render(renderer, reference_stage1, m
     assert rel_err(waveform, streamed) <= 1e-4
 
 
-def test_the_warmup_window_leaves_no_trace(models):
-    """Warm-up renders one throwaway window (by default on CUDA only: compiles and lazy inits); after it a song
-    renders exactly as on a renderer that never warmed up."""
+def test_the_warmup_windows_leave_no_trace(models):
+    """Warm-up renders throwaway windows, one alone and two at once (by default on CUDA only: compiles and lazy
+    inits); after it a song renders exactly as on a renderer that never warmed up."""
     warmed, cold = Renderer.from_models(models), Renderer.from_models(models)
-    warmed.warmup([1], steps=2, render_one=True)
+    dit_rows = []
+    hook = models.dit.register_forward_pre_hook(lambda m, a: dit_rows.append(a[0].shape[0]))
+    try:
+        warmed.warmup([1], steps=2, render_one=True)
+        assert dit_rows == [2, 2, 4, 4]  # cond + uncond rows of each Euler step: one window, then two
+        dit_rows.clear()
+        Renderer.from_models(models, max_batch=1).warmup([1], steps=2, render_one=True)
+        assert dit_rows == [2, 2]
+    finally:
+        hook.remove()
     assert warmed.songs == []
     want, got = render_schedule(cold, three_songs(), 2), render_schedule(warmed, three_songs(), 2)
     assert all(torch.equal(a.pcm, b.pcm) and torch.equal(a.latent, b.latent) for a, b in zip(want, got))

@@ -211,12 +211,11 @@ def cast_component(
 
 def apply_dit_policy(dit: nn.Module, policy: PrecisionPolicy) -> None:
     """The DiT in the policy's dtype with its float32 islands (in place); below float32, its feed-forwards' rows in
-    the pairs that kernels/glu_linear.py fuses (the float32 reference keeps the checkpoint's order)."""
+    the pairs that kernels/glu_linear.py fuses (the float32 reference has the checkpoint's order)."""
     keep = policy.dit_float32 if policy.dit != torch.float32 else frozenset()
     cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks, island_matmuls=policy.dit_island_matmuls)
-    if policy.dit != torch.float32:
-        for block in dit.blocks:
-            block.pair_glu_rows()
+    for block in dit.blocks:
+        block.set_glu_pairs(policy.dit != torch.float32)
 
 
 def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy: PrecisionPolicy) -> None:

@@ -28,6 +28,7 @@ from .windows import Window, carry_span, crop_waveform, is_song_window, song_win
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class WindowPayload:
     """One window that the talker has finished: its frames' conditioning, mixed over the 8 streams.
@@ -219,9 +220,10 @@ class Renderer:
 
     @torch.inference_mode()
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS, render_one: bool | None = None) -> None:
-        """Capture the full-window graphs for these batch sizes, then render one throwaway window (render_one; by
-        default on CUDA): inductor's compiles of the fused functions, the vocoder's first call and lazy inits happen
-        now, not in the first song's first window."""
+        """Capture the full-window graphs for these batch sizes, then render throwaway windows (render_one; by
+        default on CUDA), one alone and two at once: inductor's compiles of the fused functions (a DiT call of two
+        windows or more takes the fused gate of kernels/glu_linear.py, compiled on first use), the vocoder's first
+        calls and lazy inits happen now, not in the first songs' windows."""
         if self.graphs:
             with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
@@ -231,7 +233,8 @@ class Renderer:
         if render_one:
             (window,) = song_windows(contract.WINDOW_FRAMES)
             mixed = torch.zeros(window.frames, self.encoder.cfg.hidden, device=self.device)
-            self.render([WindowPayload(object(), 0, window, mixed, steps)])  # the song's only window: no state is kept
+            for batch in sorted({1, min(2, self.max_batch)}):  # each song's only window: no state is kept
+                self.render([WindowPayload(object(), 0, window, mixed, steps) for _ in range(batch)])
 
     def render_song(
         self, mixed: torch.Tensor, seed: int, steps: int = contract.DIT_STEPS, song: Hashable | None = None,
@@ -261,7 +264,7 @@ def log_feed_forward_gate(weight: torch.Tensor) -> None:
         log.info("stage 1 fuses the DiT's feed-forward gate into quack's GEMM",
                  extra={"from_rows": glu_linear.MIN_ROWS})
     elif reason != "not a Hopper GPU":
-        log.warning("stage 1 runs the DiT's feed-forward gate as a separate pass, 5-7% slower per DiT call of two "
+        log.warning("stage 1 runs the DiT's feed-forward gate as a separate pass, 6-8% slower per DiT call of two "
                     "windows or more", extra={"reason": reason})
 
 

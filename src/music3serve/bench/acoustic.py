@@ -82,8 +82,8 @@ def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
     with float32_matmuls(device, conv_tf32=True):
         vocoder["float32 with TF32 convolutions"] = vocoder_ms(device, torch.float32)
     headers = ["policy", "windows", "eager ms", "graph ms", "TFLOP/s", "x peak"]
-    gate = glu_linear.unavailable_reason(torch.empty(0, 0, device=device, dtype=torch.bfloat16))
-    gate = f"a separate pass ({gate})" if gate else f"quack's GEMM from {glu_linear.MIN_ROWS} rows"
+    no_fusion = glu_linear.unavailable_reason(torch.empty(0, 0, device=device, dtype=torch.bfloat16))
+    gate = f"a separate pass ({no_fusion})" if no_fusion else f"quack's GEMM from {glu_linear.MIN_ROWS} rows"
     out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window; "
            f"bf16 feed-forward gate: {gate}", "", table(headers, rows), "", "vocoder per 689-column window: " +
            ", ".join(f"{k} {v:.2f} ms" for k, v in vocoder.items())]

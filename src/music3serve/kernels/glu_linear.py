@@ -6,8 +6,8 @@ bf16 operands and at least ``MIN_ROWS`` rows, `glu_linear` is that one GEMM, whi
 the float32 accumulator in its epilogue and rounds once, so the [rows, 2 * ff] projection never reaches memory
 (docs/performance.md, session 24). Elsewhere `glu` runs the torch ops on the projection's columns, rounding after
 each op as the checkpoint-layout code does. A custom op (``music3serve::glu_linear``), so the DiT's compiled hot
-path calls it whole. quack compiles its kernel on first use (the renderer's warm-up); should that fail, the call
-falls back to the torch ops, logs why, and the process keeps the gate pass.
+path calls it whole. quack compiles its kernel on first use (the renderer's warm-up renders two windows at once for
+it); should that fail, the call falls back to the torch ops, logs why, and the process keeps the gate pass.
 """
 
 from __future__ import annotations
@@ -20,19 +20,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "quack_import_error", "unavailable_reason", "uses_kernel"]
+__all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "quack_import_error", "unavailable_reason", "unpair_rows",
+           "uses_kernel"]
 
 # Below this many rows (cond + uncond of one window: 1380) cuBLAS plus the separate gate pass is faster.
 MIN_ROWS = 2048
 log = logging.getLogger(__name__)
-_failure: list[str] = []  # why quack's GEMM failed in this process, if it did: it is not tried again
-TILE = (128, 192)  # M x N of quack's ping-pong kernel in clusters of 2 along M: the fastest at 2 to 8 windows
+_failure: str | None = None  # why quack's GEMM failed in this process, if it did: it is not tried again
+# M x N of quack's ping-pong kernel in clusters of 2 along M: the fastest at four windows (478 us against 528-600),
+# within 1.3% of the fastest tile at two and eight (docs/performance.md, session 24).
+TILE = (128, 192)
 
 
 def pair_rows(t: Tensor) -> Tensor:
     """Rows [value; gate] (two halves along dim 0) reordered as (gate_i, value_i) pairs."""
     value, gate = t.chunk(2, dim=0)
     return torch.stack((gate, value), dim=1).flatten(0, 1)
+
+
+def unpair_rows(t: Tensor) -> Tensor:
+    """pair_rows undone: the [value; gate] halves of the checkpoint."""
+    return torch.cat((t[1::2], t[0::2]))
 
 
 def glu(projection: Tensor, pairs: bool) -> Tensor:
@@ -59,12 +67,13 @@ def quack_import_error() -> str | None:
 
 
 def unavailable_reason(weight: Tensor) -> str | None:
-    """Why glu_linear cannot fuse the gate for this weight at any row count (None: it does from MIN_ROWS rows)."""
+    """Why glu_linear cannot fuse the gate for this weight at any row count (None: the device and the library allow
+    it; uses_kernel adds the row count, the alignment and the bias)."""
     if not weight.is_cuda or torch.cuda.get_device_capability(weight.device)[0] != 9:
         return "not a Hopper GPU"
     if weight.dtype != torch.bfloat16:
         return f"{weight.dtype} weights, not bf16"
-    return _failure[0] if _failure else quack_import_error()
+    return _failure or quack_import_error()
 
 
 def uses_kernel(rows: int, weight: Tensor, bias: Tensor | None) -> bool:
@@ -85,7 +94,7 @@ def glu_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     k = weight.shape[1]
     if h.dtype != weight.dtype or h.device != weight.device or h.shape[-1] != k or not uses_kernel(
             h.numel() // k, weight, bias):
-        return glu(F.linear(h, weight, bias), pairs=True).contiguous()
+        return _gate_pass(h, weight, bias)
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_act
 
@@ -100,11 +109,17 @@ def glu_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     except Exception as exc:  # its compile, on first use (the renderer's warm-up): fall back for good
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
-        _failure.append(f"quack's GEMM failed: {type(exc).__name__}: {exc}")
+        global _failure
+        _failure = f"quack's GEMM failed: {type(exc).__name__}: {exc}"
         log.warning("the fused feed-forward gate failed; the gate runs as a separate pass from now on",
-                    extra={"reason": _failure[0]})
-        return glu(F.linear(h, weight, bias), pairs=True).contiguous()
+                    extra={"reason": _failure})
+        return _gate_pass(h, weight, bias)
     return out.view(*h.shape[:-1], weight.shape[0] // 2)
+
+
+def _gate_pass(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The torch ops, in a new tensor (a custom op's output never aliases its inputs)."""
+    return glu(F.linear(h, weight, bias), pairs=True).contiguous()
 
 
 @glu_linear.register_fake

@@ -13,7 +13,7 @@ from torch import nn
 from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
 from ..kernels.add_layer_norm import uses_kernel as uses_add_norm_kernel
 from ..kernels.dit_attention import dit_attention
-from ..kernels.glu_linear import glu, glu_linear, pair_rows
+from ..kernels.glu_linear import glu, glu_linear, pair_rows, unpair_rows
 from ..kernels.glu_linear import uses_kernel as uses_glu_kernel
 from ..kernels.split_rope import split_rope
 from .fusion import between_library_calls, hot
@@ -66,14 +66,19 @@ class DiTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.width)
         self.ff_in = nn.Linear(cfg.width, 2 * cfg.ff)
         self.ff_out = nn.Linear(cfg.ff, cfg.width)
-        self.glu_pairs = False  # ff_in's rows: [value; gate] halves as in the checkpoint, or pairs (pair_glu_rows)
+        self.glu_pairs = False  # ff_in's rows: [value; gate] halves as in the checkpoint, or pairs (set_glu_pairs)
+        # State dicts hold the checkpoint's order whatever the rows' order in memory.
+        self.register_state_dict_post_hook(_ff_in_rows_saved_in_checkpoint_order)
+        self.register_load_state_dict_pre_hook(_ff_in_rows_loaded_in_block_order)
 
-    def pair_glu_rows(self) -> None:
-        """Reorder ff_in's rows (in place, once) into the (gate, value) pairs that kernels/glu_linear.py fuses."""
-        if not self.glu_pairs:
-            self.ff_in.weight.data = pair_rows(self.ff_in.weight.data)
-            self.ff_in.bias.data = pair_rows(self.ff_in.bias.data)
-            self.glu_pairs = True
+    def set_glu_pairs(self, pairs: bool) -> None:
+        """Put ff_in's rows (in place) in the (gate, value) pairs that kernels/glu_linear.py fuses, or back in the
+        checkpoint's [value; gate] halves."""
+        if pairs != self.glu_pairs:
+            reorder = pair_rows if pairs else unpair_rows
+            self.ff_in.weight.data = reorder(self.ff_in.weight.data)
+            self.ff_in.bias.data = reorder(self.ff_in.bias.data)
+            self.glu_pairs = pairs
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]
@@ -91,6 +96,22 @@ class DiTBlock(nn.Module):
             x, dit_attention(q, k, v), self.o.weight, self.norm2.weight, self.norm2.bias, self.ff_in.weight,
             self.ff_in.bias, self.ff_out.weight, self.ff_out.bias, self.norm2.eps, kernel2, self.glu_pairs, fused_glu,
         )
+
+
+FF_IN = ("ff_in.weight", "ff_in.bias")
+
+
+def _ff_in_rows_saved_in_checkpoint_order(block: DiTBlock, state_dict: dict, prefix: str, _metadata) -> None:
+    if block.glu_pairs:
+        for name in FF_IN:
+            state_dict[prefix + name] = unpair_rows(state_dict[prefix + name])
+
+
+def _ff_in_rows_loaded_in_block_order(block: DiTBlock, state_dict: dict, prefix: str, *_args) -> None:
+    if block.glu_pairs:
+        for name in FF_IN:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = pair_rows(state_dict[prefix + name])
 
 
 # Each layer reads its input in its own weight dtype, so float32 islands (acoustic/precision.py) compute on
