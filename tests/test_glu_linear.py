@@ -68,8 +68,7 @@ def test_the_bf16_policy_pairs_the_rows_once_and_the_dit_computes_the_same():
         assert torch.equal(paired.blocks[0].ff_in.weight, pair_rows(checkpoint_ff_in).bfloat16())
     apply_dit_policy(plain, BFLOAT16)
     for block in plain.blocks:  # the same bf16 model back in the checkpoint's order
-        block.ff_in.weight.data, block.ff_in.bias.data = unpair_rows(block.ff_in.weight), unpair_rows(block.ff_in.bias)
-        block.glu_pairs = False
+        block.set_glu_pairs(False)
     assert torch.equal(plain.blocks[0].ff_in.weight, checkpoint_ff_in.bfloat16())
     latents, t, cond = torch.randn(2, 8, 5), torch.rand(2), torch.randn(2, 5, 16)
     with torch.inference_mode():
