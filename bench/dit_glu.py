@@ -8,6 +8,7 @@ precision against float32 with each.
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from dataclasses import replace
@@ -18,27 +19,13 @@ import torch.nn.functional as F
 from music3serve.acoustic.precision import float32_matmuls
 from music3serve.bench.acoustic import PEAK_TFLOPS, dit_call, dit_flops, fused_bf16_dit
 from music3serve.bench.common import graphed, interleaved_ms, table
+from music3serve.bench.precision import rel_err
 from music3serve.kernels import glu_linear as glu_module
 from music3serve.kernels.dit_attention import dit_attention
-from music3serve.kernels.glu_linear import glu, pair_rows
+from music3serve.kernels.glu_linear import glu, pair_rows, quack_gated_gemm
 
 TOKENS, WIDTH, FF, HEADS = 690, 2048, 8192, 32  # a window's 689 latent columns and the time token
 TILES = [(128, 128, True, 2), (128, 192, True, 2), (128, 128, True, 1), (256, 128, False, 2)]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def quack_glu(h: torch.Tensor, w_pairs: torch.Tensor, b_pairs: torch.Tensor, tile) -> torch.Tensor:
-    from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm_act
-
-    tm, tn, pingpong, cluster_m = tile
-    config = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pingpong, cluster_m=cluster_m, cluster_n=1,
-                        is_dynamic_persistent=False, device_capacity=9)
-    return gemm_act(h, w_pairs.T, bias=b_pairs, activation="swiglu", store_preact=False, tuned=False,
-                    config=config)[1]
 
 
 def section(name: str, fn) -> None:
@@ -62,9 +49,11 @@ def glu_layer() -> None:
         h = torch.randn(2 * windows * TOKENS, WIDTH, device="cuda", generator=gen).bfloat16()
         exact = glu(F.linear(h.double(), w.double(), b.double()), pairs=True)
         fns = {"cuBLAS + inductor gate pass": lambda: ops(h)}
-        fns.update({f"quack {tm}x{tn} {'ping-pong' if pp else 'cooperative'}, cluster {cm}":
-                    (lambda t: lambda: quack_glu(h, w, b, t))((tm, tn, pp, cm)) for tm, tn, pp, cm in TILES})
-        errors = {name: rel_err(fn(), exact) for name, fn in fns.items()}
+        for tile in TILES:
+            tm, tn, pingpong, cm = tile
+            name = f"quack {tm}x{tn} {'ping-pong' if pingpong else 'cooperative'}, cluster {cm}"
+            fns[name] = functools.partial(quack_gated_gemm, h, w, b, tile)
+        errors = {name: rel_err(exact, fn()) for name, fn in fns.items()}
         flops = 2 * h.shape[0] * WIDTH * 2 * FF
         for name, ms in interleaved_ms({n: graphed(f) for n, f in fns.items()}, rounds=7).items():
             rows.append([name, windows, ms * 1000, flops / ms / 1e9, errors[name]])
@@ -87,7 +76,7 @@ def attention_layer(windows: int = 8) -> None:
         return (out[0] if isinstance(out, tuple) else out).reshape(2 * windows, TOKENS, WIDTH)
 
     fns = {"ours (kernels/dit_attention.py)": lambda: dit_attention(q, k, v), "flash-attn-4 SM90": fa4}
-    errors = {name: rel_err(fn(), exact) for name, fn in fns.items()}
+    errors = {name: rel_err(exact, fn()) for name, fn in fns.items()}
     flops = 4 * 2 * windows * TOKENS**2 * WIDTH
     rows = [[name, windows, ms * 1000, flops / ms / 1e9, errors[name]]
             for name, ms in interleaved_ms({n: graphed(f) for n, f in fns.items()}, rounds=7).items()]
@@ -109,7 +98,7 @@ def whole_call() -> None:
             glu_module.MIN_ROWS = min_rows
             (_, ref), (_, fused) = outs.items()
             for name, ms in interleaved_ms(graphs).items():
-                rows.append([name, windows, ms, dit_flops(windows) / ms / 1e9 / PEAK_TFLOPS, rel_err(fused, ref)])
+                rows.append([name, windows, ms, dit_flops(windows) / ms / 1e9 / PEAK_TFLOPS, rel_err(ref, fused)])
             print(table(["DiT call", "windows", "graph ms", "x peak", "rel diff of the outputs"], rows[-2:]),
                   flush=True)
     print(table(["DiT call", "windows", "graph ms", "x peak", "rel diff of the outputs"], rows), flush=True)

@@ -27,9 +27,9 @@ __all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "quack_import_error", "
 MIN_ROWS = 2048
 log = logging.getLogger(__name__)
 _failure: str | None = None  # why quack's GEMM failed in this process, if it did: it is not tried again
-# M x N of quack's ping-pong kernel in clusters of 2 along M: the fastest at four windows (478 us against 528-600),
-# within 1.3% of the fastest tile at two and eight (docs/performance.md, session 24).
-TILE = (128, 192)
+# quack's tile M x N, ping-pong (or cooperative), cluster size along M: the fastest at four windows (478 us against
+# 528-600), within 1.3% of the fastest tile at two and eight (docs/performance.md, session 24).
+TILE = (128, 192, True, 2)
 
 
 def pair_rows(t: Tensor) -> Tensor:
@@ -95,15 +95,8 @@ def glu_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if h.dtype != weight.dtype or h.device != weight.device or h.shape[-1] != k or not uses_kernel(
             h.numel() // k, weight, bias):
         return _gate_pass(h, weight, bias)
-    from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm_act
-
-    config = GemmConfig(tile_m=TILE[0], tile_n=TILE[1], pingpong=True, cluster_m=2, cluster_n=1,
-                        is_dynamic_persistent=False, device_capacity=9)
-    rows = h.reshape(-1, h.shape[-1]).contiguous()
     try:
-        _, out = gemm_act(rows, weight.T, bias=bias, activation="swiglu", store_preact=False, tuned=False,
-                          config=config)
+        out = quack_gated_gemm(h.reshape(-1, k).contiguous(), weight, bias, TILE)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:  # its compile, on first use (the renderer's warm-up): fall back for good
@@ -115,6 +108,17 @@ def glu_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
                     extra={"reason": _failure})
         return _gate_pass(h, weight, bias)
     return out.view(*h.shape[:-1], weight.shape[0] // 2)
+
+
+def quack_gated_gemm(rows: Tensor, weight: Tensor, bias: Tensor | None, tile: tuple[int, int, bool, int]) -> Tensor:
+    """quack's GEMM of rows [m, width] by `weight` in pairs with the SwiGLU epilogue, on `tile` (as TILE), untuned."""
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_act
+
+    tile_m, tile_n, pingpong, cluster_m = tile
+    config = GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m, cluster_n=1,
+                        is_dynamic_persistent=False, device_capacity=9)
+    return gemm_act(rows, weight.T, bias=bias, activation="swiglu", store_preact=False, tuned=False, config=config)[1]
 
 
 def _gate_pass(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
