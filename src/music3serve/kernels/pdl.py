@@ -17,20 +17,10 @@ process starts: the engine checks it once at startup, inductor's choice is fixed
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ..errors import Music3Error
-
-_MODES = ("all", "ours", "off")
-
-
-def pdl_mode() -> str:
-    mode = os.environ.get("MUSIC3SERVE_PDL", "all").strip().lower()
-    if mode not in _MODES:
-        raise Music3Error(f"MUSIC3SERVE_PDL must be one of {', '.join(_MODES)}, got {mode!r}")
-    return mode
+from ..pdl_setting import pdl_mode
 
 
 def uses_pdl(device: torch.device) -> bool:
