@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First of two device calls that install the `hopper` extra on a GPU machine without network access, where one call
+# First of two remote calls that install the `hopper` extra on a GPU machine without network access, where one call
 # carries at most 64 MiB (see bench/README.md): leaves the first part of nvidia-cutlass-dsl-libs-cu13's 92 MB wheel
 # (carried in .cute_a/) in /tmp/cute on the machine; the next call, within the machine's idle time, sources
 # bench/hopper_env.sh carrying the rest in .cute_b/.
