@@ -1,4 +1,5 @@
-"""The deploy YAML: examples/deploy/minimax_music3.yaml as written, our default, defaults for missing keys, and one refusal per rule."""
+"""The deploy YAML: examples/deploy/minimax_music3.yaml as written, our default, defaults for missing keys, and one
+refusal per rule."""
 
 from __future__ import annotations
 
