@@ -4,9 +4,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The pinned torch (where pip is set up with a local CPU build, as on our CI, that one): named in every install, so
-# a later install never swaps it for another version; a plain `torch` requirement would pull a multi-GB CUDA build.
+# The pinned torch (where pip is set up with a local CPU build, as on CI, that one): named in every install, so a
+# later install never swaps it for another version. From PyPI, Linux torch wheels bundle CUDA (several GB): set
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build (or .../whl/cu130 for a CUDA 13 build).
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
 # Test worker processes, each handed whole files (their module fixtures build engines once): CI has two cores, and
 # the tests run single-threaded (tests/conftest.py); 10.5 min in one process, 6.3 min in two on our 2-core machine.
 TEST_WORKERS ?= 2
@@ -16,7 +19,7 @@ TEST_WORKERS ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(TORCH_FROM) "$(TORCH)"
 
 install: $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)" -e ".[tiny,audio]"
@@ -29,7 +32,8 @@ demo: install
 		--lyrics @examples/lyrics.txt \
 		--duration 12 --seed 42 -o demo.wav
 	@echo "Wrote demo.wav. The tiny checkpoint has random weights, so it sounds like noise: it proves the"
-	@echo "pipeline end to end, not the music. For real songs, download MiniMaxAI/MiniMax-Music3 (57 GB) and run"
+	@echo "pipeline end to end, not the music. For real songs (a CUDA GPU), see the README: download"
+	@echo "MiniMaxAI/MiniMax-Music3 (57 GB) and run"
 	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @lyrics.txt --duration 60 -o song.wav"
 
 test: install-test

@@ -1,6 +1,6 @@
 """How much the colocated stages slow each other, and whether keeping SMs away from the DiT helps (one H200).
 
-A 20 s song takes 5.8 s end to end while its talker alone needs ~4.5 s (docs/performance.md, session 3): the DiT
+A 20 s song takes 5.8 s end to end while its talker alone needs ~4.5 s (measured 2026-11-30): the DiT
 renders on the same GPU and the talker's small kernels wait for SMs. This script times the talker's frame step
 (one song, graph replay) and the DiT call (one window, bf16 policy) alone and side by side, the DiT looping on
 its own stream in a second thread, for each way of holding SMs back from the DiT that this torch offers:

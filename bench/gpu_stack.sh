@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls (nvidia-h200, carry [".whl", "_stack"]) for branches exported by bench/export_stack.sh.
+# On a GPU machine, for the trees that bench/export_stack.sh exported into _stack/ (wheels in .whl/ installed first).
 #   bash bench/gpu_stack.sh steps   the talker step at 1 and 8 songs of each tree, one after another (~1.5 min each)
 #   bash bench/gpu_stack.sh dit     the fused bf16 DiT call (graph) at 1 and 8 windows of each tree (~1 min each)
 #   bash bench/gpu_stack.sh e2e     each tree's colocated end to end, `music3serve bench e2e` (~2 min each)

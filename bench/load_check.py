@@ -2,7 +2,7 @@
 dtype the loader gives it, and, for scale, the load of the full-size language model (16 GB, zeros written in the
 checkpoint layout to a temporary folder, so read from the page cache) with its check included.
 
-Run on the device machine: `PYTHONPATH=src python3 bench/load_check.py [folder for the 16 GB checkpoint]`."""
+Run on a GPU machine: `PYTHONPATH=src python3 bench/load_check.py [folder for the 16 GB checkpoint]`."""
 
 from __future__ import annotations
 

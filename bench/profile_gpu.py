@@ -1,4 +1,4 @@
-"""Where the GPU time goes (one device call, full-size random weights): kernel tables of the talker frame step
+"""Where the GPU time goes (full-size random weights): kernel tables of the talker frame step
 (graph replay, 1 and 8 songs), the DiT call of the bf16 policy (8 windows: plain and fused), and the vocoder per
 precision with its SNR against IEEE float32. The talker's matmuls against copy bandwidth: bench/skinny_linear.py.
 

@@ -719,7 +719,7 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
     assert sends == ["http.response.start", "http.response.body", "http.response.body"]
 
 
-# --- server-side failures, abandoned streams, logs (review of session 7) -----------------------------------
+# --- server-side failures, abandoned streams, logs -------------------------------------------------------
 def test_a_failing_submit_fails_that_song_with_a_5xx_and_the_engine_serves_on(client, engine, monkeypatch):
     """A non-input error while stage 0 takes a song (say a device error while queueing it) is the server's fault: that
     POST gets a 500, and the next song is served (it killed the talker thread: every later song got 503)."""

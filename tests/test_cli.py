@@ -321,7 +321,7 @@ def test_bench_flags_of_the_end_to_end_run_are_refused_for_the_other_stages(caps
     assert code == 2 and "--placement and --render-batch apply to `bench e2e` only, not `bench talker`" in err
 
 
-# --- output, make-tiny, serve port and logging options (review of session 7) ------------------------------
+# --- output, make-tiny, serve port and logging options --------------------------------------------------
 def test_an_output_under_a_regular_file_is_refused_before_the_model_loads(tmp_path: Path, capsys, recorder):
     (tmp_path / "afile").write_text("x")
     code, err = run_cli(generate_args(tmp_path / "afile" / "song.wav", "--model", "m"), capsys)

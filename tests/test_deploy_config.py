@@ -1,4 +1,5 @@
-"""The deploy YAML: the seed file as written, our default, defaults for missing keys, and one refusal per rule."""
+"""The deploy YAML: examples/deploy/minimax_music3.yaml as written, our default, defaults for missing keys, and one
+refusal per rule."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from music3serve.serving.deploy_config import (
 from music3serve.serving.deploy_yaml import MAX_DEPTH, read_deploy_yaml
 from music3serve.talker.engine import TalkerConfig
 
-SEED = Path(__file__).parents[2] / "shared" / "seeds" / "minimax_music3.yaml"
+EXAMPLE = Path(__file__).parents[1] / "examples" / "deploy" / "minimax_music3.yaml"
 SOURCE = "deploy.yaml"
 DELETE = object()
 
@@ -65,9 +66,9 @@ def path_text(path: tuple) -> str:
     return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
 
 
-# The seed, as written.
-def test_seed_loads_as_written():
-    cfg = load_deploy_config(SEED)
+# The example deploy file, as written.
+def test_example_loads_as_written():
+    cfg = load_deploy_config(EXAMPLE)
     s0, s1 = cfg.stages
     assert (cfg.pipeline, cfg.async_chunk, cfg.trust_remote_code) == ("minimax_music3", True, True)
     assert list(cfg.connectors) == ["connector_of_shared_memory"]
@@ -75,7 +76,7 @@ def test_seed_loads_as_written():
     assert cfg.connector.name == "SharedMemoryConnector"
     assert (extra.codec_streaming, extra.shm_threshold_bytes, extra.connector_get_sleep_s) == (True, 65536, 0.01)
     assert (extra.connector_get_max_wait_first_chunk_ms, extra.connector_get_max_wait_ms) == (30000, 10000)
-    assert extra.as_extra() == yaml.safe_load(SEED.read_text())["connectors"]["connector_of_shared_memory"]["extra"]
+    assert extra.as_extra() == yaml.safe_load(EXAMPLE.read_text())["connectors"]["connector_of_shared_memory"]["extra"]
     assert (s0.stage_id, s0.max_num_seqs, s0.gpu_memory_utilization, s0.dtype) == (0, 16, 0.6, "bfloat16")
     assert (s0.max_model_len, s0.max_num_batched_tokens, s0.enforce_eager) == (10240, 10240, False)
     c = s0.compilation_config
@@ -93,11 +94,11 @@ def test_seed_loads_as_written():
     assert s1.input_connectors == {"from_stage_0": "connector_of_shared_memory"}
     q = s1.default_sampling_params
     assert (q.temperature, q.max_tokens, q.seed) == (0.0, 4096, 0)
-    assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 3, 4, 5, 6, 7, 8)  # not in the seed: every size
+    assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 3, 4, 5, 6, 7, 8)  # not in the example: every size
 
 
-def test_seed_maps_to_the_talker_config():
-    talker = load_deploy_config(SEED).talker_config()
+def test_example_maps_to_the_talker_config():
+    talker = load_deploy_config(EXAMPLE).talker_config()
     assert talker == TalkerConfig(
         max_num_seqs=16, max_model_len=10240, max_num_batched_tokens=10240, capture_sizes=(2, 4, 8, 16),
         enforce_eager=False, gpu_memory_utilization=0.6,
@@ -633,8 +634,8 @@ def test_plain_decimal_numbers_and_quoted_strings_load_as_written(tmp_path):
     assert [type(v) for v in data["ints"] + data["floats"]] == [int] * 7 + [float] * 11
 
 
-@pytest.mark.parametrize("path", [None, SEED], ids=["default", "seed"])
-def test_the_shipped_default_and_the_seed_read_as_plain_yaml_reads_them(path):
+@pytest.mark.parametrize("path", [None, EXAMPLE], ids=["default", "example"])
+def test_the_shipped_default_and_the_example_read_as_plain_yaml_reads_them(path):
     default = resources.files("music3serve.serving").joinpath("default_deploy.yaml")
     text = (path or default).read_text(encoding="utf-8")
     data, _ = read_deploy_yaml(path)

@@ -1,4 +1,4 @@
-"""The engine API on the CPU with the tiny checkpoint: the seed deploy YAML streams the offline pipeline's song,
+"""The engine API on the CPU with the tiny checkpoint: the example deploy YAML streams the offline pipeline's song,
 events come in order, concurrent songs equal their solo runs, cancel frees rows, bad input is refused before
 anything is queued, audio_end ends a song early, and the Prometheus exposition counts what happened.
 
@@ -45,7 +45,7 @@ def callers(keys) -> set[str]:
     return {caller_id(key) for key in keys}
 
 
-SEED_YAML = Path(__file__).parents[2] / "shared" / "seeds" / "minimax_music3.yaml"
+EXAMPLE_YAML = Path(__file__).parents[1] / "examples" / "deploy" / "minimax_music3.yaml"
 EVENT_TIMEOUT = 120.0  # seconds for any single event; the tiny model needs well under 5 on a busy CI core
 TEST_TIMEOUT = 600.0
 STEPS = 2
@@ -176,14 +176,13 @@ def prompt_tokens(engine: Engine, req: SongRequest) -> int:
 # Fixtures.
 @pytest.fixture(scope="module")
 def models(tiny_dir: Path):
-    """CPU override of the seed deploy: every component on the CPU, the talker in float32."""
+    """CPU override of the example deploy file: every component on the CPU, the talker in float32."""
     return load_models(tiny_dir, "cpu")
 
 
 @pytest.fixture(scope="module")
 def deploy():
-    # CI checks ../shared out beside the repo; without it the engine tests still run on the built-in defaults.
-    return load_deploy_config(SEED_YAML if SEED_YAML.is_file() else None)
+    return load_deploy_config(EXAMPLE_YAML)
 
 
 def make_engine(models, deploy):
@@ -227,9 +226,8 @@ def seed_song(engine, models):
 
 
 # Tests.
-def test_seed_yaml_engine_equals_offline_pipeline(engine, seed_song):
-    if engine.deploy.source != str(SEED_YAML):
-        pytest.skip(f"{SEED_YAML} is not there (CI checks ../shared out beside the repo)")
+def test_example_yaml_engine_equals_offline_pipeline(engine, seed_song):
+    assert engine.deploy.source == str(EXAMPLE_YAML)
     req, events, song = seed_song
     accepted, done = events[0], events[-1]
     assert isinstance(done, Done), events[-1]

@@ -106,7 +106,7 @@ def test_enable_fusion_gives_each_hot_path_its_pdl_option(monkeypatch, mode):
 
 def test_the_snake_compiles_once_for_every_vocoder_width():
     """Twelve widths through one compiled snake: parameter shapes are static to dynamo, so passing alpha itself
-    compiled one graph per width and the ninth raised FailOnRecompileLimitHit (GPU suite, session 7)."""
+    compiled one graph per width and the ninth raised FailOnRecompileLimitHit (GPU suite, 2026-11-30)."""
     from music3serve.models import fusion
     from music3serve.models.vocoder import Snake
 

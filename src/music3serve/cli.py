@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -17,13 +18,17 @@ from typing import Callable, NoReturn
 from . import contract
 from .errors import Music3Error
 from .logs import setup_logging
-from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
+from .pdl_setting import pdl_mode
+from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, check_seed, check_steps, check_text, frames_for_duration
 from .serving.audio_io import OUTPUT_RATES, check_output, resample, write_audio
+from .serving.deploy_config import load_deploy_config
 
 log = logging.getLogger("music3serve")
 
 REPO_ID = "MiniMaxAI/MiniMax-Music3"
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+SERVE_PACKAGES = ("fastapi", "starlette", "pydantic", "uvicorn", "h11")  # the serve extra and what fastapi brings
+SERVE_EXTRA = "serving needs fastapi and uvicorn"
 GET_MODEL = (
     "no MiniMax-Music3 checkpoint found. Download it (57 GB) with\n"
     f"  hf download {REPO_ID}\n"
@@ -101,6 +106,17 @@ def text_argument(field: str, limit: int) -> Callable[[str], str]:
     return read
 
 
+def positive_int(value: str) -> int:
+    """An integer of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def port_number(value: str) -> int:
     """A TCP port, 0 to 65535 (0: any free port)."""
     try:
@@ -160,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="talker and acoustic: skip the diffusers reference run (e2e and precision have none)")
     bench.add_argument("--placement", default=None, choices=["colocated", "split", "split-one-gpu"],
                        help="e2e only: where stage 1 runs (default colocated; split needs two GPUs)")
-    bench.add_argument("--render-batch", type=int, default=None,
+    bench.add_argument("--render-batch", type=positive_int, default=None,
                        help="e2e only: windows per render call (stage 1 max_num_batched_tokens; default: the config's)")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
@@ -172,22 +188,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_generate(args: argparse.Namespace) -> None:
-    import torch
-
-    from .pipeline import Pipeline
-    from .prompt import check_seed, check_steps, frames_for_duration
-    from .prompt import check_text, encode_prompt
-    from .tokenizer import load_tokenizer
-
+# Argument checks: each command's run only after its check, and no check imports torch or the engine (importing
+# them takes seconds), so that a mistake is answered at once. A new flag's check goes into its command's function.
+def check_generate(args: argparse.Namespace) -> None:
     check_output(args.output)
-    # Bad values fail before the model loads (the pipeline checks them again).
+    # The pipeline checks these again; here they fail before anything loads.
     frames_for_duration(args.duration)
     check_seed(args.seed)
     check_steps(args.steps)
     check_text("caption", args.caption, MAX_CAPTION_CHARS)
     check_text("lyrics", args.lyrics, MAX_LYRICS_CHARS)
-    check_runtime(args.device)
+    pdl_mode()
+
+
+def check_serve(args: argparse.Namespace) -> None:
+    missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Music3Error(f"{SERVE_EXTRA} (missing: {', '.join(missing)}): pip install 'music3serve[serve]'")
+    args.deploy = load_deploy_config(args.config)
+    check_port(args.host, args.port)
+    pdl_mode()
+
+
+def check_bench(args: argparse.Namespace) -> None:
+    if args.stage != "e2e" and (args.placement is not None or args.render_batch is not None):
+        raise Music3Error(f"--placement and --render-batch apply to `bench e2e` only, not `bench {args.stage}`")
+
+
+def check_make_tiny(args: argparse.Namespace) -> None:
+    check_seed(args.seed)
+    if not args.directory:
+        raise Music3Error("the folder to write is an empty path; name one (say ./tiny)")
+    target = Path(args.directory)
+    if target.exists() and not target.is_dir():
+        raise Music3Error(f"{target} is a file; make-tiny writes a folder (remove the file or pick another path)")
+
+
+ARGUMENT_CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "generate": check_generate, "serve": check_serve, "bench": check_bench, "make-tiny": check_make_tiny,
+}
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from .pipeline import Pipeline
+    from .prompt import encode_prompt
+    from .tokenizer import load_tokenizer
+
+    check_device(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     root = resolve_model(args.model, args.tiny)
     if (root / "tokenizer" / "tokenizer.json").is_file():  # the prompt's token limit too, before minutes of loading
@@ -209,35 +258,28 @@ def run_serve(args: argparse.Namespace) -> None:
     try:
         from .serving.server import serve
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn", "h11"):
+        if (exc.name or "").split(".")[0] not in SERVE_PACKAGES:
             raise
-        raise Music3Error(f"serving needs fastapi and uvicorn ({exc}): pip install 'music3serve[serve]'") from None
-    from .serving.deploy_config import load_deploy_config
+        raise Music3Error(f"{SERVE_EXTRA} ({exc}): pip install 'music3serve[serve]'") from None
     from .serving.engine import Engine
 
-    deploy = load_deploy_config(args.config)
-    check_port(args.host, args.port)
-    check_runtime(args.device)
+    check_device(args.device)
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
                                       "config": args.config or "default"})
-    engine = Engine.from_pretrained(root, deploy, args.device, progress=show_progress())
+    engine = Engine.from_pretrained(root, args.deploy, args.device, progress=show_progress())
     try:
         serve(engine, args.host, args.port, args.log_level)
     finally:
         engine.close()
 
 
-def check_runtime(device: str | None) -> None:
-    """`--device cuda` needs a CUDA device torch can see; MUSIC3SERVE_PDL a valid value (checked before the weights
-    load, not at the first kernel launch)."""
+def check_device(device: str | None) -> None:
+    """`--device cuda` needs a CUDA device torch can see (checked before the weights load)."""
     import torch
-
-    from .kernels.pdl import pdl_mode
 
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
-    pdl_mode()
 
 
 def show_progress() -> bool:
@@ -255,14 +297,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def run_make_tiny(args: argparse.Namespace) -> None:
-    from .prompt import check_seed
-
-    check_seed(args.seed)
-    if not args.directory:
-        raise Music3Error("the folder to write is an empty path; name one (say ./tiny)")
     target = Path(args.directory)
-    if target.exists() and not target.is_dir():
-        raise Music3Error(f"{target} is a file; make-tiny writes a folder (remove the file or pick another path)")
     if target.exists() and any(target.iterdir()):
         if not (target / "modular_model_index.json").is_file():  # --force or not: never someone's other files
             raise Music3Error(f"{target} holds files and no checkpoint; make-tiny replaces only a checkpoint folder")
@@ -277,8 +312,6 @@ def run_make_tiny(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> None:
     import torch
 
-    if args.stage != "e2e" and (args.placement is not None or args.render_batch is not None):
-        raise Music3Error(f"--placement and --render-batch apply to `bench e2e` only, not `bench {args.stage}`")
     if not torch.cuda.is_available():
         raise Music3Error("benchmarks need a CUDA device")
     if args.stage == "talker":
@@ -316,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()} if on_main_thread else {}
     try:
         try:
+            ARGUMENT_CHECKS[args.command](args)
             if args.command == "generate":
                 run_generate(args)
             elif args.command == "serve":

@@ -13,7 +13,7 @@ from ..checkpoint import COMPONENTS
 
 COPY_BW = 4.29e12  # B/s, device copy measured on the H200
 
-# The released checkpoint's config values (MODEL_CONTRACT.md); weights are random, costs are the same.
+# The released checkpoint's config values (its config.json files); weights are random, costs are the same.
 FULL_CONFIGS: dict[str, dict[str, Any]] = {
     "language_model": {
         "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -16,8 +16,8 @@ from .common import COPY_BW, graphed, param_bytes, random_module, table, time_ms
 
 def weight_floor_ms(lm, depth, looked_up: bool = False) -> float:
     """Bytes one frame must read once, at copy bandwidth: backbone layers + restricted head, depth decoder x 7 calls
-    (the issue's floor). looked_up: calls 2..7 without the projection and first qkv weights (DepthInputs), what
-    the cached depth calls read."""
+    (the floor of docs/performance.md). looked_up: calls 2..7 without the projection and first qkv weights
+    (DepthInputs), what the cached depth calls read."""
     backbone = param_bytes(lm) - lm.embed.weight.numel() * lm.embed.weight.element_size()
     depth_call = param_bytes(depth) - depth.embed.weight.numel() * depth.embed.weight.element_size()
     depth_call -= depth.heads.numel() * depth.heads.element_size() * 6 // 7  # one head per call

@@ -3,7 +3,7 @@
 ``s = x + delta`` (the residual stream and the output of the layer before, in the dtype torch's promotion gives)
 and ``h = layer_norm(s.to(weight.dtype)) -> out_dtype`` (the next GEMM's input). Inductor turns this pair into a
 looped reduction that reads each 2048-wide row twice (at ~48% of copy bandwidth on the H200: 16.6 us per call
-for one window, docs/performance.md session 4); here one Triton program holds a whole row in registers, reads
+for one window, measured 2026-11-30); here one Triton program holds a whole row in registers, reads
 x and delta once and writes s and h once. float32 statistics; the mean and variance are summed in another order
 than torch's, so h may differ from `F.layer_norm` in the last bits (GPU tests bound it). A custom op
 (``music3serve::add_layer_norm``), so the DiT's compiled hot paths call it whole; the torch ops run on the CPU,

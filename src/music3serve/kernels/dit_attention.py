@@ -26,7 +26,7 @@ __all__ = ["Config", "dit_attention", "dit_attention_reference", "uses_kernel"]
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
 # The fastest of 23 tiles at eight windows, within 2% of the fastest at one (two sweeps of bench/dit_attention.py,
-# docs/performance.md, session 17).
+# measured 2026-12-01).
 DEFAULT_CONFIG: Config = (64, 64, 4, 3)
 
 

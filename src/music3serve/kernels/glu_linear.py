@@ -4,7 +4,7 @@ The checkpoint stores ff_in's rows as [value; gate] halves. `pair_rows` interlea
 gate_1, value_1, ...), the layout of quack-kernels' gated GEMM: on Hopper, with the `hopper` extra installed, for
 bf16 operands and at least ``MIN_ROWS`` rows, `glu_linear` is that one GEMM, which applies SiLU and the product to
 the float32 accumulator in its epilogue and rounds once, so the [rows, 2 * ff] projection never reaches memory
-(docs/performance.md, session 24). Elsewhere `glu` runs the torch ops on the projection's columns, rounding after
+(docs/performance.md). Elsewhere `glu` runs the torch ops on the projection's columns, rounding after
 each op as the checkpoint-layout code does. A custom op (``music3serve::glu_linear``), so the DiT's compiled hot
 path calls it whole. quack compiles its kernel on first use (the renderer's warm-up renders two windows at once for
 it); should that fail, the call falls back to the torch ops, logs why, and the process keeps the gate pass.
@@ -28,7 +28,7 @@ MIN_ROWS = 2048
 log = logging.getLogger(__name__)
 _failure: str | None = None  # why quack's GEMM failed in this process, if it did: it is not tried again
 # quack's tile M x N, ping-pong (or cooperative), cluster size along M: the fastest at four windows (478 us against
-# 528-600), within 1.3% of the fastest tile at two and eight (docs/performance.md, session 24).
+# 528-600), within 1.3% of the fastest tile at two and eight (docs/performance.md).
 TILE = (128, 192, True, 2)
 
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL, CUDA capability 9.0+): a kernel launched with it may start on the SMs while
 the kernel before it on the stream finishes, so launch latency and the first weight loads overlap that kernel's
 tail instead of following it. The talker's frame step is ~740 small kernels (272 of them GEMMs reading each
-weight once), where that gap is a measurable share of the step (docs/performance.md, session 5).
+weight once), where that gap is a measurable share of the step (docs/performance.md).
 
 What keeps a chain of such kernels ordered: every PDL kernel lets its successor start (``gdc_launch_dependents``)
 only after its own ``gdc_wait``, which returns once the kernel before it has finished and its memory is visible.
@@ -17,20 +17,10 @@ process starts: the engine checks it once at startup, inductor's choice is fixed
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ..errors import Music3Error
-
-_MODES = ("all", "ours", "off")
-
-
-def pdl_mode() -> str:
-    mode = os.environ.get("MUSIC3SERVE_PDL", "all").strip().lower()
-    if mode not in _MODES:
-        raise Music3Error(f"MUSIC3SERVE_PDL must be one of {', '.join(_MODES)}, got {mode!r}")
-    return mode
+from ..pdl_setting import pdl_mode
 
 
 def uses_pdl(device: torch.device) -> bool:

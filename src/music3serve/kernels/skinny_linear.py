@@ -36,7 +36,7 @@ __all__ = [
 MAX_ROWS = 16
 
 
-# Fastest tiles of `python3 bench/skinny_linear.py --sweep` on the H200 (docs/performance.md, session 3) for the
+# Fastest tiles of `python3 bench/skinny_linear.py --sweep` on the H200 (2026-11-30) for the
 # talker's weights [N, K]: (BLOCK_N, BLOCK_K, num_warps, num_stages).
 MEASURED_TILES = {
     (6144, 4096): (64, 256, 4, 4),  # backbone qkv
@@ -50,7 +50,7 @@ MEASURED_TILES = {
 }
 
 
-# The gated kernel's own sweep (session 4), BLOCK_N per half, where it beats half the plain tile: the depth
+# The gated kernel's own sweep (2026-11-30), BLOCK_N per half, where it beats half the plain tile: the depth
 # decoder's gate_up streams at 26.9 us with 32 columns per half against 31.6 us with 16 (rows 2).
 MEASURED_GATED_TILES = {
     (12288, 4096): (32, 128, 4, 4),  # depth gate_up
@@ -138,7 +138,7 @@ def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
 
 
 # Under PDL each program pulls the start of its weight rows into L2 before waiting for x: this many bytes per
-# program (per half when gated), in 128-byte lines along K. Measured on the H200 (docs/performance.md, session 9),
+# program (per half when gated), in 128-byte lines along K. Measured on the H200 (2026-12-01),
 # one-song talker step: 256 KB 8.44 ms, 128 KB 7.55, 64 KB 7.13, 32 KB 6.88, 16 KB 6.81, 8 KB 6.82, one line 6.85:
 # a large prefetch holds the program's loads before its real work starts.
 PREFETCH_BYTES = 16 * 1024

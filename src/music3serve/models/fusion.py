@@ -41,7 +41,7 @@ def hot(fn: F) -> F:
 
 def between_library_calls(fn: F) -> F:
     """Mark a hot function whose kernels sit between cuBLAS / cuDNN calls (the DiT's, the vocoder's): programmatic
-    dependent launch (kernels/pdl.py) measured no gain there (docs/performance.md, session 5); its kernels are
+    dependent launch (kernels/pdl.py) measured no gain there (docs/performance.md, tried and rejected); its kernels are
     generated without it."""
     _between_library_calls.add(_name(fn))
     return fn

@@ -1,10 +1,11 @@
 """The deploy YAML: pipeline, connectors and both stages, read into typed frozen dataclasses.
 
-Every key of the seed deploy file drives this engine. Keys written for another engine's internals are
-accepted where their value can be honored here and refused, with the reason, where it cannot. Unknown keys,
-wrong types (a bool is not an int), out-of-range values and inconsistent combinations raise ConfigError naming
-the file, the key path, the value and what is allowed. Missing keys take the defaults of :mod:`.deploy_schema`,
-which `default_deploy.yaml` spells out in full. Every key is described in docs/configuration.md.
+Every key of the staged-engine deploy format (examples/deploy/minimax_music3.yaml) drives this engine. Keys written
+for another engine's internals are accepted where their value can be honored here and refused, with the reason,
+where it cannot. Unknown keys, wrong types (a bool is not an int), out-of-range values and inconsistent combinations
+raise ConfigError naming the file, the key path, the value and what is allowed. Missing keys take the defaults of
+:mod:`.deploy_schema`, which `default_deploy.yaml` spells out in full. Every key is described in
+docs/configuration.md.
 """
 
 from __future__ import annotations

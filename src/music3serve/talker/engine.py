@@ -38,8 +38,8 @@ class TalkerConfig:
     fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
     # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py): fewer FLOPs,
     # and as fast or faster on the H200; with them, calls 2..7 of a frame look their new position and first q, k, v
-    # up in a table built at startup (talker/depth_inputs.py, 201 MB at full size). Measured in docs/performance.md
-    # (sessions 3 and 18).
+    # up in a table built at startup (talker/depth_inputs.py, 201 MB at full size). Measured on the H200
+    # (2026-11-30 and 2026-12-02).
     depth_cache: bool = True
 
 
