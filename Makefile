@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build (or .../whl/cu130 for a CUDA 13 build).
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
-TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 # Test worker processes, each handed whole files (their module fixtures build engines once): CI has two cores, and
 # the tests run single-threaded (tests/conftest.py); 10.5 min in one process, 6.3 min in two on our 2-core machine.
 TEST_WORKERS ?= 2
