@@ -117,14 +117,14 @@ export function readRequest() {
   return request;
 }
 
-/** Put a take's inputs back in the form. */
-export function fillForm(take, withSeed) {
+/** Put a take's inputs back in the form, for a new take of them: the seed goes back to random. */
+export function fillForm(take) {
   $("caption").value = take.caption;
   $("lyrics").value = take.lyrics;
   $("duration").value = take.duration;
   $("steps").value = take.steps ?? "";
   $("sample_rate").value = String(take.sampleRate);
   $("format").value = take.format;
-  if (withSeed) $("seed").value = take.seed;
+  $("seed").value = "";
   showLyricsWarning();
 }

@@ -90,7 +90,7 @@ async function showAB() {
   $("ab").hidden = picked.length !== 2;
   if (picked.length !== 2) return;
   const [a, b] = await Promise.all(picked.map(getTake));
-  $("ab-names").value = `A seed ${a.seed}, B seed ${b.seed}`;
+  $("ab-names").value = `A (seed ${a.seed}) and B (seed ${b.seed})`;
   $("ab-note").textContent = a.lyrics === b.lyrics ? "Same lyrics." : "These takes have different lyrics.";
   const side = () => (playing?.take.id === a.id ? "A" : playing?.take.id === b.id ? "B" : null);
   const label = () => {
@@ -129,7 +129,7 @@ function renderTake(take) {
     $("seed").focus();
   });
   act("inputs").addEventListener("click", () => {
-    page.fillForm(take, true);
+    page.fillForm(take);
     $("caption").focus();
   });
   act("ab").checked = picked.includes(take.id);

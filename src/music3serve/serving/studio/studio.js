@@ -113,6 +113,8 @@ async function generate() {
   }
   const current = song;
   current.seed = response.headers.get("X-Seed");
+  $("seed-used").value = current.seed;
+  $("now-seed").hidden = false;
   const budget = Number(response.headers.get("X-Frame-Budget"));
   waveform.reset((budget / FRAME_RATE) * current.rate);
   setState("writing");
@@ -170,8 +172,6 @@ async function keep(current, request, state, status) {
                server: status?.timings ?? null },
     pcm,
   };
-  $("seed-used").value = take.seed;
-  $("now-seed").hidden = !take.seed;
   await addTake(take);
 }
 
