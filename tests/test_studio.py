@@ -38,9 +38,8 @@ BATCH_LSB = 6
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
+    with Engine.from_pretrained(tiny_dir, device="cpu") as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +76,9 @@ def page(browser, base_url):
     assert errors == [], errors
 
 
-def shot(page, name: str, tmp_path: Path) -> Path:
+def shot(page, name: str, tmp_path: Path, full_page: bool = False) -> Path:
     path = (Path(SHOTS) if SHOTS else tmp_path) / name
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), full_page=full_page)
     return path
 
 
@@ -298,7 +297,7 @@ def test_fits_a_phone_and_reads_in_both_schemes(browser, base_url, scheme, tmp_p
     page.click("#generate")
     page.locator("#duration-error").wait_for()
     page.evaluate("window.scrollTo(0, 0)")
-    shot(page, f"studio-phone-{scheme}.png", tmp_path)
+    shot(page, f"studio-phone-{scheme}.png", tmp_path, full_page=True)
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the screen
     colors = page.evaluate("""() => Object.fromEntries(
         ['body', '.card', 'label', '.hint', '#duration-error', '#generate', '#lyrics-warning', 'textarea'].map(

@@ -7,9 +7,10 @@ import { deleteTake, download, getTake, listTakes, saveTake, wavBlob } from "./t
 const $ = (id) => document.getElementById(id);
 const FORMATS = { wav: "WAV", flac: "FLAC", mp3: "MP3", opus: "Opus", aac: "AAC" };
 const EXTENSIONS = { wav: "wav", flac: "flac", mp3: "mp3", opus: "ogg", aac: "aac" };
-let page = null; // {waveform, fillForm, onReplay}
+let page = null; // {waveform, fillForm, writing}: the page's side
 let playing = null; // {player, take, button}: a take replayed from the history
 const picked = []; // the takes chosen for A/B (ids, at most two)
+let labelAB = () => {}; // brings the A/B buttons up to what plays
 
 function title(take) {
   const text = take.caption.trim().replace(/\s+/g, " ");
@@ -35,17 +36,19 @@ export function stopPlayback() {
   playing.player.stop();
   if (playing.button) playing.button.textContent = "Play";
   playing = null;
+  labelAB();
 }
 
-/** Play a take from `offset` seconds; the waveform follows it. */
+/** Play a take from `offset` seconds; the waveform follows it. Not while a song is being written (it plays). */
 function play(take, button, offset = 0) {
+  if (page.writing()) return false;
   stopPlayback();
-  page.onReplay();
   const player = new Player(take.sampleRate);
   player.push(take.pcm, offset);
   playing = { player, take, button };
   if (button) button.textContent = "Stop";
   page.waveform.show(take.pcm, take.sampleRate);
+  labelAB();
   const current = playing;
   player.onended = () => current === playing && stopPlayback();
   const follow = () => {
@@ -53,6 +56,7 @@ function play(take, button, offset = 0) {
     if (current === playing) requestAnimationFrame(follow);
   };
   requestAnimationFrame(follow);
+  return true;
 }
 
 async function downloadTake(take, format, status) {
@@ -93,22 +97,14 @@ async function showAB() {
   $("ab-names").value = `A (seed ${a.seed}) and B (seed ${b.seed})`;
   $("ab-note").textContent = a.lyrics === b.lyrics ? "Same lyrics." : "These takes have different lyrics.";
   const side = () => (playing?.take.id === a.id ? "A" : playing?.take.id === b.id ? "B" : null);
-  const label = () => {
+  labelAB = () => {
     $("ab-play").textContent = side() ? "Stop" : "Play A";
     $("ab-switch").textContent = side() === "B" ? "Switch to A" : "Switch to B";
     $("ab-switch").disabled = !side();
   };
-  $("ab-play").onclick = () => {
-    if (side()) stopPlayback();
-    else play(a, null);
-    label();
-  };
-  $("ab-switch").onclick = () => {
-    const position = playing.player.position;
-    play(side() === "A" ? b : a, null, position);
-    label();
-  };
-  label();
+  $("ab-play").onclick = () => (side() ? stopPlayback() : play(a, null));
+  $("ab-switch").onclick = () => play(side() === "A" ? b : a, null, playing.player.position);
+  labelAB();
 }
 
 function renderTake(take) {
@@ -122,8 +118,10 @@ function renderTake(take) {
   for (const [value, label] of Object.entries(FORMATS)) select.append(new Option(label, value));
   select.value = take.format in FORMATS ? take.format : "wav";
   const act = (name) => item.querySelector(`[data-act=${name}]`);
-  act("play").addEventListener("click", (event) =>
-    playing?.take.id === take.id ? stopPlayback() : play(take, event.currentTarget));
+  act("play").addEventListener("click", (event) => {
+    if (playing?.take.id === take.id) return stopPlayback();
+    status.textContent = play(take, event.currentTarget) ? "" : "A song is being written: it plays now (Stop ends it).";
+  });
   act("seed").addEventListener("click", () => {
     $("seed").value = take.seed;
     $("seed").focus();

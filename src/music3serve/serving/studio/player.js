@@ -27,6 +27,7 @@ export class Player {
     this.scheduled = 0; // frames scheduled
     this.gaps = 0; // pieces that came after the previous one had finished playing
     this.onended = null;
+    if (this.ctx.state === "suspended") this.ctx.resume(); // allowed: made in the user's click or key press
   }
 
   /** Queue a piece (Int16Array, interleaved stereo) right after the previous one; `offset` skips its start (s). */

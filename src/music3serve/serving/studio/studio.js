@@ -156,7 +156,7 @@ function refused(error) {
   $("progress").textContent = current.stopped ? "Stopped before the server started the song." : "Nothing written.";
 }
 
-/** Keep the take in the history (a stopped one too: its audio so far). */
+/** Keep the take in the history (a stopped one too: its inputs, seed and audio so far). */
 async function keep(current, request, state, status) {
   const pcm = new Int16Array(current.frames * 2);
   let at = 0;
@@ -184,7 +184,7 @@ function stop() {
 
 function init() {
   $("api-key").value = apiKey.get();
-  $("api-key").addEventListener("change", () => apiKey.set($("api-key").value.trim()));
+  $("api-key").addEventListener("input", () => apiKey.set($("api-key").value.trim()));
   $("song-form").addEventListener("submit", (event) => {
     event.preventDefault();
     generate();
@@ -210,7 +210,7 @@ function init() {
       stop();
     }
   });
-  initHistory({ waveform, fillForm, onReplay: () => stop() });
+  initHistory({ waveform, fillForm, writing: () => song !== null });
   setState("idle");
 }
 
