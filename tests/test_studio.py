@@ -176,6 +176,8 @@ def test_a_song_written_from_the_keyboard_plays_while_it_is_written(page, client
     page.keyboard.press("Enter")  # Enter in a field submits the form
     beside.start()
     page.wait_for_function("() => window.studio.times.playing !== undefined", timeout=60_000)
+    if SHOTS:
+        page.wait_for_timeout(1500)  # for the docs: a second of the song played
     shot(page, "studio.png", tmp_path)  # mid-generation, the first take below
     page.wait_for_function("() => window.studio.state === 'done'", timeout=60_000)
     beside.join(60)

@@ -48,11 +48,18 @@ function showProgress() {
   $("progress").textContent = parts.join(" · ");
 }
 
+/** The server's progress of the song being written (frames written, windows rendered). */
+async function refreshStatus() {
+  const id = song?.id;
+  const status = id && (await songStatus(id).catch(() => null));
+  if (status && song?.id === id && !studio.times.end) studio.status = status;
+  showProgress();
+}
+
 async function poll() {
-  while (song && !studio.times.end) {
-    const status = await songStatus(song.id).catch(() => null);
-    if (status && song && status.id === song.id) studio.status = status;
-    showProgress();
+  const id = song.id;
+  while (song?.id === id && !studio.times.end) {
+    await refreshStatus();
     await new Promise((resolve) => setTimeout(resolve, POLL_MS));
   }
 }
@@ -83,6 +90,7 @@ async function readStream(response) {
       studio.times.firstAudio = performance.now() - song.t0;
       studio.times.firstAudioAt = Date.now();
     }
+    refreshStatus(); // a window has come: its count now, not at the next poll
     song.pieces.push(pcm);
     song.frames += pcm.length / 2;
     if (!song.stopped) song.player.push(pcm);
