@@ -25,7 +25,7 @@ from polling import poll_until  # tests/ is on the import path (no package)
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--autoplay-policy=no-user-gesture-required"]
+                 "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required"]
 # Where the screenshots go: MUSIC3_STUDIO_SHOTS=docs writes the ones committed under docs/.
 SHOTS = os.environ.get("MUSIC3_STUDIO_SHOTS")
 CAPTION = "Dreamy synth-pop, 110 BPM, A minor. Breathy female vocals. Analog pads, gated drums."

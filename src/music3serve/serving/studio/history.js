@@ -7,7 +7,7 @@ import { deleteTake, download, getTake, listTakes, saveTake, wavBlob } from "./t
 const $ = (id) => document.getElementById(id);
 const FORMATS = { wav: "WAV", flac: "FLAC", mp3: "MP3", opus: "Opus", aac: "AAC" };
 const EXTENSIONS = { wav: "wav", flac: "flac", mp3: "mp3", opus: "ogg", aac: "aac" };
-let page = null; // {waveform, fillForm, writing}: the page's side
+let page = null; // {waveform, fillForm, writing, silence}: the page's side
 let playing = null; // {player, take, button}: a take replayed from the history
 const picked = []; // the takes chosen for A/B (ids, at most two)
 let labelAB = () => {}; // brings the A/B buttons up to what plays
@@ -42,6 +42,7 @@ export function stopPlayback() {
 /** Play a take from `offset` seconds; the waveform follows it. Not while a song is being written (it plays). */
 function play(take, button, offset = 0) {
   if (page.writing()) return false;
+  page.silence();
   stopPlayback();
   const player = new Player(take.sampleRate);
   player.push(take.pcm, offset);

@@ -10,6 +10,7 @@ const FRAME_RATE = 25; // frames per second of the model's codes
 const POLL_MS = 400;
 const waveform = new Waveform($("wave"));
 let song = null; // the song being written: {id, player, stopped, ...}
+let last = null; // the latest song, being written or written: its progress line, and its audio that plays on
 
 // What the page measured, for people and for tests: the song's id, its state and the times (ms since the POST).
 const studio = (window.studio = { state: "idle", id: null, times: {}, status: null });
@@ -31,10 +32,10 @@ const clock = (s) => `${Math.floor(s / 60)}:${String(Math.floor(s % 60)).padStar
 
 /** The progress line: frames written, windows rendered, time to first audio and the real-time factor. */
 function showProgress() {
-  if (!song) return;
+  if (!last) return;
   const { status, times } = studio;
-  const now = times.end ?? performance.now() - song.t0;
-  const audio = song.frames / song.rate;
+  const now = times.end ?? performance.now() - last.t0;
+  const audio = last.frames / last.rate;
   const parts = [];
   const state = { waiting: "Waiting for the server", writing: "Writing", done: "Done", stopped: "Stopped",
                   failed: "Failed" }[studio.state];
@@ -43,8 +44,8 @@ function showProgress() {
                          `windows ${status.windows_rendered}`);
   if (times.firstAudio !== undefined) parts.push(`first audio ${seconds(times.firstAudio)}`);
   if (audio > 0 && now > 0) parts.push(`${(audio / (now / 1000)).toFixed(2)}× real time`);
-  if (song.player.startAt !== null) parts.push(`playing ${clock(song.player.position)} / ${clock(audio)}`);
-  if (song.player.gaps) parts.push(`${song.player.gaps} gaps`);
+  if (last.player.startAt !== null) parts.push(`playing ${clock(last.player.position)} / ${clock(audio)}`);
+  if (last.player.gaps) parts.push(`${last.player.gaps} gaps`);
   $("progress").textContent = parts.join(" · ");
 }
 
@@ -64,12 +65,21 @@ async function poll() {
   }
 }
 
-function animate() {
-  if (!song) return;
-  if (song.player.playing && studio.times.playing === undefined) studio.times.playing = performance.now() - song.t0;
-  waveform.setPlayed(song.player.position, song.rate);
+/** The playhead and the progress line, each frame, while the song is written and while its audio plays. */
+function animate(current) {
+  if (current !== last) return; // another song, or a take from the history, plays now
+  if (current === song && current.player.playing && studio.times.playing === undefined) {
+    studio.times.playing = performance.now() - current.t0;
+  }
+  waveform.setPlayed(current.player.position, current.rate);
   showProgress();
-  if (song.player.sources.size || !studio.times.end) requestAnimationFrame(animate);
+  if (current === song || current.player.sources.size) requestAnimationFrame(() => animate(current));
+}
+
+/** Stop the latest song's audio (it plays on after it is written). */
+function silence() {
+  last?.player.stop();
+  last = null;
 }
 
 /** Read the streamed PCM: each piece is played, drawn and kept; a piece may end mid-sample (bytes carried over). */
@@ -105,10 +115,11 @@ async function generate() {
   const request = readRequest();
   if (!request) return;
   stopPlayback();
+  silence();
   const id = newSongId();
   // Made inside the click or key press: browsers let a page start audio only from a user's gesture.
   const player = new Player(request.sample_rate);
-  song = { id, player, stopped: false, pieces: [], frames: 0, rate: request.sample_rate, t0: performance.now() };
+  last = song = { id, player, stopped: false, pieces: [], frames: 0, rate: request.sample_rate, t0: performance.now() };
   Object.assign(studio, { id, times: {}, status: null });
   setState("waiting");
   waveform.reset(request.duration * request.sample_rate);
@@ -127,7 +138,7 @@ async function generate() {
   waveform.reset((budget / FRAME_RATE) * current.rate);
   setState("writing");
   poll();
-  requestAnimationFrame(animate);
+  requestAnimationFrame(() => animate(current));
   let failure = null;
   try {
     await readStream(response);
@@ -142,15 +153,14 @@ async function generate() {
   await keep(current, request, state, status);
   setState(state);
   showProgress();
-  current.player.onended = () => waveform.setPlayed(0, current.rate);
+  current.player.onended = () => current === last && waveform.setPlayed(0, current.rate);
   song = null;
-  if (current.stopped) current.player.stop();
 }
 
 function refused(error) {
   const current = song;
   song = null;
-  current.player.stop();
+  silence();
   setState("idle");
   if (!(error instanceof ApiError)) {
     banner(`Cannot reach the server: ${error.message}`);
@@ -214,11 +224,13 @@ function init() {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
       event.preventDefault();
       $("song-form").requestSubmit();
-    } else if (event.key === "Escape" && song) {
-      stop();
+    } else if (event.key === "Escape") {
+      if (song) return stop();
+      silence(); // the latest song, playing on after it was written
+      stopPlayback(); // a take from the history
     }
   });
-  initHistory({ waveform, fillForm, writing: () => song !== null });
+  initHistory({ waveform, fillForm, writing: () => song !== null, silence });
   setState("idle");
 }
 
