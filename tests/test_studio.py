@@ -263,12 +263,20 @@ def test_errors_show_beside_their_fields(page, engine):
     assert "seed must be a whole number" in page.inner_text("#seed-error")
 
     page.fill("#seed", "")
+    page.click("summary")
+    page.fill("#api-key", "k3y")  # kept in the browser, sent with every request
+    page.reload()
+    page.wait_for_function("() => window.studio && window.studio.state === 'idle'")
+    page.fill("#caption", CAPTION)
+    page.fill("#lyrics", LYRICS)
     engine.max_songs, held = 0, engine.max_songs  # the server is full: 429
     try:
-        page.click("#generate")
+        with page.expect_request("**/v1/songs") as posted:
+            page.click("#generate")
         page.locator("#banner").wait_for()
     finally:
         engine.max_songs = held
+    assert posted.value.headers["authorization"] == "Bearer k3y" and page.input_value("#api-key") == "k3y"
     assert page.inner_text("#banner").startswith("The server is busy: the engine holds 0 songs")
     assert page.evaluate("window.studio.state") == "idle"
 

@@ -1,7 +1,7 @@
 // The takes list: replay, reuse, download (WAV made here, other formats encoded by the server) and A/B of two takes.
 
 import { ApiError, postSong } from "./api.js";
-import { Player } from "./player.js";
+import { Player, clock } from "./player.js";
 import { deleteTake, download, getTake, listTakes, saveTake, wavBlob } from "./takes.js";
 
 const $ = (id) => document.getElementById(id);
@@ -52,8 +52,10 @@ function play(take, button, offset = 0) {
   labelAB();
   const current = playing;
   player.onended = () => current === playing && stopPlayback();
+  const length = clock(take.pcm.length / 2 / take.sampleRate);
   const follow = () => {
     page.waveform.setPlayed(current === playing ? player.position : 0, take.sampleRate);
+    $("progress").textContent = `Take with seed ${take.seed} · playing ${clock(player.position)} / ${length}`;
     if (current === playing) requestAnimationFrame(follow);
   };
   requestAnimationFrame(follow);

@@ -2,6 +2,9 @@
 
 const LEAD_S = 0.15; // how far ahead of the clock the first piece (and any piece after a gap) is scheduled
 
+/** Seconds as m:ss. */
+export const clock = (s) => `${Math.floor(s / 60)}:${String(Math.floor(s % 60)).padStart(2, "0")}`;
+
 /** Interleaved little-endian int16 stereo -> an AudioBuffer of the context. */
 function toBuffer(ctx, pcm, rate) {
   const frames = pcm.length / 2;

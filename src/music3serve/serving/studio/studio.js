@@ -3,7 +3,7 @@
 import { ApiError, apiKey, cancelSong, newSongId, postSong, songStatus } from "./api.js";
 import { clearErrors, fillForm, readRequest, showErrors, showLyricsWarning, useExample } from "./form.js";
 import { addTake, initHistory, stopPlayback } from "./history.js";
-import { Player, Waveform } from "./player.js";
+import { Player, Waveform, clock } from "./player.js";
 
 const $ = (id) => document.getElementById(id);
 const FRAME_RATE = 25; // frames per second of the model's codes
@@ -28,7 +28,6 @@ function banner(text) {
 }
 
 const seconds = (ms) => `${(ms / 1000).toFixed(2)} s`;
-const clock = (s) => `${Math.floor(s / 60)}:${String(Math.floor(s % 60)).padStart(2, "0")}`;
 
 /** The progress line: frames written, windows rendered, time to first audio and the real-time factor. */
 function showProgress() {
