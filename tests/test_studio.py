@@ -151,8 +151,8 @@ def test_a_song_written_from_the_keyboard_plays_while_it_is_written(page, client
     # The page's clock starts before its POST, the engine's when it takes the song: a little earlier and longer.
     assert -50 <= times["firstAudio"] - 1000 * server["first_audio_s"] < 1500, (times, server)
     assert times["firstAudio"] <= times["playing"] < times["end"]
-    assert re.search(rf"Done · frames 300 / 300 · windows {status['windows_rendered']} · first audio", page.inner_text(
-        "#progress"))
+    progress = page.inner_text("#progress")
+    assert re.search(rf"^Done · frames 300 / 300 · windows {status['windows_rendered']} · first audio", progress)
 
     page.reload()  # the take is kept in the browser
     take = page.locator("#takes li").first
@@ -172,7 +172,7 @@ def test_a_song_written_from_the_keyboard_plays_while_it_is_written(page, client
     request = {"caption": CAPTION, "lyrics": LYRICS, "duration": DURATION, "seed": int(SEED), "steps": int(STEPS),
                "format": "pcm", "stream": False}
     reference = {}
-    beside = threading.Thread(target=lambda: reference.update(pcm=pcm_of(client.post("/v1/songs", json=request).content)))
+    beside = threading.Thread(target=lambda: reference.update(song=client.post("/v1/songs", json=request).content))
     page.keyboard.press("Enter")  # Enter in a field submits the form
     beside.start()
     page.wait_for_function("() => window.studio.times.playing !== undefined", timeout=60_000)
@@ -185,7 +185,7 @@ def test_a_song_written_from_the_keyboard_plays_while_it_is_written(page, client
     with page.expect_download() as download:  # the newest take: the second
         take.locator("[data-act=download]").click()
     second = soundfile.read(download.value.path(), dtype="int16")[0]
-    for other in (reference["pcm"], second):
+    for other in (pcm_of(reference["song"]), second):
         assert other.shape == wav.shape and np.abs(other.astype(np.int32) - wav).max() <= BATCH_LSB
 
     for format in ("flac", "mp3"):  # encoded by the server, or a clear message where it has no such encoder

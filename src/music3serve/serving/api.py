@@ -1,8 +1,8 @@
 """The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
 
 The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here, in serving/request_body.py and
-serving/web.py (read by this module only), and in serving/server.py and serving/http_guard.py (the uvicorn server that runs the app), and
-nowhere else, so the engine core runs without them. This module
+serving/web.py (read by this module only), and in serving/server.py and serving/http_guard.py (the uvicorn server
+that runs the app), and nowhere else, so the engine core runs without them. This module
 never touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints,
 fields, headers and streaming semantics: docs/api.md.
 """

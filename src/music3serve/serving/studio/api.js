@@ -61,8 +61,8 @@ export function songBody(request) {
 }
 
 /** POST /v1/songs; resolves to the response once the server has accepted the song, else throws ApiError. */
-export async function postSong(request, signal) {
-  const response = await fetch("/v1/songs", { method: "POST", headers: headers(true), body: songBody(request), signal });
+export async function postSong(request) {
+  const response = await fetch("/v1/songs", { method: "POST", headers: headers(true), body: songBody(request) });
   if (!response.ok) throw await refusal(response);
   return response;
 }

@@ -147,7 +147,8 @@ async function generate() {
   studio.times.end = performance.now() - current.t0;
   const status = (await songStatus(id).catch(() => null)) ?? studio.status;
   studio.status = status;
-  const state = status?.state === "done" ? "done" : current.stopped || status?.state === "cancelled" ? "stopped" : "failed";
+  const stopped = current.stopped || status?.state === "cancelled";
+  const state = status?.state === "done" ? "done" : stopped ? "stopped" : "failed";
   if (state === "failed") banner(`The song failed: ${status?.error || failure?.message || "the stream was cut"}`);
   await keep(current, request, state, status);
   setState(state);
