@@ -15,8 +15,13 @@ let last = null; // the latest song, being written or written: its progress line
 // What the page measured, for people and for tests: the song's id, its state and the times (ms since the POST).
 const studio = (window.studio = { state: "idle", id: null, times: {}, status: null });
 
+// Said to screen readers at each change of state (the progress line changes too often to be read out).
+const SAID = { waiting: "Sent to the server", writing: "Writing the song; it plays as it comes",
+               done: "The song is done", stopped: "Stopped", failed: "The song failed", idle: "" };
+
 function setState(state) {
   studio.state = document.body.dataset.state = state;
+  $("announce").textContent = SAID[state];
   const busy = state === "waiting" || state === "writing";
   $("generate").disabled = busy;
   $("stop").disabled = !busy;
