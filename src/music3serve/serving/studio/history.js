@@ -6,7 +6,7 @@ import { deleteTake, download, getTake, listTakes, saveTake, wavBlob } from "./t
 
 const $ = (id) => document.getElementById(id);
 const FORMATS = { wav: "WAV", flac: "FLAC", mp3: "MP3", opus: "Opus", aac: "AAC" };
-const EXTENSIONS = { wav: "wav", flac: "flac", mp3: "mp3", opus: "ogg", aac: "aac" };
+const EXTENSIONS = { wav: "wav", flac: "flac", mp3: "mp3", opus: "opus", aac: "aac" };
 let page = null; // {waveform, fillForm, writing, silence}: the page's side
 let playing = null; // {player, take, button}: a take replayed from the history
 const picked = []; // the takes chosen for A/B (ids, at most two)
