@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 soundfile = pytest.importorskip("soundfile")
 
+from music3serve.prompt import normalize_lyrics
 from music3serve.serving.engine import Engine
 from polling import poll_until  # tests/ is on the import path (no package)
 
@@ -322,3 +323,14 @@ def test_fits_a_phone_and_reads_in_both_schemes(browser, base_url, scheme, tmp_p
     page.click("#lyrics-warning button")  # the fix: the text moves to a line of its own
     assert page.input_value("#lyrics").startswith("[verse]\nneon skies\n") and page.is_hidden("#lyrics-warning")
     context.close()
+
+
+def test_the_lyrics_warning_follows_the_prompt_rules(page):
+    """The page warns of exactly the lines whose words the checkpoint's lyrics rules (music3serve/prompt.py) drop."""
+    lines = ["[verse] neon skies", "  [intro][verse]\tla la", "[verse]", "[chorus]  ", "la [la] la", "[unclosed text",
+             "\t[x]\t y", "[Bridge] [outro] ^ end", "plain words"]
+    warned = page.evaluate("""async (lines) => {
+        const form = await import('/studio/form.js');
+        return lines.map((line) => form.droppedText(line).length > 0); }""", lines)
+    dropped = [any(word.lower() not in normalize_lyrics(line).lower() for word in line.split()) for line in lines]
+    assert warned == dropped and any(dropped) and not all(dropped), list(zip(lines, warned, dropped))
