@@ -68,8 +68,10 @@ def page(browser, base_url):
     """A fresh browser profile (its own IndexedDB and localStorage) on the studio."""
     context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
     page = context.new_page()
-    errors: list[str] = []
+    errors: list[str] = []  # uncaught exceptions, and console errors such as a Content-Security-Policy refusal
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: message.type == "error" and not message.text.startswith(
+        "Failed to load resource") and errors.append(message.text))  # a refused request (a 400, 429) is logged
     page.goto(base_url + "/")
     page.wait_for_function("() => window.studio && window.studio.state === 'idle'")
     yield page
