@@ -1,8 +1,8 @@
 """The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
 
-The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here, in serving/request_body.py (read by
-this module only), and in serving/server.py and serving/http_guard.py (the uvicorn server that runs the app), and
-nowhere else, so the engine core runs without them. This module
+The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here, in serving/request_body.py and
+serving/web.py (read by this module only), and in serving/server.py and serving/http_guard.py (the uvicorn server
+that runs the app), and nowhere else, so the engine core runs without them. This module
 never touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints,
 fields, headers and streaming semantics: docs/api.md.
 """
@@ -28,6 +28,7 @@ from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
+from .web import mount_studio
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class SongState:
     frames: int | None = None
     ended_by: str | None = None
     samples_sent: int = 0  # per channel, at the output rate
+    frames_written: int = 0  # by the talker so far (SongService.refresh)
+    windows_rendered: int = 0  # by stage 1 so far
+    timings: dict[str, float] | None = None  # the engine's, once done: first_audio_s and total_s since it was queued
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def public(self) -> dict[str, Any]:
@@ -174,6 +178,12 @@ class SongService:
         while len(self.finished) > KEEP_FINISHED:
             self.finished.popitem(last=False)
 
+    def refresh(self, song: SongState) -> None:
+        """A running song's frames written and windows rendered, brought up to the engine's counts."""
+        progress = self.engine.progress(song.id) if song.state == "running" else None
+        if progress is not None:
+            song.frames_written, song.windows_rendered = max(song.frames_written, progress[0]), progress[1]
+
     def cancel(self, song_id: str) -> None:
         """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
         to its end (its last audio, or its failure, is on its way to the client)."""
@@ -279,6 +289,7 @@ class SongService:
             if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
                 self.finish(song, "cancelled")
             elif isinstance(event, AudioChunk):
+                self.refresh(song)
                 data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
                 for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
                     piece = data[start : start + SEND_PIECE_BYTES]
@@ -289,7 +300,9 @@ class SongService:
                 if tail:
                     yield tail
                     song.samples_sent += len(tail) // (2 * CHANNELS)
-                song.frames, song.ended_by = event.frames, event.ended_by
+                self.refresh(song)
+                song.frames = song.frames_written = event.frames
+                song.ended_by, song.timings = event.ended_by, event.timings
                 self.finish(song, "done")
             elif isinstance(event, Failed):
                 log.error("song failed", extra={"song": song.id, "error": event.message, "samples": song.samples_sent})
@@ -344,6 +357,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
         if song is None:
             # An id is at most 128 characters: a longer path is quoted cut short, not echoed whole.
             return error_response(404, f"no song {song_id!r:.132} is running or finished recently")
+        service.refresh(song)
         return JSONResponse(song.public())
 
     @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)
@@ -362,6 +376,7 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
+    mount_studio(app)  # the web studio at `/` (serving/web.py)
     return app
 
 

@@ -89,6 +89,7 @@ class _Client:
     unread_bytes: int = 0  # PCM the song may still queue: its request's audio (its budget's once Accepted is read)
     # less the chunks read
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
+    windows: int = 0  # windows stage 1 has rendered
 
 
 class Engine:
@@ -260,6 +261,18 @@ class Engine:
         self._cancel(key)
         return True
 
+    def progress(self, song: str) -> tuple[int, int] | None:
+        """(frames written, windows rendered) of the song held under the caller's id `song`, or None. Read from
+        the caller's thread while the stages run: each count may be a step behind, and frames read 0 once the
+        talker has let the song go (its Done carries the final count)."""
+        key = self._keys.get(song)
+        client = self._clients.get(key) if key is not None else None
+        if client is None:
+            return None
+        finished, decoding = client.finished, self.talker.songs.get(key)
+        frames = finished.frames if finished is not None else decoding.frames if decoding is not None else 0
+        return frames, client.windows
+
     def _count_cancel(self, key: str) -> bool:
         """End a held submission as cancelled by its caller, counted once; False if it had already ended."""
         if self._end(key) is None:
@@ -423,6 +436,7 @@ class Engine:
         client = self._clients.get(out.song)
         if client is None or client.ended:
             return
+        client.windows += 1
         if not self.deploy.connector.extra.codec_streaming:  # the client gets the song in one piece at the end
             client.held_pcm.append(out.pcm.numpy())
             if not out.window.last:
