@@ -68,12 +68,14 @@ def plain_hot_paths_afterwards():
 @pytest.fixture(scope="session")
 def serve_http():
     """A context manager running an ASGI app under uvicorn in a thread on a free local port; gives the base URL.
-    Keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown)."""
+    Keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown). The protocol is h11 unless given, as in
+    `music3serve serve`, whatever else is installed (uvicorn would pick httptools where present)."""
 
     @contextlib.contextmanager
     def serve(app, **config):
         import uvicorn
 
+        config.setdefault("http", "h11")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", **config))
