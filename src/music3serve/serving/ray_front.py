@@ -9,6 +9,8 @@ engine replica's request slots. Design and limits: docs/scaling.md.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections import OrderedDict
@@ -29,6 +31,13 @@ def _short(exc: BaseException) -> str:
     """An exception's first line (Ray's errors carry whole tracebacks)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _cancel(stream: Any) -> None:
+    """Cancel a call to a replica. Ray's cancel re-raises what ended a call that never reached a replica (its queue
+    was full, or it was cancelled while queued): that call is over, which is all a cancel asks."""
+    with contextlib.suppress(RayError, RayServeException, asyncio.CancelledError, concurrent.futures.CancelledError):
+        stream.cancel()
 
 
 class RemoteEngine:
@@ -60,11 +69,11 @@ class RemoteEngine:
         if song is not None and song in self._streams:  # one id, one song, whichever replica runs it
             raise InputError(f"request id {song!r:.80} is taken by a song whose stream has not ended: wait for it or "
                              "pick another")
-        stream = self.engines.options(stream=True).submit.remote(request)
-        if song is not None:
-            self._streams[song] = stream
-        started, first_audio = time.perf_counter(), None
+        started, first_audio, stream, ended = time.perf_counter(), None, None, False
         try:
+            stream = self.engines.options(stream=True).submit.remote(request)
+            if song is not None:
+                self._streams[song] = stream
             async for item in stream:
                 if isinstance(item, Music3Error):  # the replica's engine refused the song: the same error here
                     raise item
@@ -83,8 +92,9 @@ class RemoteEngine:
                 if isinstance(item, Done):
                     self.metrics.song_seconds.observe(time.perf_counter() - started)
                 if isinstance(item, (Done, Failed)):
+                    ended = True
                     return
-        except RequestCancelledError:  # a DELETE (cancel below) or the caller closing this stream
+        except RequestCancelledError:  # a DELETE (cancel below)
             yield Failed(song or "", "cancelled")
         except BackPressureError as exc:
             waiting = exc.args[1] if len(exc.args) > 1 else "the most"
@@ -99,7 +109,8 @@ class RemoteEngine:
         finally:
             if song is not None and self._streams.get(song) is stream:
                 del self._streams[song]
-            stream.cancel()  # a call still running on its replica ends there, which cancels the song in its engine
+            if stream is not None and not ended:  # a call still running on its replica ends there, which cancels the
+                _cancel(stream)  # song in its engine
 
     def _remember(self, song: str, replica: str) -> None:
         self.replica_of.pop(song, None)
@@ -113,7 +124,7 @@ class RemoteEngine:
         if stream is None:
             return False
         self.metrics.cancels.inc()
-        stream.cancel()
+        _cancel(stream)
         return True
 
     def unavailable(self) -> str | None:

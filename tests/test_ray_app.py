@@ -1,0 +1,239 @@
+"""music3serve on Ray Serve, on the CPU: a local Ray (started once for the module) runs the application with two engine
+replicas of the tiny checkpoint, each holding three songs; real HTTP clients talk to Ray's proxy.
+
+Songs are compared with their solo runs through the plain server (`music3serve serve`'s app over one Engine): a song
+batched with others differs from its solo run by float32 rounding only (tests/test_engine.py: at most PCM_MAX_ABS),
+which is BATCH_LSB in the int16 the API sends."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'music3serve[ray]'")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'music3serve[ray]'")
+httpx = pytest.importorskip("httpx")
+
+from music3serve.serving.api import create_app  # noqa: E402
+from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
+from music3serve.serving.engine import Engine  # noqa: E402
+from music3serve.serving.ray_app import APP_NAME, RayAppArgs, build  # noqa: E402
+from polling import poll_until  # noqa: E402
+from test_engine import PCM_MAX_ABS  # noqa: E402
+
+SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "steps": 2, "format": "pcm"}
+SHORT, LONG = 2, 10  # seconds: one window, two windows
+SONGS_PER_REPLICA = 3  # the test deploy file's stage 0: 6 rows
+QUEUED = 6  # max_queued_songs: Ray counts a burst's songs as queued until each is sent to a replica
+BATCH_LSB = math.ceil(PCM_MAX_ABS * 32767) + 1  # rounding of the float difference, then of each int16 conversion
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+DEPLOY = f"stages:\n  - stage_id: 0\n    max_num_seqs: {2 * SONGS_PER_REPLICA}\n  - stage_id: 1\n"
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process under `root` (read from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def deploy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ray") / "deploy.yaml"
+    path.write_text(DEPLOY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path, deploy_file: Path):
+    """The application on a local Ray; yields its URL and a stop() that shuts Serve and Ray down (also at the end)."""
+    shm_before = set(os.listdir("/dev/shm"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = RayAppArgs(model=str(tiny_dir), config=str(deploy_file), device="cpu", replicas=2,
+                      max_queued_songs=QUEUED, health_check_period_s=1.0, cpus_per_replica=1)
+    serve.run(build(args), name=APP_NAME, route_prefix="/")
+    print(f"Ray and the application up in {time.monotonic() - started:.1f} s")
+    state = {"stopped": False, "shm_before": shm_before}
+
+    def stop() -> set[int]:
+        """Shut down; returns the processes Ray ran under this one just before."""
+        ours = descendants(os.getpid())
+        if not state["stopped"]:
+            state["stopped"] = True
+            serve.shutdown()
+            ray.shutdown()
+        return ours
+
+    yield f"http://127.0.0.1:{port}", stop, state
+    stop()
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_dir: Path, deploy_file: Path, serve_http):
+    """Each seed's song (SHORT s) as the plain server sends it, alone on its engine."""
+    engine = Engine.from_pretrained(tiny_dir, load_deploy_config(deploy_file), device="cpu")
+    try:
+        with serve_http(create_app(engine)) as url:
+            out = {}
+            for seed in range(6):
+                response = httpx.post(f"{url}/v1/songs", json={**SONG, "seed": seed, "duration": SHORT},
+                                      timeout=TIMEOUT)
+                assert response.status_code == 200, response.text
+                out[seed] = np.frombuffer(response.content, "<i2")
+            return out
+    finally:
+        engine.close()
+
+
+class Listener(threading.Thread):
+    """One streamed song read to its end in a thread: headers, bytes, and how it ended."""
+
+    def __init__(self, url: str, **song) -> None:
+        super().__init__(daemon=True)
+        self.url, self.song = url, {**SONG, **song}
+        self.status, self.headers, self.body, self.error = None, {}, b"", None
+        self.accepted = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/songs", json=self.song, timeout=TIMEOUT) as response:
+                self.status, self.headers = response.status_code, response.headers
+                self.accepted.set()
+                for piece in response.iter_bytes():
+                    self.body += piece
+        except httpx.HTTPError as exc:  # a stream cut short
+            self.error = exc
+        finally:
+            self.accepted.set()
+
+    def finish(self) -> "Listener":
+        self.join(120)
+        assert not self.is_alive(), "the song did not end"
+        return self
+
+
+def state_of(url: str, song: str) -> dict:
+    return httpx.get(f"{url}/v1/songs/{song}", timeout=TIMEOUT).json()
+
+
+def test_six_concurrent_songs_spread_over_both_replicas_and_equal_their_solo_runs(cluster, solo):
+    url, _, _ = cluster
+    songs = [Listener(url, seed=seed, duration=SHORT, stream=False) for seed in range(6)]
+    replicas = set()
+    for seed, song in enumerate(songs):
+        song.finish()
+        assert song.status == 200 and song.error is None, song.body[:300]
+        replicas.add(song.headers["x-replica"])
+        got = np.frombuffer(song.body, "<i2")
+        assert got.shape == solo[seed].shape
+        assert np.abs(got.astype(np.int32) - solo[seed]).max() <= BATCH_LSB
+        assert state_of(url, song.headers["x-song-id"])["state"] == "done"
+    assert len(replicas) == 2  # three songs fill a replica: the router used both
+
+
+def test_the_first_window_arrives_before_the_song_ends(cluster):
+    url, _, _ = cluster
+    seen_running = []
+    with httpx.stream("POST", f"{url}/v1/songs", json={**SONG, "seed": 9, "duration": LONG}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        body = b""
+        for piece in r.iter_bytes():
+            body += piece
+            if not seen_running and len(body) >= 4 * 44100:  # past the first second: the first window
+                seen_running.append(state_of(url, r.headers["x-song-id"])["state"])
+    assert seen_running == ["running"]
+    done = state_of(url, r.headers["x-song-id"])
+    assert done["state"] == "done" and len(body) == 4 * done["samples_sent"]
+
+
+def test_songs_past_the_slots_wait_past_the_queue_get_429_and_delete_reaches_either_replica(cluster):
+    url, _, _ = cluster
+    held = [Listener(url, seed=20 + i, duration=60) for i in range(2 * SONGS_PER_REPLICA)]
+    for song in held:
+        assert song.accepted.wait(120) and song.status == 200
+    assert len({s.headers["x-replica"] for s in held}) == 2
+    extra = []
+    while len(extra) < QUEUED + 2:  # every slot is taken: the next QUEUED wait in Ray's queue, later ones are refused
+        extra.append(Listener(url, seed=40 + len(extra), duration=SHORT, stream=False))
+        time.sleep(0.5)
+    refused = [s.finish() for s in extra if s.accepted.wait(2) and s.status is not None]
+    assert len(refused) == len(extra) - QUEUED
+    for song in refused:
+        assert song.status == 429 and song.headers["retry-after"] == "10"
+        assert "every engine replica holds its songs" in song.body.decode()
+    for song in held:  # DELETE through the proxy, whichever replica holds the song
+        assert httpx.delete(f"{url}/v1/songs/{song.headers['x-song-id']}", timeout=TIMEOUT).status_code == 204
+    for song in held:
+        song.finish()
+        assert state_of(url, song.headers["x-song-id"])["state"] == "cancelled"
+    waited = [s.finish() for s in extra if s not in refused]
+    assert [s.status for s in waited] == [200] * QUEUED  # none lost: they took the freed slots
+    for song in waited:
+        assert len(song.body) == 4 * state_of(url, song.headers["x-song-id"])["samples_sent"] > 0
+
+
+def test_a_killed_replica_fails_its_own_songs_only_and_is_replaced(cluster):
+    url, _, _ = cluster
+    songs = [Listener(url, seed=60 + i, duration=20) for i in range(2 * SONGS_PER_REPLICA)]
+    for song in songs:
+        assert song.accepted.wait(120) and song.status == 200
+    victim = songs[0].headers["x-replica"]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#Music3Engine#{victim}", namespace="serve"), no_restart=True)
+    for song in songs:
+        song.finish()
+        state = state_of(url, song.headers["x-song-id"])
+        if song.headers["x-replica"] == victim:
+            assert song.error is not None  # the stream is cut, not ended as if the song were over
+            assert state["state"] == "failed"
+            assert f"the engine replica {victim} holding the song stopped" in state["error"]
+        else:
+            assert song.error is None and state["state"] == "done"
+
+    def two_running() -> bool:
+        engines = serve.status().applications[APP_NAME].deployments["Music3Engine"]
+        return engines.status == "HEALTHY" and engines.replica_states.get("RUNNING") == 2
+
+    poll_until(two_running, 120)
+    after = [Listener(url, seed=80 + i, duration=SHORT, stream=False) for i in range(2 * SONGS_PER_REPLICA)]
+    for song in after:
+        assert song.finish().status == 200
+    replicas = {s.headers["x-replica"] for s in after}
+    assert len(replicas) == 2 and victim not in replicas
+
+
+def test_shutdown_leaves_no_process_and_no_shared_memory(cluster):
+    _, stop, state = cluster
+    ours = stop()
+    assert ours, "Ray's processes run under the test process"
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{pid}").exists() for pid in ours)
+
+    poll_until(gone, 60)
+    left = {e for e in set(os.listdir("/dev/shm")) - state["shm_before"] if any(str(p) in e for p in ours)}
+    assert not left
