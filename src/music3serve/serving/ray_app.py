@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from ray import serve
 from ray.serve import Application
 
-from ..cli import resolve_model
+from ..cli import replica_range, resolve_model
 from ..errors import Music3Error
 from .api import create_app
 from .deploy_config import DeployConfig, load_deploy_config
@@ -57,9 +57,7 @@ class RayAppArgs(BaseModel):
     @classmethod
     def _min_max(cls, value: str | None) -> str | None:
         if value is not None:
-            low, _, high = value.partition(":")
-            if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
-                raise ValueError(f"autoscale is MIN:MAX replicas with 1 <= MIN <= MAX, got {value!r}")
+            replica_range(value)
         return value
 
     @property
@@ -137,7 +135,7 @@ def build(args: RayAppArgs) -> Application:
     deploy = load_deploy_config(args.config)  # a bad file fails here, not in every replica
     songs = deploy.stages[0].max_num_seqs // 2  # every song takes a cond/uncond pair of rows
     if args.autoscale:
-        low, high = map(int, args.autoscale.split(":"))
+        low, high = replica_range(args.autoscale)
         scaling: dict = {"autoscaling_config": {"min_replicas": low, "max_replicas": high,
                                                 "target_ongoing_requests": songs}}
     else:
