@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -154,6 +155,16 @@ def test_six_concurrent_songs_spread_over_both_replicas_and_equal_their_solo_run
         assert np.abs(got.astype(np.int32) - solo[seed]).max() <= BATCH_LSB
         assert state_of(url, song.headers["x-song-id"])["state"] == "done"
     assert len(replicas) == 2  # three songs fill a replica: the router used both
+    # Each replica's engine metrics reach Ray's export (the node's metrics port), labelled by replica.
+    took = {tag: sum(s.headers["x-replica"] == tag for s in songs) for tag in replicas}
+    export = f"http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics"
+
+    def exported() -> dict[str, float]:
+        found = re.findall(r'^ray_music3_requests_total\{.*replica="(\w+)".*\} ([0-9.]+)$', httpx.get(export).text,
+                           re.MULTILINE)
+        return {tag: float(value) for tag, value in found}
+
+    poll_until(lambda: exported() == took, 60)
 
 
 def test_the_first_window_arrives_before_the_song_ends(cluster):
@@ -199,7 +210,7 @@ def test_songs_past_the_slots_wait_past_the_queue_get_429_and_delete_reaches_eit
 
 def test_a_killed_replica_fails_its_own_songs_only_and_is_replaced(cluster):
     url, _, _ = cluster
-    songs = [Listener(url, seed=60 + i, duration=20) for i in range(2 * SONGS_PER_REPLICA)]
+    songs = [Listener(url, seed=60 + i, duration=LONG) for i in range(2 * SONGS_PER_REPLICA)]
     for song in songs:
         assert song.accepted.wait(120) and song.status == 200
     victim = songs[0].headers["x-replica"]

@@ -130,8 +130,9 @@ class Front:
             self.engine.close()
 
 
-def build(args: RayAppArgs) -> Application:
-    """The application (Ray Serve's builder: `import_path: music3serve.serving.ray_app:build`)."""
+def build(args: RayAppArgs | dict[str, Any]) -> Application:
+    """The application (Ray Serve's builder: `import_path: music3serve.serving.ray_app:build`, its `args` a dict)."""
+    args = RayAppArgs.model_validate(args) if isinstance(args, dict) else args
     deploy = load_deploy_config(args.config)  # a bad file fails here, not in every replica
     songs = deploy.stages[0].max_num_seqs // 2  # every song takes a cond/uncond pair of rows
     if args.autoscale:
