@@ -237,6 +237,24 @@ def test_a_killed_replica_fails_its_own_songs_only_and_is_replaced(cluster):
     assert len(replicas) == 2 and victim not in replicas
 
 
+def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
+    """bench/ray_replicas.sh's benchmark (issue: several GPUs of one host), on the CPU with the tiny checkpoint: the
+    plain server, one and two replicas (the second added to the running application), the split placement's
+    scenarios. It replaces the application of the tests above, so it runs after them."""
+    from music3serve.bench.ray_replicas import main
+
+    url, _, _ = cluster
+    rows = main(["--tiny", "--replicas", "1,2", "--port", url.rsplit(":", 1)[1]])
+    assert [r[:2] for r in rows] == [["plain server", 1], ["Ray", 1], ["Ray", 2], ["Ray, split", 1], ["Ray, split", 1]]
+    songs = [2, 2, 4, 1, 2]
+    for r, count in zip(rows, songs):
+        _, _, gpus, n, audio, wall, rate, _, p50, p95 = r
+        assert gpus == 0 and n == count and audio == pytest.approx(count * 2.0, rel=0.01)
+        assert 0 < p50 <= p95 <= wall and rate == pytest.approx(audio / wall)
+    assert rows[2][7] == pytest.approx(rows[2][6] / (2 * rows[1][6]))
+    assert "| Ray | 2 | 0 | 4 |" in capsys.readouterr().out
+
+
 def test_shutdown_leaves_no_process_and_no_shared_memory(cluster):
     _, stop, state = cluster
     ours = stop()

@@ -37,8 +37,8 @@ CONTROL_REQUESTS = 64  # the front's requests beyond songs: status, cancel, heal
 RETRY_AFTER_S = 10  # as the plain server's 429
 
 
-class RayAppArgs(BaseModel):
-    """The application's arguments: `music3serve serve --ray` fills them, a Serve config file gives them as `args`."""
+class EngineArgs(BaseModel):
+    """What an engine replica is built from."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -46,6 +46,16 @@ class RayAppArgs(BaseModel):
     tiny: bool = Field(False, description="the tiny random checkpoint, on the CPU")
     config: str | None = Field(None, description="deploy YAML on every node (default: the built-in one)")
     device: Literal["cpu", "cuda"] | None = Field(None, description="cpu: replicas take no GPU")
+    random_weights: bool = Field(False, description="benchmarks: full-size random weights instead of a checkpoint")
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu" or self.tiny
+
+
+class RayAppArgs(EngineArgs):
+    """The application's arguments: `music3serve serve --ray` fills them, a Serve config file gives them as `args`."""
+
     replicas: PositiveInt = 1
     autoscale: str | None = Field(None, description="MIN:MAX replicas, scaled by songs in flight (replaces replicas)")
     max_queued_songs: int = Field(64, ge=0, description="songs waiting for a replica; past them: 429")
@@ -60,9 +70,9 @@ class RayAppArgs(BaseModel):
             replica_range(value)
         return value
 
-    @property
-    def on_cpu(self) -> bool:
-        return self.device == "cpu" or self.tiny
+    def engine_args(self) -> EngineArgs:
+        """The replicas' own arguments: a change of scale alone leaves the replicas running."""
+        return EngineArgs(**self.model_dump(include=set(EngineArgs.model_fields)))
 
 
 def gpus_per_replica(deploy: DeployConfig, on_cpu: bool) -> int:
@@ -80,14 +90,23 @@ def replica_deploy(deploy: DeployConfig) -> DeployConfig:
                                                dataclasses.replace(s1, devices=stage1)))
 
 
+def engine_for(args: EngineArgs) -> Engine:
+    """The engine one replica runs, on the GPUs Ray gave it (numbered from 0)."""
+    deploy = replica_deploy(load_deploy_config(args.config))
+    if args.random_weights:
+        from ..bench.e2e import random_engine
+
+        split = deploy.stages[0].devices != deploy.stages[1].devices
+        return random_engine(deploy, "split" if split else "colocated")
+    return Engine.from_pretrained(resolve_model(args.model, args.tiny), deploy, "cpu" if args.on_cpu else None)
+
+
 class EngineReplica:
     """One Engine; each song is one streaming call: the replica's tag, then the engine's events (a refusal as the
     Music3Error itself)."""
 
-    def __init__(self, args: RayAppArgs) -> None:
-        deploy = replica_deploy(load_deploy_config(args.config))
-        root = resolve_model(args.model, args.tiny)
-        self.engine = Engine.from_pretrained(root, deploy, "cpu" if args.on_cpu else None)
+    def __init__(self, args: EngineArgs) -> None:
+        self.engine = engine_for(args)
         self.tag = serve.get_replica_context().replica_tag
         self.metrics = RayMetricsCopy(self.engine.metrics.registry)
         log.info("engine replica ready", extra={"replica": self.tag, "pid": os.getpid()})
@@ -147,7 +166,7 @@ def build(args: RayAppArgs | dict[str, Any]) -> Application:
         EngineReplica, name="Music3Engine", max_ongoing_requests=songs, max_queued_requests=args.max_queued_songs,
         ray_actor_options={"num_gpus": gpus_per_replica(deploy, args.on_cpu), "num_cpus": args.cpus_per_replica},
         health_check_period_s=args.health_check_period_s, backpressure_config=busy, **grace, **scaling,
-    ).bind(args)
+    ).bind(args.engine_args())
     front = serve.deployment(
         Front, name="Music3Front", num_replicas=1, max_ongoing_requests=MAX_SONGS + CONTROL_REQUESTS,
         max_queued_requests=CONTROL_REQUESTS, backpressure_config=busy, ray_actor_options={"num_cpus": 0}, **grace,
@@ -161,7 +180,7 @@ def serve_on_ray(args: RayAppArgs, host: str, port: int) -> None:
     import ray
 
     build(args)  # the deploy file checked before Ray starts
-    if args.tiny or args.model is None:
+    if not args.random_weights:
         resolve_model(args.model, args.tiny)  # the tiny checkpoint written once here, not raced by local replicas
     started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
