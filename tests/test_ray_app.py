@@ -138,6 +138,34 @@ class Listener(threading.Thread):
         return self
 
 
+@pytest.mark.parametrize("example", ["serve_config.yaml", "rayservice.yaml"])
+def test_the_example_configs_are_valid_serve_configs_with_valid_args(example):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    text = (Path(__file__).parents[1] / "examples" / "ray" / example).read_text()
+    config = yaml.safe_load(text)
+    config = yaml.safe_load(config["spec"]["serveConfigV2"]) if "spec" in config else config
+    app = ServeDeploySchema.model_validate(config).applications[0]
+    assert app.import_path == "music3serve.serving.ray_app:build"
+    RayAppArgs.model_validate(app.args)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--replicas", "2"], "--replicas apply to `serve --ray` only"),
+    (["--ray", "--autoscale", "3:1"], "MIN:MAX replicas with 1 <= MIN <= MAX, got '3:1'"),
+    (["--ray", "--replicas", "0"], "an integer >= 1, got '0'"),
+])
+def test_serve_ray_arguments_are_checked(argv, error, capsys):
+    from music3serve import cli
+
+    try:
+        code = cli.main(["serve", "--tiny", *argv])
+    except SystemExit as exc:  # argparse's errors
+        code = exc.code
+    assert code == 2 and error in capsys.readouterr().err
+
+
 def state_of(url: str, song: str) -> dict:
     return httpx.get(f"{url}/v1/songs/{song}", timeout=TIMEOUT).json()
 

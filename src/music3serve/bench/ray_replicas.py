@@ -149,15 +149,17 @@ def main(argv: list[str] | None = None) -> list[list[Any]]:
     parser.add_argument("--port", type=int, default=8000, help="Ray's HTTP proxy on 127.0.0.1 (default 8000)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    if args.replicas:
-        counts = [int(n) for n in args.replicas.split(",")]
-    elif args.tiny:
-        counts = [1, 2]
+    if args.tiny:
+        gpus = 8  # none is used: as many replicas as asked run on the CPU
     else:
         import torch
 
-        counts = [n for n in (1, 2, 4, 8) if n <= torch.cuda.device_count()]
-    split = not args.no_split and (args.tiny or max(counts) >= 2)
+        gpus = torch.cuda.device_count()
+    counts = [int(n) for n in args.replicas.split(",")] if args.replicas else [1, 2] if args.tiny else [
+        n for n in (1, 2, 4, 8) if n <= gpus]
+    if not counts or max(counts) > gpus or min(counts) < 1:
+        parser.error(f"replica counts {counts}: each replica takes one GPU, and this machine has {gpus}")
+    split = not args.no_split and gpus >= 2
     with tempfile.TemporaryDirectory() as folder:
         rows = run(counts, args.songs_per_replica or (2 if args.tiny else 8), args.duration or (2.0 if args.tiny else 30.0),
                    args.tiny, split, args.port, Path(folder))
