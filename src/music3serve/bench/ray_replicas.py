@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
-import os
 import socket
 import tempfile
 import threading
@@ -28,7 +26,7 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 
-from ..serving.ray_app import APP_NAME, EngineArgs, RayAppArgs, build, engine_for
+from ..serving.ray_app import APP_NAME, EngineArgs, RayAppArgs, build, engine_for, on_ray
 from .common import table
 
 CAPTION, LYRICS = "pop song, 120 bpm", "[verse]\nCity lights are fading slow\n[chorus]\nHold on, hold on"
@@ -99,13 +97,14 @@ def plain_server(args: EngineArgs) -> Iterator[str]:
 def run(replica_counts: list[int], songs_per_replica: int, duration: float, tiny: bool, split: bool,
         port: int, folder: Path) -> list[list[Any]]:
     """The table's rows. Ray is started here unless one is running (or RAY_ADDRESS names a cluster)."""
-    import ray
     from ray import serve
 
-    configs = {}
+    configs = {name: folder / f"{name}.yaml" for name in ("colocated", "split")}
     for name, stage1 in (("colocated", 0), ("split", 1)):
-        configs[name] = folder / f"{name}.yaml"  # the tiny checkpoint runs on the CPU: the default config
-        configs[name].write_text("{}" if tiny else DEPLOY.format(stage1=stage1))
+        configs[name].write_text(DEPLOY.format(stage1=stage1))
+    if tiny:  # on the CPU both stages share the process whatever `devices` say: the default config, one for both
+        configs["colocated"].write_text("{}")
+        configs["split"] = configs["colocated"]
     base = {"tiny": True, "device": "cpu"} if tiny else {"random_weights": True}
     gpus = 0 if tiny else 1
     warm = [1.0] * 2  # compiles the prefill shapes
@@ -113,12 +112,8 @@ def run(replica_counts: list[int], songs_per_replica: int, duration: float, tiny
     with plain_server(EngineArgs(config=str(configs["colocated"]), **base)) as url:
         row("warm-up", 1, gpus, warm, url, None)
         rows = [row("plain server", 1, gpus, [duration] * songs_per_replica, url, None)]
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
     url, one = f"http://127.0.0.1:{port}", None
-    try:
+    with on_ray("127.0.0.1", port):
         for replicas in sorted(replica_counts):
             serve.run(build(RayAppArgs(config=str(configs["colocated"]), replicas=replicas, **base)), name=APP_NAME)
             row("warm-up", replicas, gpus, warm * replicas, url, None)
@@ -129,12 +124,6 @@ def run(replica_counts: list[int], songs_per_replica: int, duration: float, tiny
             row("warm-up", 1, 2 * gpus, warm, url, None)
             split_songs = ([duration], [duration] * songs_per_replica) if tiny else ([20.0], [30.0] * 8)
             rows += [row("Ray, split", 1, 2 * gpus, songs, url, None) for songs in split_songs]
-    finally:
-        with contextlib.suppress(Exception):
-            serve.delete(APP_NAME)
-        if started:
-            serve.shutdown()
-            ray.shutdown()
     return rows
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 from ray import serve
@@ -174,24 +174,33 @@ def build(args: RayAppArgs | dict[str, Any]) -> Application:
     return front.bind(engines)
 
 
-def serve_on_ray(args: RayAppArgs, host: str, port: int) -> None:
-    """`music3serve serve --ray`: the application on the Ray cluster at RAY_ADDRESS, or on a local Ray started here,
-    until Ctrl-C or SIGTERM; then it is deleted, which drains its songs (shutdown_grace_s)."""
+@contextlib.contextmanager
+def on_ray(host: str, port: int) -> Iterator[None]:
+    """Ray Serve with its HTTP proxy on host:port: on the cluster at RAY_ADDRESS (or the Ray this process already
+    runs), else on a local Ray started here and stopped at the end. The application is deleted at the end, which
+    drains its songs (shutdown_grace_s)."""
     import ray
 
-    build(args)  # the deploy file checked before Ray starts
-    if not args.random_weights:
-        resolve_model(args.model, args.tiny)  # the tiny checkpoint written once here, not raced by local replicas
     started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
-    ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build(args), name=APP_NAME, route_prefix="/")
-        log.info("serving on Ray", extra={"url": f"http://{host}:{port}", "ray": ray.get_runtime_context().gcs_address})
-        threading.Event().wait()  # until Ctrl-C (KeyboardInterrupt) or SIGTERM (the CLI's SystemExit)
+        serve.start(http_options={"host": host, "port": port})  # a Serve already running keeps its own
+        yield
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the application may be gone already
             serve.delete(APP_NAME)
         if started:
             serve.shutdown()
             ray.shutdown()
+
+
+def serve_on_ray(args: RayAppArgs, host: str, port: int) -> None:
+    """`music3serve serve --ray`: the application, until Ctrl-C or SIGTERM."""
+    build(args)  # the deploy file checked before Ray starts
+    if not args.random_weights:
+        resolve_model(args.model, args.tiny)  # the tiny checkpoint written once here, not raced by local replicas
+    with on_ray(host, port):
+        serve.run(build(args), name=APP_NAME, route_prefix="/")
+        log.info("serving on Ray", extra={"url": f"http://{host}:{port}"})
+        threading.Event().wait()  # until Ctrl-C (KeyboardInterrupt) or SIGTERM (the CLI's SystemExit)

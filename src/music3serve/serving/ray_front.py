@@ -51,16 +51,9 @@ class RemoteEngine:
         self.metrics = EngineMetrics(lambda: len(self._streams), lambda: 0)
         self._closed = False
 
-    async def submit(self, request: SongRequest) -> AsyncIterator[Event]:
+    def submit(self, request: SongRequest) -> AsyncIterator[Event]:
         """The song's events from the replica that takes it; refusals raise as Engine.submit's do."""
-        try:
-            async with contextlib.aclosing(self._relay(request)) as events:
-                async for event in events:
-                    yield event
-        except Music3Error as exc:
-            refused = "invalid" if isinstance(exc, InputError) else "busy" if isinstance(exc, EngineBusy) else None
-            self.metrics.refusals.labels(refused or "unavailable").inc()
-            raise
+        return self.metrics.counting_refusals(self._relay(request))
 
     async def _relay(self, request: SongRequest) -> AsyncIterator[Event]:
         if self._closed:
