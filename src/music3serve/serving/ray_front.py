@@ -46,7 +46,8 @@ class RemoteEngine:
     def __init__(self, engines: Any) -> None:
         """engines: a DeploymentHandle of serving/ray_app.py's engine deployment."""
         self.engines = engines
-        self._streams: dict[str, Any] = {}  # song id -> its call to a replica, while it runs
+        self._streams: dict[str, Any] = {}  # song id -> its call to a replica, from its acceptance to its end
+        self._waiting: set[str] = set()  # client-given ids of songs not accepted yet
         self.replica_of: OrderedDict[str, str] = OrderedDict()  # song id -> the replica tag, recent songs
         self.metrics = EngineMetrics(lambda: len(self._streams), lambda: 0)
         self._closed = False
@@ -59,14 +60,14 @@ class RemoteEngine:
         if self._closed:
             raise Music3Error("the engine is closed; it takes no more songs")
         song, replica, accepted = request.id, "", False
-        if song is not None and song in self._streams:  # one id, one song, whichever replica runs it
+        if song is not None and (song in self._streams or song in self._waiting):  # one id, one song, on any replica
             raise InputError(f"request id {song!r:.80} is taken by a song whose stream has not ended: wait for it or "
                              "pick another")
         started, first_audio, stream, ended = time.perf_counter(), None, None, False
+        if song is not None:
+            self._waiting.add(song)
         try:
             stream = self.engines.options(stream=True).submit.remote(request)
-            if song is not None:
-                self._streams[song] = stream
             async for item in stream:
                 if isinstance(item, Music3Error):  # the replica's engine refused the song: the same error here
                     raise item
@@ -75,6 +76,7 @@ class RemoteEngine:
                     continue
                 if isinstance(item, Accepted):
                     song, accepted = item.song, True
+                    self._waiting.discard(song)
                     self._streams[song] = stream
                     self._remember(song, replica)
                     self.metrics.requests.inc()
@@ -100,6 +102,7 @@ class RemoteEngine:
             yield Failed(song, f"the engine replica {replica} holding the song stopped ({_short(exc)}); the other "
                                "replicas' songs go on: submit it again")
         finally:
+            self._waiting.discard(request.id)  # type: ignore[arg-type]
             if song is not None and self._streams.get(song) is stream:
                 del self._streams[song]
             if stream is not None and not ended:  # a call still running on its replica ends there, which cancels the
@@ -112,7 +115,8 @@ class RemoteEngine:
             self.replica_of.popitem(last=False)
 
     def cancel(self, song: str) -> bool:
-        """Cancel the song's call on its replica; whether a running song had that id (as Engine.cancel)."""
+        """Cancel the song's call on its replica; whether an accepted song still running had that id. A song still
+        waiting for a slot is not cancelled here: api.py answers its POST with 409 once it is accepted."""
         stream = self._streams.pop(song, None)
         if stream is None:
             return False
