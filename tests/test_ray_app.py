@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'music3serve[ray]'")
 httpx = pytest.importorskip("httpx")
 
+from music3serve.acoustic.windows import song_samples  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
 from music3serve.serving.engine import Engine  # noqa: E402
@@ -85,6 +86,7 @@ def cluster(tiny_dir: Path, deploy_file: Path):
         ours = descendants(os.getpid())
         if not state["stopped"]:
             state["stopped"] = True
+            serve.delete(APP_NAME)  # as `serve --ray` stops: the application first, which drains its songs
             serve.shutdown()
             ray.shutdown()
         return ours
@@ -287,10 +289,15 @@ def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
     assert "| Ray | 2 | 0 | 4 |" in capsys.readouterr().out
 
 
-def test_shutdown_leaves_no_process_and_no_shared_memory(cluster):
-    _, stop, state = cluster
-    ours = stop()
+def test_shutdown_drains_the_songs_and_leaves_no_process_and_no_shared_memory(cluster):
+    url, stop, state = cluster
+    serve.run(build(RayAppArgs(tiny=True, replicas=1)), name=APP_NAME, route_prefix="/")  # the benchmark deleted it
+    song = Listener(url, seed=99, duration=LONG)
+    assert song.accepted.wait(120) and song.status == 200
+    ours = stop()  # while the song runs: it gets shutdown_grace_s to finish
     assert ours, "Ray's processes run under the test process"
+    song.finish()
+    assert song.error is None and len(song.body) == 4 * song_samples(int(song.headers["x-frame-budget"]))  # all of it
 
     def gone() -> bool:
         return not any(Path(f"/proc/{pid}").exists() for pid in ours)
