@@ -571,12 +571,13 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     root = Path(cli.__file__).parent
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
+    ray = {"serving/ray_app.py", "serving/ray_front.py", "bench/ray_replicas.py"}  # the `ray` extra's modules
     assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
-                     "serving/web.py"}
+                     "serving/web.py", "serving/ray_app.py", "bench/ray_replicas.py"}
     for module, readers in (("request_body", {"serving/api.py"}), ("http_guard", {"serving/server.py"}),
                             ("web", {"serving/api.py"}),
-                            ("api", {"serving/server.py", "serving/http_guard.py"}),  # http_guard: api.RESET
-                            ("server", {"cli.py"})):  # cli: inside `serve` only
+                            ("api", {"serving/server.py", "serving/http_guard.py", *ray}),  # http_guard: api.RESET
+                            ("server", {"cli.py", "serving/ray_app.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
         assert importers == readers, module

@@ -128,6 +128,38 @@ def port_number(value: str) -> int:
     return port
 
 
+def replica_range(value: str) -> tuple[int, int]:
+    """MIN:MAX engine replicas, 1 <= MIN <= MAX (`serve --ray --autoscale`, a Ray Serve config file's `autoscale`)."""
+    low, _, high = value.partition(":")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise ValueError(f"MIN:MAX replicas with 1 <= MIN <= MAX, got {value!r}")
+    return int(low), int(high)
+
+
+def argument(check: Callable[[str], object]) -> Callable[[str], str]:
+    """argparse type of a text argument that `check` accepts (its ValueError is the argument's error)."""
+
+    def read(value: str) -> str:
+        try:
+            check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return read
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """argparse type of an integer >= low."""
+
+    def read(value: str) -> int:
+        if not (value.isdigit() and int(value) >= low):
+            raise argparse.ArgumentTypeError(f"an integer >= {low}, got {value!r}")
+        return int(value)
+
+    return read
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """An argument error is one line on stderr, exit status 2 (argparse prints the usage before it)."""
 
@@ -169,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "split into two processes when they differ; cpu when there is no GPU)")
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     serve.add_argument("--port", type=port_number, default=8000, help="default: %(default)s")
+    serve.add_argument("--ray", action="store_true",
+                       help="run as a Ray Serve application (docs/scaling.md) on the Ray cluster at RAY_ADDRESS, "
+                            "else on a local Ray started for it")
+    scale = serve.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=at_least(1), help="--ray: engine replicas (default: 1)")
+    scale.add_argument("--autoscale", metavar="MIN:MAX", type=argument(replica_range),
+                       help="--ray: engine replicas scaled between MIN and MAX by the songs in flight")
+    serve.add_argument("--max-queued-songs", type=at_least(0),
+                       help="--ray: songs waiting for a replica's slot; past them a POST gets 429 (default: 64)")
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
@@ -202,11 +243,18 @@ def check_generate(args: argparse.Namespace) -> None:
 
 
 def check_serve(args: argparse.Namespace) -> None:
+    ray_only = [f"--{n.replace('_', '-')}" for n in ("replicas", "autoscale", "max_queued_songs")
+                if getattr(args, n) is not None]
+    if ray_only and not args.ray:
+        raise Music3Error(f"{', '.join(ray_only)} apply to `serve --ray` only")
     missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise Music3Error(f"{SERVE_EXTRA} (missing: {', '.join(missing)}): pip install 'music3serve[serve]'")
+    if args.ray and importlib.util.find_spec("ray") is None:
+        raise Music3Error("--ray needs Ray Serve (missing: ray): pip install 'music3serve[ray]'")
     args.deploy = load_deploy_config(args.config)
-    check_port(args.host, args.port)
+    if not (args.ray and os.environ.get("RAY_ADDRESS")):  # else the cluster's proxy listens, not this host
+        check_port(args.host, args.port)
     pdl_mode()
 
 
@@ -255,6 +303,8 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    if args.ray:
+        return run_serve_on_ray(args)
     try:
         from .serving.server import serve
     except ModuleNotFoundError as exc:
@@ -272,6 +322,19 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(engine, args.host, args.port, args.log_level)
     finally:
         engine.close()
+
+
+def run_serve_on_ray(args: argparse.Namespace) -> None:
+    try:
+        from .serving.ray_app import RayAppArgs, serve_on_ray
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("ray", "fastapi", "starlette", "pydantic", "uvicorn", "h11"):
+            raise
+        raise Music3Error(f"--ray needs Ray Serve ({exc}): pip install 'music3serve[ray]'") from None
+    queue = {} if args.max_queued_songs is None else {"max_queued_songs": args.max_queued_songs}
+    app = RayAppArgs(model=args.model, tiny=args.tiny, config=args.config, device=args.device,
+                     replicas=args.replicas or 1, autoscale=args.autoscale, **queue)
+    serve_on_ray(app, args.host, args.port)
 
 
 def check_device(device: str | None) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ..checkpoint import ACOUSTIC, Music3Models
 from ..errors import Music3Error
-from ..serving.deploy_config import load_deploy_config
+from ..serving.deploy_config import DeployConfig, load_deploy_config
 from ..serving.engine import AudioChunk, Done, Engine, SongRequest
 from ..serving.worker import RenderWorker
 from ..tokenizer import load_tokenizer, write_tokenizer
@@ -53,6 +53,24 @@ def random_models(device: str, acoustic: bool = True) -> Music3Models:
     )
 
 
+def random_engine(deploy: DeployConfig, placement: str = "colocated", device: str = "cuda") -> Engine:
+    """An Engine on full-size random weights, stage 1 placed as PLACEMENTS says."""
+    if placement not in PLACEMENTS:
+        raise Music3Error(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
+    worker = None
+    if placement != "colocated":
+        if placement == "split" and torch.cuda.device_count() < 2:
+            raise Music3Error("the split placement needs two GPUs; split-one-gpu runs both workers on one")
+        worker = RenderWorker(random_acoustic, "cuda:1" if placement == "split" else "cuda:0", deploy.stages[1],
+                              deploy.connector)
+    try:
+        return Engine(random_models(device, acoustic=worker is None), deploy, worker)
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        raise
+
+
 async def song(engine: Engine, duration: float, seed: int) -> dict[str, float]:
     started, first, frames = time.perf_counter(), None, 0
     async for event in engine.submit(SongRequest(f"pop song {seed}", LYRICS, duration, seed=seed)):
@@ -82,20 +100,8 @@ def run(
             raise Music3Error(f"render_batch must be >= 1, got {render_batch}")
         stage1 = dataclasses.replace(stage1, max_num_batched_tokens=render_batch)
     deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
-    if placement not in PLACEMENTS:
-        raise Music3Error(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
     started = time.perf_counter()
-    worker = None
-    if placement != "colocated":
-        if placement == "split" and torch.cuda.device_count() < 2:
-            raise Music3Error("the split placement needs two GPUs; split-one-gpu runs both workers on one")
-        worker = RenderWorker(random_acoustic, "cuda:1" if placement == "split" else "cuda:0", stage1, deploy.connector)
-    try:
-        engine = Engine(random_models(device, acoustic=worker is None), deploy, worker)
-    except BaseException:
-        if worker is not None:
-            worker.close()
-        raise
+    engine = random_engine(deploy, placement, device)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
     headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time"]
     rows = []

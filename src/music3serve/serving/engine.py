@@ -8,7 +8,6 @@ writing frames while it renders) or a worker process (split). A watch thread cat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import re
@@ -183,18 +182,11 @@ class Engine:
             raise
 
     # Public API.
-    async def submit(self, request: SongRequest) -> AsyncIterator[Event]:
+    def submit(self, request: SongRequest) -> AsyncIterator[Event]:
         """Validate, queue and stream one song's events; bad input raises InputError before anything is queued, and
         a closed or broken engine raises Music3Error. Songs beyond the talker's rows wait in its queue, up to
         `max_songs` held in all; past that, EngineBusy."""
-        try:
-            async with contextlib.aclosing(self._submit(request)) as events:  # closing this closes that at once
-                async for event in events:
-                    yield event
-        except Music3Error as exc:
-            refused = "invalid" if isinstance(exc, InputError) else "busy" if isinstance(exc, EngineBusy) else None
-            self.metrics.refusals.labels(refused or "unavailable").inc()
-            raise
+        return self.metrics.counting_refusals(self._submit(request))
 
     async def _submit(self, request: SongRequest) -> AsyncIterator[Event]:
         if not isinstance(request, SongRequest):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import contextlib
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
+
+from ..errors import EngineBusy, InputError, Music3Error
 
 LATENCY_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 8, 13, 21, 34, 60, 120, 300)
 
@@ -36,6 +39,18 @@ class EngineMetrics:
         self.song_seconds = Histogram(
             "music3_song_seconds", "Submit to last PCM chunk", buckets=LATENCY_BUCKETS, registry=r
         )
+
+    async def counting_refusals(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A song's `events`, with the Music3Error that refuses it counted by its reason; closing this closes them at
+        once."""
+        try:
+            async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
+                async for event in stream:
+                    yield event
+        except Music3Error as exc:
+            refused = "invalid" if isinstance(exc, InputError) else "busy" if isinstance(exc, EngineBusy) else None
+            self.refusals.labels(refused or "unavailable").inc()
+            raise
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric, without prometheus_client's `*_created` series (a creation
