@@ -54,6 +54,7 @@ CASES = {
     "blank-lyrics": (generate("--lyrics", " "), "lyrics must be a non-empty string"),
     "serve-port": (["serve", "--tiny", "--port", "70000"], "70000 is not a TCP port"),
     "serve-config": (["serve", "--tiny", "--config", "/nonexistent/deploy.yaml"], "/nonexistent/deploy.yaml"),
+    "serve-ray-only": (["serve", "--tiny", "--replicas", "2"], "--replicas apply to `serve --ray` only"),
     "bench-flags": (["bench", "talker", "--placement", "split"], "apply to `bench e2e` only"),
     "bench-batch": (["bench", "e2e", "--render-batch", "0"], "argument --render-batch: must be at least 1, got 0"),
     "make-tiny-seed": (["make-tiny", "tiny", "--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
