@@ -27,7 +27,7 @@ import torch
 from ..acoustic.renderer import RenderedWindow
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
-from ..errors import EngineBusy, InputError, Music3Error
+from ..errors import EngineBusy, InputError, Music3Error, error_text
 from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from ..talker.engine import SongFinished, Talker
 from .audio_io import CHANNELS
@@ -366,7 +366,7 @@ class Engine:
                 log.error("engine stage stopped", extra={"stage": threading.current_thread().name, "error": str(exc)})
             else:
                 log.exception("engine thread died")
-            self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {exc!r}")
+            self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {error_text(exc)}")
 
     def _stop_serving(self, reason: str) -> None:
         """The engine cannot serve any more: every song it holds fails with the reason, and so does every submit."""
