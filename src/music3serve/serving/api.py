@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import EngineBusy, InputError, Music3Error
+from .access import OWNER, Access, allowed_methods, install
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
@@ -65,9 +67,19 @@ class SongState:
     ended_by: str | None = None
     samples_sent: int = 0  # per channel, at the output rate
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    name: str = ""  # the engine's id of the song: `id` within its API key's own ids (scoped); default `id`
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.id
 
     def public(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stop", "name")}
+
+
+def scoped(song_id: str, owner: int | None) -> str:
+    """The engine's id of a song of this API key (None: no keys): each key has ids of its own, so one cannot see,
+    cancel or block another's songs ("/" is in no id a client may choose)."""
+    return song_id if owner is None else f"{owner}/{song_id}"
 
 
 async def _pull(events: AsyncIterator[Event]) -> Event:
@@ -130,7 +142,7 @@ class SongStream(StreamingResponse):
             try:
                 await asyncio.wait_for(send(message), WRITE_STALL_S)
             except TimeoutError:
-                log.warning("client stopped reading", extra={"song": self.song.id, "samples": self.song.samples_sent})
+                log.warning("client stopped reading", extra={"song": self.song.name, "samples": self.song.samples_sent})
                 CutResponses.stalled += 1  # uvicorn will log this response as unfinished
                 raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s") from None
 
@@ -157,45 +169,49 @@ class SongService:
         self.pending: dict[str, asyncio.Event] = {}  # client-given ids still waiting for acceptance
         self.finished: OrderedDict[str, SongState] = OrderedDict()
 
-    def lookup(self, song: str) -> SongState | None:
-        return self.running.get(song) or self.finished.get(song)
+    def lookup(self, name: str) -> SongState | None:
+        """A running or recently finished song by its engine id (`scoped`)."""
+        return self.running.get(name) or self.finished.get(name)
 
     def finish(self, song: SongState, state: str, error: str | None = None) -> None:
         if song.state == "running":
             song.state, song.error = state, error
-            log.info("song ended", extra={"song": song.id, "state": song.state, "seed": song.seed,
+            log.info("song ended", extra={"song": song.name, "state": song.state, "seed": song.seed,
                                           "frames": song.frames, "ended_by": song.ended_by,
                                           "samples": song.samples_sent, "error": song.error})
-        if self.running.get(song.id) is song:  # not a newer song that reused the id after this one ended
-            del self.running[song.id]
-        if self.finished.get(song.id) is not song:  # a reused id's newest result goes to the back of the line
-            self.finished.pop(song.id, None)
-            self.finished[song.id] = song
+        if self.running.get(song.name) is song:  # not a newer song that reused the id after this one ended
+            del self.running[song.name]
+        if self.finished.get(song.name) is not song:  # a reused id's newest result goes to the back of the line
+            self.finished.pop(song.name, None)
+            self.finished[song.name] = song
         while len(self.finished) > KEEP_FINISHED:
             self.finished.popitem(last=False)
 
-    def cancel(self, song_id: str) -> None:
+    def cancel(self, name: str) -> None:
         """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
         to its end (its last audio, or its failure, is on its way to the client)."""
-        song, cancelled = self.running.get(song_id), self.engine.cancel(song_id)
-        stop = self.pending.get(song_id) if song is None else song.stop if cancelled else None
+        song, cancelled = self.running.get(name), self.engine.cancel(name)
+        stop = self.pending.get(name) if song is None else song.stop if cancelled else None
         if stop is not None:
             stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
 
     async def create(self, body: SongBody, request: Request) -> Response:
-        song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
+        key = request.scope.get(OWNER)
+        public_id = body.id if body.id is not None or key is None else uuid.uuid4().hex
+        name = None if public_id is None else scoped(public_id, key)
+        song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=name)
         if body.steps is not None:
             song_request.steps = body.steps
         events, stop = self.engine.submit(song_request), asyncio.Event()
-        owner = body.id is not None and self.pending.setdefault(body.id, stop) is stop
+        owner = name is not None and self.pending.setdefault(name, stop) is stop
         try:  # wait for acceptance, so input errors are still proper HTTP errors
             first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
         except TimeoutError:
             await events.aclose()
             message = f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later"
             return error_response(503, message)
-        except InputError as exc:
-            return error_response(400, str(exc))
+        except InputError as exc:  # an id taken is named as its client knows it
+            return error_response(400, str(exc) if name == public_id else str(exc).replace(repr(name), repr(public_id)))
         except EngineBusy as exc:
             return error_response(429, str(exc), {"Retry-After": "10"})
         except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
@@ -205,7 +221,7 @@ class SongService:
             raise
         finally:
             if owner:
-                del self.pending[body.id]
+                del self.pending[name]
         if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
             await events.aclose()
             log.info("song cancelled before it was accepted", extra={"song": body.id})
@@ -219,8 +235,9 @@ class SongService:
                 return error_response(503, f"the engine cannot take songs: {why}")
             message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
             return error_response(500, message)
-        song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
-        self.running[song.id] = song
+        song = SongState(public_id or first.song, first.seed, first.budget_frames, body.format, body.sample_rate,
+                         stop=stop, name=first.song)
+        self.running[song.name] = song
         headers = {
             "X-Song-Id": song.id, "X-Seed": str(song.seed), "X-Frame-Budget": str(song.frame_budget),
             "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
@@ -292,14 +309,15 @@ class SongService:
                 song.frames, song.ended_by = event.frames, event.ended_by
                 self.finish(song, "done")
             elif isinstance(event, Failed):
-                log.error("song failed", extra={"song": song.id, "error": event.message, "samples": song.samples_sent})
+                log.error("song failed",
+                          extra={"song": song.name, "error": event.message, "samples": song.samples_sent})
                 self.finish(song, "failed", event.message)
 
 
-def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
+def create_app(engine: Engine, close_engine: bool = False, access: Access = Access()) -> FastAPI:
     """The HTTP API over a running engine; the caller owns the engine. close_engine: the app closes it when the
     server shuts down (uvicorn re-raises SIGTERM after its shutdown: under the default handler the process ends
-    before any code after the server's run)."""
+    before any code after the server's run). access: API keys, allowed hosts and browser origins (default: open)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -318,13 +336,18 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
     app.state.songs = service
 
     app.add_middleware(BoundedBody)
+    install(app, access)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, describe(exc))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            methods = allowed_methods(app.router.routes, request.scope)
+            return error_response(405, f"{request.method} is not allowed here; this path takes {methods}",
+                                  {"Allow": methods})
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
@@ -339,16 +362,16 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
         return await service.create(body, request)
 
     @app.get("/v1/songs/{song_id}")
-    async def song_status(song_id: str) -> JSONResponse:
-        song = service.lookup(song_id)
-        if song is None:
+    async def song_status(song_id: str, request: Request) -> JSONResponse:
+        song = service.lookup(scoped(song_id, request.scope.get(OWNER)))
+        if song is None:  # also another key's song: its id is not told apart from an unknown one
             # An id is at most 128 characters: a longer path is quoted cut short, not echoed whole.
             return error_response(404, f"no song {song_id!r:.132} is running or finished recently")
         return JSONResponse(song.public())
 
     @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)
-    async def cancel_song(song_id: str) -> Response:
-        service.cancel(song_id)
+    async def cancel_song(song_id: str, request: Request) -> Response:
+        service.cancel(scoped(song_id, request.scope.get(OWNER)))
         return Response(status_code=204)
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # load balancers probe with either

@@ -3,6 +3,8 @@
 - A deadline for reading each request, from the connection's opening (or the start of a request after an answered
   one) to the request's last body byte. uvicorn has none, so a client that opens a connection and never finishes
   its request would hold it, and an open file, forever.
+- A JSON 413 for a Content-Length of more than 20 digits, which h11 refuses itself (with a plain-text 400) before
+  the app's own check (request_body.BoundedBody) could see it.
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
   does not run out of files (it then fails, and asyncio logs each failure with a traceback, thousands a second;
   AcceptErrorsOncePerMinute turns bursts that get past the cap into one line a minute with a count).
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import socket
 import struct
 import time
@@ -24,11 +28,14 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .api import RESET
+from .request_body import MAX_BODY_BYTES, too_large
 
 log = logging.getLogger(__name__)
 
 REQUEST_READ_S = 30.0  # the largest body (1 MiB) arrives well within this even over a slow link
 WARN_EVERY_S = 60.0  # refused connections and accept() failures are logged once per this interval, with a count
+HEAD_KEPT = 64 * 1024  # of a request's head as it arrives, to read its Content-Length where h11 refused it
+LONG_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*([0-9]{21,})[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
 
 
 class Throttled:
@@ -84,12 +91,38 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._head = b""
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             self.refusals()
             transport.abort()
             return
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # the start of a request: its head is kept until h11 has read it
+            self._head = (self._head + data)[:HEAD_KEPT]
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._head = b""
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot read; one whose Content-Length h11 refused for its length (over 20
+        digits) gets the JSON 413 (or 400) the app gives any other body too large (or a length it cannot read)."""
+        found = LONG_LENGTH.search(self._head)
+        if found is None:
+            return super().send_400_response(msg)
+        written = found.group(1).decode()
+        digits = written.lstrip("0") or "0"
+        status, message = 413, too_large(digits)
+        if len(digits) <= len(str(MAX_BODY_BYTES)):  # leading zeros: a small length, but too long for h11
+            status, message = 400, f"Content-Length has {len(written)} digits; write it without leading zeros"
+        body = json.dumps({"error": message}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))  # h11 lets a server answer a request it could not read
+        self.transport.close()
 
     def handle_events(self) -> None:
         """Runs on every arrival of data and after every answered request (which may start a pipelined one)."""

@@ -138,7 +138,8 @@ class RenderLoop:
                 log.exception("render failed")
                 self.failures_in_a_row += 1
                 if self.failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                    raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: {error_text(exc)}); "
+                    raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: "
+                                      f"{error_text(exc)}); "
                                       "it stops") from exc
                 return
             log.warning("a render of %d windows failed (%r); rendering them one at a time", len(batch), exc)

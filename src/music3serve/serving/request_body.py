@@ -76,6 +76,12 @@ def _at_most(digits: str, limit: int) -> bool:
     return len(digits) <= len(str(limit)) and int(digits) <= limit
 
 
+def too_large(digits: str) -> str:
+    """The 413's message for a body of `digits` bytes (a decimal count without leading zeros)."""
+    shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+    return f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
+
+
 def _expects_continue(scope: dict[str, Any]) -> bool:
     """Whether the client waits to be told to send its body (Expect: 100-continue): reading it would tell it to."""
     return any(name == b"expect" and b"100-continue" in value.lower() for name, value in scope["headers"])
@@ -125,8 +131,7 @@ class BoundedBody:
                 return await error_response(400, message)(scope, receive, send)
             digits = length.lstrip("0") or "0"
             if not _at_most(digits, MAX_BODY_BYTES):
-                shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
-                message = f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
+                message = too_large(digits)
                 droppable = _at_most(digits, DRAIN_BYTES)
                 if droppable and not _expects_continue(scope) and await _drop_body(receive, DRAIN_BYTES):
                     return await error_response(413, message)(scope, receive, send)

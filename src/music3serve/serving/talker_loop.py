@@ -78,7 +78,8 @@ class TalkerLoop:
                         self.callers.fail(song, f"stage 0 failed: {error_text(exc)}")
                     failures_in_a_row += 1
                     if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {error_text(exc)}); "
+                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: "
+                                          f"{error_text(exc)}); "
                                           "it stops") from exc
                     continue
                 finally:

@@ -1,0 +1,155 @@
+"""The HTTP API's edge on the CPU (serving/access.py, serving/http_guard.py, serving/api.py): API keys and song
+ownership, CORS, Host checks against DNS rebinding, the Allow header of a 405, an oversized Content-Length, slow and
+half-closed readers of whole songs, and whether a song's end reached its client. One server over the tiny
+checkpoint, with two keys, one browser origin and a loopback host policy, behind the guarded h11 protocol."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from music3serve.serving.engine import Engine  # noqa: E402
+from polling import poll_until  # noqa: E402
+
+SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2, "duration": 2}
+KEYS = ("key-one", "key-two")
+ORIGIN = "https://app.example"
+ONE, TWO = ({"Authorization": f"Bearer {key}"} for key in KEYS)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine, serve_http):
+    from music3serve.serving.access import Access, HostPolicy
+    from music3serve.serving.api import create_app
+    from music3serve.serving.http_guard import guarded_protocol
+
+    access = Access(api_keys=KEYS, allowed_origins=(ORIGIN,), hosts=HostPolicy.for_bind("127.0.0.1", ["music.example"]))
+    with serve_http(create_app(engine, access=access), http=guarded_protocol(None)) as url:
+        yield url
+
+
+def raw(base_url: str, request: bytes, half_close: bool = False, timeout: float = 60) -> bytes:
+    """Sends `request` on a socket of its own (then shuts the write side, with half_close) and reads the answer to its
+    end."""
+    host, port = base_url.removeprefix("http://").split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(request)
+        if half_close:
+            conn.shutdown(socket.SHUT_WR)
+        try:
+            while data := conn.recv(65536):
+                answer += data
+        except ConnectionResetError:
+            pass
+    return answer
+
+
+# --- API keys, ownership, CORS ----------------------------------------------------------------------------------
+def test_v1_routes_need_a_key_and_health_and_metrics_stay_open(client):
+    for headers, why in (({}, "needs an API key"), ({"Authorization": "Bearer nope"}, "not valid"),
+                         ({"Authorization": "Basic a2V5LW9uZQ=="}, "must be Bearer")):
+        for method, path in (("POST", "/v1/songs"), ("GET", "/v1/songs/x"), ("DELETE", "/v1/songs/x")):
+            response = client.request(method, path, headers=headers, json=SONG if method == "POST" else None)
+            assert response.status_code == 401, (method, path, headers)
+            assert why in response.json()["error"] and response.headers["www-authenticate"] == "Bearer"
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    response = client.post("/v1/songs", headers=TWO, json={**SONG, "stream": False})
+    assert response.status_code == 200 and response.content[:4] == b"RIFF"
+
+
+def test_a_song_belongs_to_its_key(client):
+    """Another key's GET or DELETE is a 404 (not 403: ids are not confirmed to exist), cancels nothing, and each key
+    has ids of its own, so one key's id in use does not block another's."""
+    with client.stream("POST", "/v1/songs", headers=ONE, json={**SONG, "duration": 60, "id": "mine"}) as response:
+        assert response.status_code == 200 and response.headers["x-song-id"] == "mine"
+        assert client.get("/v1/songs/mine", headers=ONE).json()["state"] == "running"
+        assert client.get("/v1/songs/mine", headers=TWO).status_code == 404
+        assert client.delete("/v1/songs/mine", headers=TWO).status_code == 204
+        assert client.get("/v1/songs/mine", headers=ONE).json()["state"] == "running"
+        other = client.post("/v1/songs", headers=TWO, json={**SONG, "id": "mine", "stream": False})
+        assert other.status_code == 200 and other.headers["x-song-id"] == "mine"
+        assert client.get("/v1/songs/mine", headers=TWO).json()["state"] == "done"
+        assert client.delete("/v1/songs/mine", headers=ONE).status_code == 204
+        response.read()
+    assert client.get("/v1/songs/mine", headers=ONE).json()["state"] == "cancelled"
+    assert client.get("/v1/songs/mine", headers=TWO).json()["state"] == "done"
+
+
+def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    response = client.options("/v1/songs", headers=preflight)
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert "authorization" in response.headers["access-control-allow-headers"].lower()
+    assert client.options("/v1/songs", headers={**preflight, "Origin": "https://evil.example"}).status_code == 400
+    response = client.post("/v1/songs", headers={**ONE, "Origin": ORIGIN}, json={**SONG, "stream": False})
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
+    exposed = response.headers["access-control-expose-headers"].lower()
+    assert all(name in exposed for name in ("x-seed", "x-frame-budget", "x-sample-rate", "x-song-id"))
+    denied = client.get("/v1/songs/x", headers={"Origin": ORIGIN})  # a 401 the page can read
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
+
+
+# --- Host header (DNS rebinding) ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("host, allowed", [
+    ("localhost:8000", True), ("127.0.0.1", True), ("127.8.9.1:80", True), ("[::1]:8000", True),
+    ("app.localhost", True), ("music.example:8000", True), ("MUSIC.example", True),
+    ("rebound.attacker.example", False), ("music.example.attacker.example", False), ("10.0.0.5:8000", False),
+])
+def test_a_server_on_loopback_answers_loopback_names_and_the_allowed_hosts_only(client, host, allowed):
+    response = client.get("/health", headers={"Host": host})
+    assert response.status_code == (200 if allowed else 400), host
+    if not allowed:
+        assert "--allowed-hosts" in response.json()["error"]
+
+
+def test_a_server_on_all_interfaces_answers_any_host_unless_told_which():
+    from music3serve.serving.access import HostPolicy
+
+    assert HostPolicy.for_bind("0.0.0.0").allows("pod-10-1-2-3.cluster.local:8000")
+    assert HostPolicy.for_bind("::").allows("[fd00::1]:80")
+    named = HostPolicy.for_bind("0.0.0.0", ["*.example.com"])
+    assert named.allows("music.example.com") and not named.allows("example.com.evil")
+    assert not named.allows("localhost")  # bound to all interfaces: loopback names are not implied
+
+
+# --- 405, Content-Length --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, path, allow", [
+    ("PUT", "/v1/songs/x", "GET, DELETE"), ("OPTIONS", "/v1/songs/x", "GET, DELETE"), ("HEAD", "/metrics", "GET"),
+    ("GET", "/v1/songs", "POST"), ("POST", "/health", "GET, HEAD"), ("DELETE", "/metrics", "GET"),
+])
+def test_a_405_names_every_method_the_path_takes(client, method, path, allow):
+    response = client.request(method, path, headers=ONE)
+    assert response.status_code == 405 and response.headers["allow"] == allow
+    if method != "HEAD":
+        assert response.json()["error"] == f"{method} is not allowed here; this path takes {allow}"
+
+
+@pytest.mark.parametrize("digits", [21, 60, 5000])
+def test_a_content_length_over_20_digits_is_the_documented_json_413(base_url, digits):
+    """h11 refuses a Content-Length of more than 20 digits itself, with a plain-text 400."""
+    answer = raw(base_url, b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %s\r\n\r\n{}" % (b"9" * digits))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"content-type: application/json" in head.lower(), answer[:300]
+    assert json.loads(body)["error"].endswith("bytes; the limit is 1048576 bytes")
+    answer = raw(base_url, b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Length: %s2\r\n\r\n{}" % (b"0" * 20))
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"without leading zeros" in answer, answer
