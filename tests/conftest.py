@@ -68,13 +68,16 @@ def plain_hot_paths_afterwards():
 @pytest.fixture(scope="session")
 def serve_http():
     """A context manager running an ASGI app under uvicorn in a thread on a free local port; gives the base URL.
-    Keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown)."""
+    send_buffer: the connections' SO_SNDBUF (small, so that a client that stops reading backs the server's sends up
+    soon); other keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown)."""
 
     @contextlib.contextmanager
-    def serve(app, **config):
+    def serve(app, send_buffer: int | None = None, **config):
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if send_buffer is not None:  # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", **config))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -138,10 +138,10 @@ def test_streaming_32k_has_no_gaps_between_windows(client, songs):
     assert client.get(f"/v1/songs/{song}").json()["samples_sent"] == len(pcm)  # the resampler's tail counted too
 
 
-def test_a_resampler_tail_flushed_at_done_is_counted_as_sent():
+def test_a_resampler_tail_flushed_at_done_is_sent():
     """A Done after a chunk not marked last (the engine marks its last chunk, which flushes the 32 kHz resampler
-    then; the API does not rely on it): the tail the resampler held back is sent at Done and counted in
-    samples_sent (GET /v1/songs/{id})."""
+    then; the API does not rely on it): the tail the resampler held back is sent at Done (and so counted in
+    samples_sent, which counts what the connection takes)."""
     from music3serve.serving import api
 
     async def events():
@@ -155,7 +155,7 @@ def test_a_resampler_tail_flushed_at_done_is_counted_as_sent():
 
     song, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert song.state == "done" and len(pieces) == 2  # the chunk's samples, then the tail
-    assert song.samples_sent == sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
+    assert sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
 
 
 def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
@@ -484,7 +484,8 @@ def test_over_http_1_0_a_failed_stream_is_reset_and_a_finished_one_ends_cleanly(
     as a whole (short) song: through a proxy that speaks HTTP/1.0 upstream (nginx's default) every failed song
     reached its listener as a finished one. The connection is reset instead (by the server's protocol, as
     `music3serve serve` runs it), and uvicorn's traceback for the cut is one warning line."""
-    from music3serve.serving.api import CutResponses, create_app
+    from music3serve.serving.api import create_app
+    from music3serve.serving.song_stream import CutResponses
     from music3serve.serving.http_guard import guarded_protocol
 
     def broken(batch):
@@ -571,11 +572,12 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
-                     "serving/access.py"}
+                     "serving/access.py", "serving/song_stream.py"}
     for module, readers in (("request_body", {"serving/api.py", "serving/access.py", "serving/http_guard.py"}),
                             ("http_guard", {"serving/server.py"}),
                             ("access", {"serving/api.py", "serving/server.py", "cli.py"}),  # cli: in `serve` only
-                            ("api", {"serving/server.py", "serving/http_guard.py"}),  # http_guard: api.RESET
+                            ("song_stream", {"serving/api.py", "serving/server.py", "serving/http_guard.py"}),
+                            ("api", {"serving/server.py"}),
                             ("server", {"cli.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
@@ -607,7 +609,7 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     monkeypatch.setattr(ForceQuitServer, "run", lambda self, sockets=None: calls.update(vars(self.config)))
     assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8123"]) == 0
     assert calls["engine"] == (tmp_path, 16, "cpu") and calls["closed"]
-    from music3serve.serving.api import CutResponses
+    from music3serve.serving.song_stream import CutResponses
 
     assert any(isinstance(f, CutResponses) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
@@ -685,10 +687,10 @@ def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, roo
 def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
     """A send that does not complete within WRITE_STALL_S (the client's socket is full: it reads nothing) stops the
     song and closes the body generator, instead of holding the song forever."""
-    from music3serve.serving import api
+    from music3serve.serving import api, song_stream
 
-    monkeypatch.setattr(api, "WRITE_STALL_S", 0.2)
-    monkeypatch.setattr(api.CutResponses, "stalled", 0)
+    monkeypatch.setattr(song_stream, "WRITE_STALL_S", 0.2)
+    monkeypatch.setattr(song_stream.CutResponses, "stalled", 0)
     closed = []
 
     async def body():
@@ -713,12 +715,16 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
         async def abandon() -> None:  # the service's: close the engine stream, record the song as ended
             closed.append("abandoned")
 
-        await asyncio.wait_for(api.SongStream(body(), song, abandon)({"type": "http"}, receive, send), 5)
+        def gone() -> None:  # the service's: cancel the song
+            closed.append("gone")
+
+        stream = song_stream.SongStream(body(), song, gone, abandon)
+        await asyncio.wait_for(stream({"type": "http"}, receive, send), 5)
         return song, sends
 
     song, sends = asyncio.run(scenario())
-    assert song.stop.is_set() and closed == [True, "abandoned"]  # the body closed, then the song ended
-    assert api.CutResponses.stalled == 1  # uvicorn's line about the unfinished response becomes a warning
+    assert closed == ["gone", True, "abandoned"]  # the song cancelled, the body closed, then the song ended
+    assert song_stream.CutResponses.stalled == 1  # uvicorn's line about the unfinished response becomes a warning
     assert sends == ["http.response.start", "http.response.body", "http.response.body"]
 
 
@@ -783,8 +789,8 @@ class HeldSong:
         finally:
             self.closed = True
 
-    def cancel(self, song: str) -> None:
-        pass
+    def cancel(self, song: str) -> bool:
+        return True  # it holds the song until its stream is closed
 
 
 def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
@@ -797,7 +803,7 @@ def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
         service = api.SongService(engine)  # type: ignore[arg-type]
         request = api.Request({"type": "http", "headers": []})
         response = await service.create(api.SongBody(caption="pop", lyrics="la", id="gone"), request)
-        assert isinstance(response, api.SongStream)
+        assert isinstance(response, api.SongStream) and response.headers["x-song-id"] == "gone"
 
         async def send(message):
             raise OSError("client disconnected")
@@ -835,7 +841,7 @@ def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
 
 
 def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
-    from music3serve.serving.api import CutResponses
+    from music3serve.serving.song_stream import CutResponses
 
     def record(error: BaseException) -> logging.LogRecord:
         try:
@@ -860,7 +866,7 @@ def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
 def test_a_stream_cut_for_a_stalled_client_logs_a_warning_not_an_error(monkeypatch):
     """SongStream ends the response of a client that stopped reading unfinished, which uvicorn logged as an ERROR;
     an unfinished response with no stall behind it stays one."""
-    from music3serve.serving.api import CutResponses
+    from music3serve.serving.song_stream import CutResponses
 
     def record() -> logging.LogRecord:
         return logging.getLogger("uvicorn.error").makeRecord(
@@ -881,7 +887,8 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
     loop's teardown cancelled the streams, logging a traceback for each and one for the app."""
     import socket
 
-    from music3serve.serving.api import CutResponses, create_app
+    from music3serve.serving.api import create_app
+    from music3serve.serving.song_stream import CutResponses
     from music3serve.serving.server import ForceQuitServer
 
     own = Engine.from_pretrained(tiny_dir, device="cpu")

@@ -40,7 +40,8 @@ def base_url(engine, serve_http):
     from music3serve.serving.http_guard import guarded_protocol
 
     access = Access(api_keys=KEYS, allowed_origins=(ORIGIN,), hosts=HostPolicy.for_bind("127.0.0.1", ["music.example"]))
-    with serve_http(create_app(engine, access=access), http=guarded_protocol(None)) as url:
+    app = create_app(engine, access=access)
+    with serve_http(app, send_buffer=8192, http=guarded_protocol(None)) as url:
         yield url
 
 
@@ -153,3 +154,115 @@ def test_a_content_length_over_20_digits_is_the_documented_json_413(base_url, di
     assert json.loads(body)["error"].endswith("bytes; the limit is 1048576 bytes")
     answer = raw(base_url, b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Length: %s2\r\n\r\n{}" % (b"0" * 20))
     assert answer.startswith(b"HTTP/1.1 400 ") and b"without leading zeros" in answer, answer
+
+
+# --- whole songs: slow readers, half-closed clients, delivery -----------------------------------------------------
+def post_bytes(body: dict, headers: dict[str, str] = ONE) -> bytes:
+    data = json.dumps(body).encode()
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%sContent-Length: %d"
+            b"\r\n\r\n%s" % (head.encode(), len(data), data))
+
+
+def split_response(answer: bytes) -> tuple[bytes, bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+def dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        out, body = out + rest[:n], rest[n + 2:]
+        if n == 0:
+            break
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_half_closed_client_gets_its_whole_song(base_url, client, stream):
+    """A client that sends its request and shuts its write side (nc -N) still reads: it gets the whole response, and
+    the song is delivered, not cancelled."""
+    answer = raw(base_url, post_bytes({**SONG, "stream": stream, "format": "pcm", "id": f"half-{stream}"}),
+                 half_close=True)
+    head, body = split_response(answer)
+    assert head.startswith(b"HTTP/1.1 200"), answer[:300]
+    audio = dechunk(body) if stream else body
+    status = client.get(f"/v1/songs/half-{stream}", headers=ONE).json()
+    assert status["state"] == "done" and status["delivered"] is True
+    assert len(audio) == 4 * status["samples_sent"] > 0
+
+
+def test_a_whole_song_says_it_was_delivered(client):
+    response = client.post("/v1/songs", headers=ONE, json={**SONG, "stream": False, "id": "whole-ok"})
+    status = client.get("/v1/songs/whole-ok", headers=ONE).json()
+    assert status["state"] == "done" and status["delivered"] is True
+    assert len(response.content) == 44 + 4 * status["samples_sent"]
+
+
+def reader_that_stops(base_url: str, request: bytes) -> socket.socket:
+    """A connection that sends `request` and then reads nothing (a receive buffer of a few KB, so the server's sends
+    back up quickly)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn.connect((host, int(port)))
+    conn.sendall(request)
+    return conn
+
+
+def test_a_whole_song_whose_client_stops_reading_counts_toward_the_budget_and_is_cut(base_url, client, engine,
+                                                                                     monkeypatch):
+    """stream: false had no write deadline, and its audio left the unread-audio budget once the song was done: two
+    240 s songs whose clients stopped reading sat in memory as long as the clients stayed connected. Now the audio
+    not yet sent counts toward the budget until the client reads it or is cut after WRITE_STALL_S without reading."""
+    from music3serve.serving import song_stream
+    from music3serve.serving.engine import audio_bytes
+
+    monkeypatch.setattr(song_stream, "WRITE_STALL_S", 3.0)
+    song = {**SONG, "duration": 4, "format": "pcm", "stream": False}  # 0.7 MB, far past the connection's buffers
+    monkeypatch.setattr(engine, "max_unread_bytes", audio_bytes(4 * 25) + (64 << 10))  # one such song at a time
+    with reader_that_stops(base_url, post_bytes({**song, "id": "stalled"})) as stalled:
+        poll_until(lambda: client.get("/v1/songs/stalled", headers=ONE).json().get("state") == "done")
+        busy = client.post("/v1/songs", headers=ONE, json={**song, "id": "second"})
+        assert busy.status_code == 429 and "not read" in busy.json()["error"], busy.text
+        poll_until(lambda: engine._read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
+        stalled.settimeout(10)
+        got = b""
+        with pytest.raises(ConnectionResetError):  # cut short: a reset, so the client cannot mistake it for the end
+            while data := stalled.recv(1 << 20):
+                got += data
+    status = client.get("/v1/songs/stalled", headers=ONE).json()
+    assert status["state"] == "done" and 0 < status["samples_sent"] < song["duration"] * 44100
+    second = client.post("/v1/songs", headers=ONE, json=song)
+    assert second.status_code == 200  # its audio given back to the budget
+
+
+def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_url, client, engine, monkeypatch):
+    """A client that leaves while the song's last window is on its way: the engine finished the song (counted in
+    music3_song_seconds), so the state is done, not cancelled, and `delivered` says its end never reached the
+    client; music3_cancels does not move."""
+    from music3serve.serving import api
+
+    def sample(name: str) -> float:
+        return engine.metrics.registry.get_sample_value(name)
+
+    encode, busy, release = api.PcmEncoder.feed, threading.Event(), threading.Event()
+
+    def slow_feed(self, pcm, last):  # the server still busy with the last window when the client leaves
+        busy.set()
+        assert release.wait(30)
+        return encode(self, pcm, last)
+
+    monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
+    finished, cancels = sample("music3_song_seconds_count"), sample("music3_cancels_total")
+    conn = reader_that_stops(base_url, post_bytes({**SONG, "id": "left"}))
+    poll_until(lambda: busy.is_set() and sample("music3_song_seconds_count") == finished + 1)
+    conn.close()
+    time.sleep(0.3)  # the server sees the connection closed
+    release.set()
+    poll_until(lambda: client.get("/v1/songs/left", headers=ONE).json()["state"] != "running")
+    status = client.get("/v1/songs/left", headers=ONE).json()
+    assert (status["state"], status["delivered"], status["samples_sent"]) == ("done", False, 0)
+    assert sample("music3_cancels_total") == cancels

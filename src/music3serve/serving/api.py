@@ -14,14 +14,14 @@ import contextlib
 import logging
 import sys
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import EngineBusy, InputError, Music3Error
@@ -30,26 +30,20 @@ from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
+from .song_stream import SEND_PIECE_BYTES, SongFailedMidStream, SongStream, watch_disconnect
 
 log = logging.getLogger(__name__)
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
-# The ASGI scope extension by which a server lets the app reset a connection: {"reset": callable} (serving/http_guard
-# offers it). A response without the chunked encoding (HTTP/1.0) cannot say it was cut short but by a reset: a plain
-# close reads as its end.
-RESET = "music3serve.reset"
+ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
 
 
 # A song is accepted within one talker step of its POST (tokenizing and a prefill at most). On a GPU the engine's
 # watch fails a step past TALKER_STEP_LIMIT_S (the client then gets its 503 with the reason); waiting 30 s longer
 # than that, the client gets 503 instead of an open connection where no watch applies (the CPU).
 ACCEPT_TIMEOUT_S = TALKER_STEP_LIMIT_S + 30.0
-
-
-class SongFailedMidStream(RuntimeError):
-    """Raised out of a streaming response so the server drops the connection before the final chunk."""
 
 
 @dataclass
@@ -65,7 +59,8 @@ class SongState:
     error: str | None = None
     frames: int | None = None
     ended_by: str | None = None
-    samples_sent: int = 0  # per channel, at the output rate
+    samples_sent: int = 0  # per channel, at the output rate, in bytes the connection accepted
+    delivered: bool = False  # the song's end reached the client (its TCP acknowledged the last byte)
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     name: str = ""  # the engine's id of the song: `id` within its API key's own ids (scoped); default `id`
 
@@ -105,61 +100,32 @@ async def _next_event(events: AsyncIterator[Event], stop: asyncio.Event) -> Even
     return None if step.cancelled() else step.result()
 
 
-async def _watch_disconnect(request: Request, stop: asyncio.Event) -> None:
-    """Set `stop` when the client goes away (the request body has been read, so only http.disconnect is left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    stop.set()
+class HeldAudio:
+    """A whole song's audio, read from the engine and not yet sent: it counts toward the engine's unread-audio budget
+    (Engine.hold_read_audio) until the client has taken it, so clients that stop reading cannot fill the host's
+    memory with finished songs."""
 
+    def __init__(self, engine: Engine):
+        self.engine, self.pieces, self.bytes = engine, deque[bytes](), 0
 
-class ClientStalled(OSError):
-    """The client read nothing for WRITE_STALL_S while a piece of its song waited to be sent."""
+    def add(self, piece: bytes) -> None:
+        self.engine.hold_read_audio(len(piece))
+        self.pieces.append(piece)
+        self.bytes += len(piece)
 
+    async def send(self, header: bytes) -> AsyncIterator[bytes]:
+        """The header, then each piece, given back to the budget once the connection has taken it."""
+        yield header
+        while self.pieces:
+            yield self.pieces[0]
+            self.engine.hold_read_audio(-len(self.pieces.popleft()))
 
-SEND_PIECE_BYTES = 256 * 1024  # one send at most: each must drain within WRITE_STALL_S, even for a slow reader
-# A client playing the stream in real time frees a window's bytes within ~8 s; one that reads nothing for this
-# long is gone or stuck, and its song is cancelled rather than held (it counts toward the engine's songs).
-WRITE_STALL_S = 120.0
+    def release(self) -> None:
+        self.engine.hold_read_audio(-sum(map(len, self.pieces)))
+        self.pieces.clear()
 
-
-class SongStream(StreamingResponse):
-    """A streaming response that stops its song when the client disconnects or stops reading, whatever the ASGI
-    version, and always closes its body generator (so the engine generator's cleanup runs at once, not at garbage
-    collection)."""
-
-    def __init__(
-        self, content: AsyncIterator[bytes], song: SongState, abandon: Callable[[], Awaitable[None]], **kwargs: Any
-    ):
-        """`abandon` ends the song if the body never ran (the headers could not be sent): the body's own cleanup
-        is in code that never started."""
-        super().__init__(content, **kwargs)
-        self.song, self.abandon = song, abandon
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watcher = asyncio.ensure_future(_watch_disconnect(Request(scope, receive), self.song.stop))
-
-        async def send_or_give_up(message: dict) -> None:
-            try:
-                await asyncio.wait_for(send(message), WRITE_STALL_S)
-            except TimeoutError:
-                log.warning("client stopped reading", extra={"song": self.song.name, "samples": self.song.samples_sent})
-                CutResponses.stalled += 1  # uvicorn will log this response as unfinished
-                raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s") from None
-
-        ended = False
-        try:
-            await self.stream_response(send_or_give_up)
-            ended = True
-        except OSError:  # the client went away between two chunks (ASGI 2.4 servers raise on send), or stalled
-            self.song.stop.set()
-        finally:
-            watcher.cancel()
-            reset = scope.get("extensions", {}).get(RESET)
-            if not ended and scope.get("http_version") == "1.0" and reset:
-                reset["reset"]()  # no chunked encoding to leave unfinished: only a reset says the body was cut
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            if self.song.state == "running":
-                await self.abandon()
+    async def closed(self) -> None:
+        self.release()
 
 
 class SongService:
@@ -186,6 +152,12 @@ class SongService:
             self.finished[song.name] = song
         while len(self.finished) > KEEP_FINISHED:
             self.finished.popitem(last=False)
+
+    def client_gone(self, song: SongState) -> None:
+        """The client left: its song is cancelled as by a DELETE; a song the engine has already ended keeps that
+        end (done or failed, as the metrics count it), not delivered."""
+        if song.state == "running" and not song.stop.is_set() and self.engine.cancel(song.name):
+            song.stop.set()
 
     def cancel(self, name: str) -> None:
         """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
@@ -245,8 +217,9 @@ class SongService:
         }
         if body.stream:
             headers["X-Accel-Buffering"] = "no"  # ask proxies not to buffer the stream
-            return SongStream(self.stream(song, events), song, lambda: self.abandon(song, events), headers=headers,
-                              media_type=MEDIA_TYPES[song.format])
+            return SongStream(self.stream(song, events), song, lambda: self.client_gone(song),
+                              lambda: self.abandon(song, events), preamble=len(wav_header(song.sample_rate)) * (song.format == "wav"),
+                              headers=headers, media_type=MEDIA_TYPES[song.format])
         return await self.whole(song, events, request, headers)
 
     async def stream(self, song: SongState, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
@@ -263,31 +236,55 @@ class SongService:
             await self.abandon(song, events)
 
     async def abandon(self, song: SongState, events: AsyncIterator[Event]) -> None:
-        """Close the engine stream (which cancels a song still running there) and record the song as ended."""
+        """Close the engine stream of a song whose response has ended and record the song's end. A song still running
+        in the engine is cancelled there; one the engine has just ended (its client left meanwhile) gets that end,
+        done or failed, so the state and the metrics agree."""
+        if song.state == "running" and not song.stop.is_set() and not self.engine.cancel(song.name):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ENDING_S):
+                    async for event in events:  # its Done or Failed is on its way
+                        if isinstance(event, (Done, Failed)):
+                            self.ended(song, event)
+                            break
         await events.aclose()  # type: ignore[attr-defined]
         self.finish(song, "cancelled")
 
+    def ended(self, song: SongState, event: Done | Failed) -> None:
+        if isinstance(event, Done):
+            song.frames, song.ended_by = event.frames, event.ended_by
+            self.finish(song, "done")
+        else:
+            log.error("song failed", extra={"song": song.name, "error": event.message, "samples": song.samples_sent})
+            self.finish(song, "failed", event.message)
+
     async def whole(self, song: SongState, events: AsyncIterator[Event], request: Request, headers: dict) -> Response:
-        watcher = asyncio.ensure_future(_watch_disconnect(request, song.stop))
+        """The song in one response once it is done; its audio counts toward the engine's unread-audio budget until
+        the client has taken it (HeldAudio), and it is sent under the streams' guard against a client that stops
+        reading."""
+        watcher = asyncio.ensure_future(watch_disconnect(request, lambda: self.client_gone(song)))
+        held = HeldAudio(self.engine)
         try:
             async with contextlib.aclosing(self.audio(song, events, PcmEncoder(song.sample_rate))) as audio:
-                data = b"".join([piece async for piece in audio])
+                async for piece in audio:
+                    held.add(piece)
         except asyncio.CancelledError:  # only the server's shutdown cancels a request task (grace over, second Ctrl-C)
             asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
+            held.release()
             return error_response(503, f"the server shut down before song {song.id} was finished (songs still running "
                                        "when its shutdown grace period is over, or at a second Ctrl-C, are cut)",
                                   headers)
         finally:
             watcher.cancel()
-            await events.aclose()
-            self.finish(song, "cancelled")
-        if song.state == "failed":
-            return error_response(500, f"song {song.id} failed: {song.error}", headers)
+            await self.abandon(song, events)
         if song.state != "done":
+            held.release()
+            if song.state == "failed":
+                return error_response(500, f"song {song.id} failed: {song.error}", headers)
             return error_response(409, f"song {song.id} was cancelled before it was finished", headers)
-        if song.format == "wav":
-            data = wav_header(song.sample_rate, len(data)) + data
-        return Response(data, media_type=MEDIA_TYPES[song.format], headers=headers)
+        header = wav_header(song.sample_rate, held.bytes) if song.format == "wav" else b""
+        headers["Content-Length"] = str(len(header) + held.bytes)
+        return SongStream(held.send(header), song, lambda: None, held.closed, preamble=len(header), headers=headers,
+                          media_type=MEDIA_TYPES[song.format])
 
     async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[bytes]:
         """PCM bytes of each window as it arrives; sets the song's state when it ends."""
@@ -298,20 +295,14 @@ class SongService:
             elif isinstance(event, AudioChunk):
                 data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
                 for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
-                    piece = data[start : start + SEND_PIECE_BYTES]
-                    yield piece
-                    song.samples_sent += len(piece) // (2 * CHANNELS)  # once taken: a client gone stops the count
+                    yield data[start : start + SEND_PIECE_BYTES]
             elif isinstance(event, Done):
                 tail = await asyncio.to_thread(encoder.feed, np.zeros((CHANNELS, 0), np.float32), True)
                 if tail:
                     yield tail
-                    song.samples_sent += len(tail) // (2 * CHANNELS)
-                song.frames, song.ended_by = event.frames, event.ended_by
-                self.finish(song, "done")
+                self.ended(song, event)
             elif isinstance(event, Failed):
-                log.error("song failed",
-                          extra={"song": song.name, "error": event.message, "samples": song.samples_sent})
-                self.finish(song, "failed", event.message)
+                self.ended(song, event)
 
 
 def create_app(engine: Engine, close_engine: bool = False, access: Access = Access()) -> FastAPI:
@@ -386,35 +377,3 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
     return app
-
-
-class CutResponses(logging.Filter):
-    """uvicorn logs the responses this app cuts on purpose as errors: each request task it cancels once the shutdown
-    grace is over as "Exception in ASGI application" with a CancelledError traceback, and a stream SongStream ended
-    because its client stopped reading as "ASGI callable returned without completing response.", and a stream cut
-    because its song failed as "Exception in ASGI application" with a SongFailedMidStream traceback (the failure
-    itself is logged as an error where it happened); before cutting at shutdown it says "Cancel N running task(s),
-    timeout graceful shutdown exceeded". All are documented behaviour: each becomes one warning line. (Any other
-    unfinished response stays an error.)"""
-
-    stalled = 0  # streams SongStream cut for a stalled client whose unfinished response uvicorn has not logged yet
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        message = record.getMessage()
-        if (isinstance(error, asyncio.CancelledError) and "graceful shutdown" in str(error)
-                and message.startswith("Exception in ASGI")):
-            self._warn(record, "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)")
-        elif isinstance(error, SongFailedMidStream) and message.startswith("Exception in ASGI"):
-            self._warn(record, f"a response was cut: {error}")
-        elif message.startswith("Cancel ") and message.endswith("timeout graceful shutdown exceeded"):
-            self._warn(record, f"{message} (the grace period was over, or a second Ctrl-C)")
-        elif message == "ASGI callable returned without completing response." and CutResponses.stalled > 0:
-            CutResponses.stalled -= 1
-            self._warn(record, "a response was cut: its client stopped reading (its song is cancelled)")
-        return True
-
-    @staticmethod
-    def _warn(record: logging.LogRecord, message: str) -> None:
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None

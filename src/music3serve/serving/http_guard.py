@@ -21,14 +21,15 @@ import logging
 import re
 import socket
 import struct
+import sys
 import time
 from typing import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .api import RESET
 from .request_body import MAX_BODY_BYTES, too_large
+from .song_stream import RESET, UNACKNOWLEDGED
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ class GuardedH11Protocol(H11Protocol):
         """Runs on every arrival of data and after every answered request (which may start a pipelined one)."""
         super().handle_events()
         if self.cycle is not None:  # set as the request arrives, before its app task starts
-            self.cycle.scope.setdefault("extensions", {}).setdefault(RESET, {"reset": self._reset})
+            extensions = self.cycle.scope.setdefault("extensions", {})
+            extensions.setdefault(RESET, {"reset": self._reset})
+            extensions.setdefault(UNACKNOWLEDGED, {"bytes": self._unacknowledged})
         state = self.conn.their_state
         receiving = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
         upgraded = self.transport.get_protocol() is not self
@@ -149,6 +152,31 @@ class GuardedH11Protocol(H11Protocol):
             # Answered before its body was read: the rest of the body is still the request's, bounded by the read
             # deadline; uvicorn's keep-alive timer would close the connection under a client pausing mid-body.
             self._unset_keepalive_if_required()
+
+    def eof_received(self) -> bool:
+        """The client ended its input (a half-close, as `nc -N` or a shutdown(SHUT_WR) does): a request it sent whole
+        is still answered, and the connection closed after it; a client that closed its connection altogether is
+        told apart by the writes, which fail. An end of input within a request (or between requests) closes at
+        once."""
+        if self.cycle is not None and not self.cycle.response_complete and self.conn.their_state is h11.DONE:
+            self.cycle.keep_alive = False
+            return True  # keep the transport open for writing
+        return False
+
+    def _unacknowledged(self) -> int | None:
+        """Bytes written to the connection and not yet acknowledged by the client's TCP: those the transport still
+        holds, and on Linux those in the kernel's send queue (SIOCOUTQ); None once the connection is closing."""
+        if self.transport.is_closing():
+            return None
+        held = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sys.platform == "linux" and sock is not None:
+            import fcntl
+            import termios
+
+            with contextlib.suppress(OSError):
+                held += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        return held
 
     def _reset(self) -> None:
         """Close the connection with a TCP reset: a zero linger time makes the close send RST, not FIN."""

@@ -11,9 +11,10 @@ import signal
 import uvicorn
 
 from .access import Access
-from .api import CutResponses, create_app
+from .api import create_app
 from .engine import Engine
 from .http_guard import AcceptErrorsOncePerMinute, guarded_protocol
+from .song_stream import CutResponses
 
 log = logging.getLogger(__name__)
 
