@@ -16,7 +16,9 @@ import sys
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator
+from functools import partial
+from http import HTTPStatus
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -25,11 +27,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import EngineBusy, InputError, Music3Error
-from .access import OWNER, Access, allowed_methods, install
+from .access import OWNER, PROTECTED, Access, allowed_methods, install
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
-from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
+from .request_body import SONGS_PATH, BoundedBody, ErrorBody, SongBody, describe, error_response, plain_json_object
 from .song_stream import SEND_PIECE_BYTES, SongFailedMidStream, SongStream, watch_disconnect
 
 log = logging.getLogger(__name__)
@@ -318,16 +320,17 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             if close_engine:
                 await asyncio.to_thread(engine.close)
 
-    # No /docs, /redoc or /openapi.json: the API is docs/api.md's endpoints and nothing else.
+    # /openapi.json describes the endpoints (docs/api.md tells more); no /docs or /redoc pages.
     # No redirects of a trailing slash either: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
     # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 
     app.add_middleware(BoundedBody)
     install(app, access)
+    app.openapi = partial(schema_as_served, app, app.openapi, access)  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -348,11 +351,12 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             return error_response(400, f"the body is not valid JSON: {why}", exc.headers)
         return error_response(exc.status_code, str(exc.detail), exc.headers)
 
-    @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(plain_json_object)])
+    @app.post(SONGS_PATH, response_class=Response, dependencies=[Depends(plain_json_object)],
+              responses={200: AUDIO, **errors(400, 401, 409, 411, 413, 429, 500, 503)})
     async def create_song(body: SongBody, request: Request) -> Response:
         return await service.create(body, request)
 
-    @app.get("/v1/songs/{song_id}")
+    @app.get("/v1/songs/{song_id}", operation_id="song_status", responses=errors(401, 404))
     async def song_status(song_id: str, request: Request) -> JSONResponse:
         song = service.lookup(scoped(song_id, request.scope.get(OWNER)))
         if song is None:  # also another key's song: its id is not told apart from an unknown one
@@ -360,20 +364,59 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             return error_response(404, f"no song {song_id!r:.132} is running or finished recently")
         return JSONResponse(song.public())
 
-    @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)
+    @app.delete("/v1/songs/{song_id}", status_code=204, response_class=Response, operation_id="cancel_song",
+                responses=errors(401))
     async def cancel_song(song_id: str, request: Request) -> Response:
         service.cancel(scoped(song_id, request.scope.get(OWNER)))
         return Response(status_code=204)
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # load balancers probe with either
+    @app.get("/health", response_model=None, responses={503: {"description": "the engine cannot take songs"}})
+    @app.head("/health", response_model=None, operation_id="health_head")  # load balancers probe with either
     async def health() -> Response:
         why = engine.unavailable()
         if why is not None:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_model=None)
+    @app.get("/metrics", response_class=Response, responses={200: METRICS})
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
     return app
+
+
+# The schema at /openapi.json, as the server answers: audio and metrics in their media types, errors as the
+# {"error": message} body with their real codes (FastAPI documents its 422; this server sends 400).
+SONG_HEADERS = {"X-Song-Id": "string", "X-Seed": "integer", "X-Frame-Budget": "integer", "X-Prompt-Tokens": "integer",
+                "X-Sample-Rate": "integer", "X-Channels": "integer"}
+AUDIO = {
+    "description": "the song's audio",
+    "content": {media: {"schema": {"type": "string", "format": "binary"}} for media in MEDIA_TYPES.values()},
+    "headers": {name: {"schema": {"type": kind}} for name, kind in SONG_HEADERS.items()},
+    "links": {name: {"operationId": operation, "parameters": {"song_id": "$response.header.X-Song-Id"}}
+              for name, operation in (("SongStatus", "song_status"), ("CancelSong", "cancel_song"))},
+}
+METRICS = {"description": "Prometheus metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorBody, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+def schema_as_served(app: FastAPI, build: Callable[[], dict[str, Any]], access: Access) -> dict[str, Any]:
+    """FastAPI's schema without the 422 it documents for validation errors (they are 400s here), and with the API
+    keys' bearer scheme on /v1/ routes where keys are required."""
+    if app.openapi_schema is None:
+        schema = build()
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                if access.api_keys and path.startswith(PROTECTED):
+                    operation["security"] = [{"bearer": []}]
+        components = schema.setdefault("components", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.get("schemas", {}).pop(name, None)
+        if access.api_keys:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = schema
+    return app.openapi_schema

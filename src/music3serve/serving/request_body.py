@@ -30,6 +30,12 @@ MAX_ERRORS = 5  # an error message names at most this many problems, then says h
 DRAIN_BYTES = 4 * MAX_BODY_BYTES
 
 
+class ErrorBody(BaseModel):
+    """The API's error body (for the schema at /openapi.json)."""
+
+    error: str
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The API's error body: {"error": message}."""
     return JSONResponse({"error": message}, status_code=status, headers=headers)
