@@ -109,6 +109,32 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
 
 
+def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it():
+    """Access.error_shapes: an endpoint whose clients expect another error body (OpenAI's {"error": {...}}) names
+    its shape by path; the API key and Host checks answer in it there, and in {"error": message} elsewhere."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.testclient import TestClient
+
+    from music3serve.serving.access import Access, HostPolicy, install
+
+    def openai_error(status: int, message: str, headers: dict[str, str] | None) -> JSONResponse:
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
+        return JSONResponse(body, status, headers)
+
+    app = FastAPI()
+    app.get("/v1/audio/speech")(lambda: {"ok": True})
+    app.get("/v1/songs/x")(lambda: {"ok": True})
+    install(app, Access(api_keys=("k",), hosts=HostPolicy.for_bind("127.0.0.1"),
+                        error_shapes={"/v1/audio/speech": openai_error}))
+    with TestClient(app, base_url="http://localhost") as local:
+        assert local.get("/v1/audio/speech").json()["error"]["message"].startswith("this server needs an API key")
+        assert local.get("/v1/songs/x").json()["error"].startswith("this server needs an API key")
+        refused = local.get("/v1/audio/speech", headers={"Host": "rebound.example", "Authorization": "Bearer k"})
+        assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
+        assert local.get("/v1/audio/speech", headers={"Authorization": "Bearer k"}).json() == {"ok": True}
+
+
 # --- Host header (DNS rebinding) ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("host, allowed", [
     ("localhost:8000", True), ("127.0.0.1", True), ("127.8.9.1:80", True), ("[::1]:8000", True),
