@@ -220,6 +220,28 @@ def test_a_half_closed_client_gets_its_whole_song(base_url, client, stream):
     assert len(audio) == 4 * status["samples_sent"] > 0
 
 
+def test_a_client_that_closes_after_its_request_is_noticed_before_its_song_makes_audio(base_url, client, engine,
+                                                                                      monkeypatch):
+    """An end of input is not a disconnect any more (half-close), so a client that closed its connection altogether
+    right after its request is told apart by the reset its system answers the response's first bytes with: noticed
+    within a second, while the song's first window is still being written (held here), not at its first audio."""
+    render, rendering, release = engine.renderer.render, threading.Event(), threading.Event()
+
+    def held(batch):
+        rendering.set()
+        assert release.wait(30)
+        return render(batch)
+
+    monkeypatch.setattr(engine.renderer, "render", held)
+    host, port = base_url.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(post_bytes({**SONG, "duration": 60, "format": "pcm", "id": "closed-at-once"}))
+        poll_until(lambda: client.get("/v1/songs/closed-at-once", headers=ONE).json().get("state") == "cancelled", 5)
+    finally:
+        release.set()
+
+
 def test_a_whole_song_says_it_was_delivered(client):
     response = client.post("/v1/songs", headers=ONE, json={**SONG, "stream": False, "id": "whole-ok"})
     status = client.get("/v1/songs/whole-ok", headers=ONE).json()

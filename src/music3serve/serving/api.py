@@ -219,9 +219,10 @@ class SongService:
         }
         if body.stream:
             headers["X-Accel-Buffering"] = "no"  # ask proxies not to buffer the stream
+            preamble = len(wav_header(song.sample_rate)) if song.format == "wav" else 0
             return SongStream(self.stream(song, events), song, lambda: self.client_gone(song),
-                              lambda: self.abandon(song, events), preamble=len(wav_header(song.sample_rate)) * (song.format == "wav"),
-                              headers=headers, media_type=MEDIA_TYPES[song.format])
+                              lambda: self.abandon(song, events), preamble, headers=headers,
+                              media_type=MEDIA_TYPES[song.format])
         return await self.whole(song, events, request, headers)
 
     async def stream(self, song: SongState, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
