@@ -79,6 +79,7 @@ def serve_http():
         if send_buffer is not None:  # accepted connections inherit it
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.bind(("127.0.0.1", 0))
+        config.setdefault("http", "h11")  # as `serve` runs it (uvicorn would take httptools where it is installed)
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", **config))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
