@@ -32,19 +32,12 @@ from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
-from polling import poll_until  # tests/ is on the import path (no package)
+from polling import hold, poll_until  # tests/ is on the import path (no package)
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
 SHORT = 2
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -314,14 +307,7 @@ def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, eng
     def finished() -> float:
         return engine.metrics.registry.get_sample_value("music3_song_seconds_count")
 
-    encode, busy, release = api.PcmEncoder.feed, threading.Event(), threading.Event()
-
-    def slow_feed(self, pcm, last):  # the server still busy with the last window when the DELETE comes
-        busy.set()
-        assert release.wait(30)
-        return encode(self, pcm, last)
-
-    monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
+    busy, release = hold(monkeypatch, api.PcmEncoder, "feed")  # the server busy with the last window at the DELETE
     before, cancels = finished(), metric(client, "music3_cancels")
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "id": "late-delete"}) as response:
         poll_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
@@ -336,14 +322,7 @@ def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, eng
 def test_a_song_cancelled_while_its_last_window_renders_does_not_count_as_finished(engine, monkeypatch):
     """The window rendered after the cancel still reached a caller that had not closed its stream (say one that
     broke out of its loop on Failed): its audio and Done were sent and the song counted as finished too."""
-    render, rendering, release = engine.renderer.render, threading.Event(), threading.Event()
-
-    def held(batch):
-        rendering.set()
-        assert release.wait(30)
-        return render(batch)
-
-    monkeypatch.setattr(engine.renderer, "render", held)
+    rendering, release = hold(monkeypatch, engine.renderer, "render")
     sample = engine.metrics.registry.get_sample_value
     finished, windows = sample("music3_song_seconds_count"), sample("music3_windows_total")
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,20 +15,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from music3serve.serving.engine import Engine  # noqa: E402
-from polling import poll_until  # noqa: E402
+from polling import hold, poll_until  # noqa: E402
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2, "duration": 2}
 KEYS = ("key-one", "key-two")
 ORIGIN = "https://app.example"
 ONE, TWO = ({"Authorization": f"Bearer {key}"} for key in KEYS)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -225,14 +215,7 @@ def test_a_client_that_closes_after_its_request_is_noticed_before_its_song_makes
     """An end of input is not a disconnect any more (half-close), so a client that closed its connection altogether
     right after its request is told apart by the reset its system answers the response's first bytes with: noticed
     within a second, while the song's first window is still being written (held here), not at its first audio."""
-    render, rendering, release = engine.renderer.render, threading.Event(), threading.Event()
-
-    def held(batch):
-        rendering.set()
-        assert release.wait(30)
-        return render(batch)
-
-    monkeypatch.setattr(engine.renderer, "render", held)
+    _, release = hold(monkeypatch, engine.renderer, "render")
     host, port = base_url.removeprefix("http://").split(":")
     try:
         with socket.create_connection((host, int(port))) as conn:
@@ -296,14 +279,7 @@ def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_
     def sample(name: str) -> float:
         return engine.metrics.registry.get_sample_value(name)
 
-    encode, busy, release = api.PcmEncoder.feed, threading.Event(), threading.Event()
-
-    def slow_feed(self, pcm, last):  # the server still busy with the last window when the client leaves
-        busy.set()
-        assert release.wait(30)
-        return encode(self, pcm, last)
-
-    monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
+    busy, release = hold(monkeypatch, api.PcmEncoder, "feed")  # the server busy with the last window as it leaves
     finished, cancels = sample("music3_song_seconds_count"), sample("music3_cancels_total")
     conn = reader_that_stops(base_url, post_bytes({**SONG, "id": "left"}))
     poll_until(lambda: busy.is_set() and sample("music3_song_seconds_count") == finished + 1)
