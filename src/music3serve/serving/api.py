@@ -15,7 +15,7 @@ import logging
 import sys
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Callable
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import EngineBusy, InputError, Music3Error
-from .access import OWNER, PROTECTED, Access, allowed_methods, install
+from .access import OWNER, PROTECTED, Access, ErrorShape, allowed_methods, install
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
+# Routes whose clients expect an error body of their own (say OpenAI's {"error": {...}}), by path: their 401 and Host
+# refusal come in it too (access.Access.error_shapes).
+ROUTE_ERRORS: dict[str, ErrorShape] = {}
 ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
 
 
@@ -330,6 +333,7 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
     app.state.songs = service
 
     app.add_middleware(BoundedBody)
+    access = replace(access, error_shapes={**ROUTE_ERRORS, **access.error_shapes})
     install(app, access)
     app.openapi = partial(schema_as_served, app, app.openapi, access)  # type: ignore[method-assign]
 
