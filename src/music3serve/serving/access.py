@@ -17,11 +17,11 @@ from .request_body import error_response
 
 ASGIApp = Callable[..., Awaitable[None]]
 # An endpoint's error body: (status, message, headers) -> the response. Routes with a body of their own (OpenAI's
-# {"error": {...}}, a base_resp envelope) register theirs by path in Access.error_shapes; the rest get
-# error_response's {"error": message}.
+# {"error": {...}}, a base_resp envelope) name theirs by path in api.ROUTE_ERRORS (or Access.error_shapes); the rest
+# get error_response's {"error": message}.
 ErrorShape = Callable[[int, str, "dict[str, str] | None"], Response]
 OWNER = "music3serve.api_key"  # the scope key under which ApiKeys leaves the index of the request's key
-PROTECTED = "/v1/"  # every route under it needs a key; /health and /metrics stay open
+PROTECTED = "/v1/"  # every route under it needs a key; /health, /metrics and /openapi.json stay open
 # The response headers a browser app may read (CORS hides all but a few unless they are exposed).
 EXPOSED_HEADERS = ("X-Song-Id", "X-Seed", "X-Frame-Budget", "X-Prompt-Tokens", "X-Sample-Rate", "X-Channels",
                    "Retry-After")
