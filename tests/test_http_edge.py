@@ -293,7 +293,7 @@ def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_
 
 
 # --- the schema agrees with the server ---------------------------------------------------------------------------
-def test_schemathesis_finds_the_server_as_its_openapi_schema_says(base_url, engine, monkeypatch):
+def test_schemathesis_finds_the_server_as_its_openapi_schema_says(base_url, engine, monkeypatch, tmp_path):
     """schemathesis against the served /openapi.json: schema-valid and invalid requests (coverage and fuzzing),
     stateful sequences (a song's POST, then its GET and DELETE through the X-Song-Id link), undocumented methods, and
     every response's status, media type, headers and body checked against the schema. Bounded: 20 examples per
@@ -312,6 +312,6 @@ def test_schemathesis_finds_the_server_as_its_openapi_schema_says(base_url, engi
                "--exclude-checks", "positive_data_acceptance,use_after_free", "--phases",
                "examples,coverage,fuzzing,stateful", "--mode", "all", "--max-examples", "20", "--seed", "1",
                "--workers", "1", "--no-shrink", "--request-timeout", "60", "-H", f"Authorization: Bearer {KEYS[0]}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its cache there
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "Stateful" in result.stdout and " passed" in result.stdout
