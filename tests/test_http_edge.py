@@ -143,8 +143,9 @@ def test_a_server_on_all_interfaces_answers_any_host_unless_told_which():
 
     assert HostPolicy.for_bind("0.0.0.0").allows("pod-10-1-2-3.cluster.local:8000")
     assert HostPolicy.for_bind("::").allows("[fd00::1]:80")
-    named = HostPolicy.for_bind("0.0.0.0", ["*.example.com"])
+    named = HostPolicy.for_bind("0.0.0.0", ["*.example.com", "Music.Example.org:8000", "[fd00::2]"])
     assert named.allows("music.example.com") and not named.allows("example.com.evil")
+    assert named.allows("music.example.org:80") and named.allows("[fd00::2]:8000")
     assert not named.allows("localhost")  # bound to all interfaces: loopback names are not implied
 
 

@@ -45,7 +45,7 @@ class HostPolicy:
     def for_bind(cls, bind: str, allowed: Iterable[str] = ()) -> "HostPolicy":
         """Bound to a loopback address: loopback names and addresses, and `allowed`. Bound elsewhere (all
         interfaces): `allowed` where given, else any host (probes and proxies reach it by names of their own)."""
-        allowed = tuple(a.lower().rstrip(".") for a in allowed)
+        allowed = tuple(_host_name(a) for a in allowed)  # a port or an IPv6 address's brackets are no part of it
         if _is_loopback(bind):
             return cls(True, allowed)
         return cls(False, allowed or ("*",))
