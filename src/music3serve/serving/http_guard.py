@@ -5,6 +5,10 @@
   its request would hold it, and an open file, forever.
 - A JSON 413 for a Content-Length of more than 20 digits, which h11 refuses itself (with a plain-text 400) before
   the app's own check (request_body.BoundedBody) could see it.
+- A half-closed client (one that ended its input, `nc -N`) still gets its answer; one gone altogether is told apart
+  by the reset its system answers writes with.
+- Whether the bytes written have reached the client (its TCP acknowledged them), for the app to say whether a
+  song's end was delivered (song_stream.UNACKNOWLEDGED).
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
   does not run out of files (it then fails, and asyncio logs each failure with a traceback, thousands a second;
   AcceptErrorsOncePerMinute turns bursts that get past the cap into one line a minute with a count).
@@ -112,7 +116,7 @@ class GuardedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot read; one whose Content-Length h11 refused for its length (over 20
         digits) gets the JSON 413 (or 400) the app gives any other body too large (or a length it cannot read)."""
-        found = LONG_LENGTH.search(self._head)
+        found = LONG_LENGTH.search(self._head.partition(b"\r\n\r\n")[0])  # in the head, not a body after it
         if found is None:
             return super().send_400_response(msg)
         written = found.group(1).decode()
