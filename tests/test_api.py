@@ -812,11 +812,14 @@ def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
 
 
 def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
-    caplog.set_level("INFO", logger="music3serve.serving.api")
+    caplog.set_level("INFO", logger="music3serve.serving")
     response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "id": "logged-1"})
     assert response.status_code == 200
     ended = [r for r in caplog.records if r.getMessage() == "song ended" and getattr(r, "song", None) == "logged-1"]
     assert len(ended) == 1 and ended[0].state == "done" and ended[0].frames == int(response.headers["x-frame-budget"])
+    poll_until(lambda: any(r.getMessage() == "song response ended" for r in caplog.records))  # sent after it ended
+    sent = [r for r in caplog.records if r.getMessage() == "song response ended" and r.song == "logged-1"]
+    assert len(sent) == 1 and sent[0].delivered is True and 4 * sent[0].samples == len(response.content) - 44
 
 
 def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():

@@ -103,6 +103,8 @@ class SongStream(StreamingResponse):
                 reset["reset"]()  # frees a stalled client's buffers at once; over HTTP/1.0, says the body was cut
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self.close()
+            log.info("song response ended", extra={"song": self.song.name, "state": self.song.state,
+                                                   "samples": self.song.samples_sent, "delivered": self.song.delivered})
 
     async def _acknowledged(self, unacknowledged: Callable[[], int | None]) -> bool:
         """Whether every byte sent so far reached the client's TCP (its acknowledgement), waiting up to WRITE_STALL_S;
