@@ -17,8 +17,7 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
-from http import HTTPStatus
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -27,11 +26,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import EngineBusy, InputError, Music3Error
-from .access import OWNER, PROTECTED, Access, ErrorShape, allowed_methods, install
+from .access import OWNER, Access, ErrorShape, allowed_methods, install
 from .audio_io import CHANNELS, PcmEncoder, wav_header
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
-from .request_body import SONGS_PATH, BoundedBody, ErrorBody, SongBody, describe, error_response, plain_json_object
+from .openapi_schema import METRICS, audio_response, errors, schema_as_served
+from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
 from .song_stream import SEND_PIECE_BYTES, SongFailedMidStream, SongStream, watch_disconnect
 
 log = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         return error_response(exc.status_code, str(exc.detail), exc.headers)
 
     @app.post(SONGS_PATH, response_class=Response, dependencies=[Depends(plain_json_object)],
-              responses={200: AUDIO, **errors(400, 401, 409, 411, 413, 429, 500, 503)})
+              responses={200: audio_response(MEDIA_TYPES.values()), **errors(400, 401, 409, 411, 413, 429, 500, 503)})
     async def create_song(body: SongBody, request: Request) -> Response:
         return await service.create(body, request)
 
@@ -388,40 +388,3 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
     return app
-
-
-# The schema at /openapi.json, as the server answers: audio and metrics in their media types, errors as the
-# {"error": message} body with their real codes (FastAPI documents its 422; this server sends 400).
-SONG_HEADERS = {"X-Song-Id": "string", "X-Seed": "integer", "X-Frame-Budget": "integer", "X-Prompt-Tokens": "integer",
-                "X-Sample-Rate": "integer", "X-Channels": "integer"}
-AUDIO = {
-    "description": "the song's audio",
-    "content": {media: {"schema": {"type": "string", "format": "binary"}} for media in MEDIA_TYPES.values()},
-    "headers": {name: {"schema": {"type": kind}} for name, kind in SONG_HEADERS.items()},
-    "links": {name: {"operationId": operation, "parameters": {"song_id": "$response.header.X-Song-Id"}}
-              for name, operation in (("SongStatus", "song_status"), ("CancelSong", "cancel_song"))},
-}
-METRICS = {"description": "Prometheus metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}
-
-
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {status: {"model": ErrorBody, "description": HTTPStatus(status).phrase} for status in statuses}
-
-
-def schema_as_served(app: FastAPI, build: Callable[[], dict[str, Any]], access: Access) -> dict[str, Any]:
-    """FastAPI's schema without the 422 it documents for validation errors (they are 400s here), and with the API
-    keys' bearer scheme on /v1/ routes where keys are required."""
-    if app.openapi_schema is None:
-        schema = build()
-        for path, operations in schema["paths"].items():
-            for operation in operations.values():
-                operation["responses"].pop("422", None)
-                if access.api_keys and path.startswith(PROTECTED):
-                    operation["security"] = [{"bearer": []}]
-        components = schema.setdefault("components", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            components.get("schemas", {}).pop(name, None)
-        if access.api_keys:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        app.openapi_schema = schema
-    return app.openapi_schema
