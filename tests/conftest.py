@@ -68,16 +68,18 @@ def plain_hot_paths_afterwards():
 @pytest.fixture(scope="session")
 def serve_http():
     """A context manager running an ASGI app under uvicorn in a thread on a free local port; gives the base URL.
-    Keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown). The protocol is h11 unless given, as in
-    `music3serve serve`, whatever else is installed (uvicorn would pick httptools where present)."""
+    send_buffer: the connections' SO_SNDBUF (small, so that a client that stops reading backs the server's sends up
+    soon); other keyword arguments go to uvicorn.Config (say timeout_graceful_shutdown)."""
 
     @contextlib.contextmanager
-    def serve(app, **config):
+    def serve(app, send_buffer: int | None = None, **config):
         import uvicorn
 
-        config.setdefault("http", "h11")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if send_buffer is not None:  # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.bind(("127.0.0.1", 0))
+        config.setdefault("http", "h11")  # as `serve` runs it (uvicorn would take httptools where it is installed)
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", **config))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
@@ -93,6 +95,16 @@ def serve_http():
             sock.close()
 
     return serve
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path):
+    """An engine on the tiny checkpoint on the CPU, one per module (modules that need another define their own)."""
+    from music3serve.serving.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_dir, device="cpu")
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")

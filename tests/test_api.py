@@ -32,19 +32,12 @@ from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
 from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
-from polling import poll_until  # tests/ is on the import path (no package)
+from polling import hold, poll_until  # tests/ is on the import path (no package)
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary
 SHORT = 2
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +131,10 @@ def test_streaming_32k_has_no_gaps_between_windows(client, songs):
     assert client.get(f"/v1/songs/{song}").json()["samples_sent"] == len(pcm)  # the resampler's tail counted too
 
 
-def test_a_resampler_tail_flushed_at_done_is_counted_as_sent():
+def test_a_resampler_tail_flushed_at_done_is_sent():
     """A Done after a chunk not marked last (the engine marks its last chunk, which flushes the 32 kHz resampler
-    then; the API does not rely on it): the tail the resampler held back is sent at Done and counted in
-    samples_sent (GET /v1/songs/{id})."""
+    then; the API does not rely on it): the tail the resampler held back is sent at Done (and so counted in
+    samples_sent, which counts what the connection takes)."""
     from music3serve.serving import api
 
     async def events():
@@ -156,7 +149,7 @@ def test_a_resampler_tail_flushed_at_done_is_counted_as_sent():
 
     song, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert song.state == "done" and len(pieces) == 2  # the chunk's samples, then the tail
-    assert song.samples_sent == sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
+    assert sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
 
 
 def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
@@ -250,7 +243,7 @@ def test_malformed_json_and_unknown_routes(client):
     response = client.post("/v1/songs", content=huge, headers={"content-type": "application/json"})
     digits = sys.get_int_max_str_digits()
     assert response.status_code == 400 and f"a number has more than {digits} digits" in response.json()["error"]
-    for path in ("/v1/nothing", "/docs", "/redoc", "/openapi.json"):  # FastAPI's own pages are off too
+    for path in ("/v1/nothing", "/docs", "/redoc"):  # FastAPI's own pages are off too (/openapi.json is served)
         assert client.get(path).status_code == 404, path
     assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
     assert client.post("/health").status_code == 405
@@ -315,14 +308,7 @@ def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, eng
     def finished() -> float:
         return engine.metrics.registry.get_sample_value("music3_song_seconds_count")
 
-    encode, busy, release = api.PcmEncoder.feed, threading.Event(), threading.Event()
-
-    def slow_feed(self, pcm, last):  # the server still busy with the last window when the DELETE comes
-        busy.set()
-        assert release.wait(30)
-        return encode(self, pcm, last)
-
-    monkeypatch.setattr(api.PcmEncoder, "feed", slow_feed)
+    busy, release = hold(monkeypatch, api.PcmEncoder, "feed")  # the server busy with the last window at the DELETE
     before, cancels = finished(), metric(client, "music3_cancels")
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "id": "late-delete"}) as response:
         poll_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
@@ -337,14 +323,7 @@ def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, eng
 def test_a_song_cancelled_while_its_last_window_renders_does_not_count_as_finished(engine, monkeypatch):
     """The window rendered after the cancel still reached a caller that had not closed its stream (say one that
     broke out of its loop on Failed): its audio and Done were sent and the song counted as finished too."""
-    render, rendering, release = engine.renderer.render, threading.Event(), threading.Event()
-
-    def held(batch):
-        rendering.set()
-        assert release.wait(30)
-        return render(batch)
-
-    monkeypatch.setattr(engine.renderer, "render", held)
+    rendering, release = hold(monkeypatch, engine.renderer, "render")
     sample = engine.metrics.registry.get_sample_value
     finished, windows = sample("music3_song_seconds_count"), sample("music3_windows_total")
 
@@ -485,7 +464,8 @@ def test_over_http_1_0_a_failed_stream_is_reset_and_a_finished_one_ends_cleanly(
     as a whole (short) song: through a proxy that speaks HTTP/1.0 upstream (nginx's default) every failed song
     reached its listener as a finished one. The connection is reset instead (by the server's protocol, as
     `music3serve serve` runs it), and uvicorn's traceback for the cut is one warning line."""
-    from music3serve.serving.api import CutResponses, create_app
+    from music3serve.serving.api import create_app
+    from music3serve.serving.song_stream import CutResponses
     from music3serve.serving.http_guard import guarded_protocol
 
     def broken(batch):
@@ -573,10 +553,17 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     ray = {"serving/ray_app.py", "serving/ray_front.py", "bench/ray_replicas.py"}  # the `ray` extra's modules
     assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
-                     "serving/web.py", "serving/ray_app.py", "bench/ray_replicas.py"}
-    for module, readers in (("request_body", {"serving/api.py"}), ("http_guard", {"serving/server.py"}),
+                     "serving/access.py", "serving/song_stream.py", "serving/web.py", "serving/ray_app.py",
+                     "bench/ray_replicas.py"}
+    for module, readers in (("request_body", {"serving/api.py", "serving/access.py", "serving/http_guard.py",
+                                              "serving/openapi_schema.py"}),
+                            ("http_guard", {"serving/server.py"}),
+                            ("access", {"serving/api.py", "serving/server.py", "serving/openapi_schema.py",
+                                        "cli.py"}),  # cli: in `serve` only
+                            ("openapi_schema", {"serving/api.py"}),
+                            ("song_stream", {"serving/api.py", "serving/server.py", "serving/http_guard.py"}),
                             ("web", {"serving/api.py"}),
-                            ("api", {"serving/server.py", "serving/http_guard.py", *ray}),  # http_guard: api.RESET
+                            ("api", {"serving/server.py", *ray}),
                             ("server", {"cli.py", "serving/ray_app.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
@@ -608,7 +595,7 @@ def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, roo
     monkeypatch.setattr(ForceQuitServer, "run", lambda self, sockets=None: calls.update(vars(self.config)))
     assert cli.main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8123"]) == 0
     assert calls["engine"] == (tmp_path, 16, "cpu") and calls["closed"]
-    from music3serve.serving.api import CutResponses
+    from music3serve.serving.song_stream import CutResponses
 
     assert any(isinstance(f, CutResponses) for f in logging.getLogger("uvicorn.error").filters)
     assert (calls["host"], calls["port"]) == ("127.0.0.1", 8123)
@@ -686,10 +673,10 @@ def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, roo
 def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
     """A send that does not complete within WRITE_STALL_S (the client's socket is full: it reads nothing) stops the
     song and closes the body generator, instead of holding the song forever."""
-    from music3serve.serving import api
+    from music3serve.serving import api, song_stream
 
-    monkeypatch.setattr(api, "WRITE_STALL_S", 0.2)
-    monkeypatch.setattr(api.CutResponses, "stalled", 0)
+    monkeypatch.setattr(song_stream, "WRITE_STALL_S", 0.2)
+    monkeypatch.setattr(song_stream.CutResponses, "stalled", 0)
     closed = []
 
     async def body():
@@ -714,12 +701,16 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
         async def abandon() -> None:  # the service's: close the engine stream, record the song as ended
             closed.append("abandoned")
 
-        await asyncio.wait_for(api.SongStream(body(), song, abandon)({"type": "http"}, receive, send), 5)
+        def gone() -> None:  # the service's: cancel the song
+            closed.append("gone")
+
+        stream = song_stream.SongStream(body(), song, gone, abandon)
+        await asyncio.wait_for(stream({"type": "http"}, receive, send), 5)
         return song, sends
 
     song, sends = asyncio.run(scenario())
-    assert song.stop.is_set() and closed == [True, "abandoned"]  # the body closed, then the song ended
-    assert api.CutResponses.stalled == 1  # uvicorn's line about the unfinished response becomes a warning
+    assert closed == ["gone", True, "abandoned"]  # the song cancelled, the body closed, then the song ended
+    assert song_stream.CutResponses.stalled == 1  # uvicorn's line about the unfinished response becomes a warning
     assert sends == ["http.response.start", "http.response.body", "http.response.body"]
 
 
@@ -784,8 +775,8 @@ class HeldSong:
         finally:
             self.closed = True
 
-    def cancel(self, song: str) -> None:
-        pass
+    def cancel(self, song: str) -> bool:
+        return True  # it holds the song until its stream is closed
 
 
 def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
@@ -796,8 +787,9 @@ def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
     async def scenario():
         engine = HeldSong()
         service = api.SongService(engine)  # type: ignore[arg-type]
-        response = await service.create(api.SongBody(caption="pop", lyrics="la", id="gone"), None)  # type: ignore[arg-type]
-        assert isinstance(response, api.SongStream)
+        request = api.Request({"type": "http", "headers": []})
+        response = await service.create(api.SongBody(caption="pop", lyrics="la", id="gone"), request)
+        assert isinstance(response, api.SongStream) and response.headers["x-song-id"] == "gone"
 
         async def send(message):
             raise OSError("client disconnected")
@@ -827,15 +819,18 @@ def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
 
 
 def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
-    caplog.set_level("INFO", logger="music3serve.serving.api")
+    caplog.set_level("INFO", logger="music3serve.serving")
     response = client.post("/v1/songs", json={**SONG, "duration": SHORT, "stream": False, "id": "logged-1"})
     assert response.status_code == 200
     ended = [r for r in caplog.records if r.getMessage() == "song ended" and getattr(r, "song", None) == "logged-1"]
     assert len(ended) == 1 and ended[0].state == "done" and ended[0].frames == int(response.headers["x-frame-budget"])
+    poll_until(lambda: any(r.getMessage() == "song response ended" for r in caplog.records))  # sent after it ended
+    sent = [r for r in caplog.records if r.getMessage() == "song response ended" and r.song == "logged-1"]
+    assert len(sent) == 1 and sent[0].delivered is True and 4 * sent[0].samples == len(response.content) - 44
 
 
 def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
-    from music3serve.serving.api import CutResponses
+    from music3serve.serving.song_stream import CutResponses
 
     def record(error: BaseException) -> logging.LogRecord:
         try:
@@ -860,7 +855,7 @@ def test_streams_cut_at_shutdown_log_one_warning_line_not_a_traceback():
 def test_a_stream_cut_for_a_stalled_client_logs_a_warning_not_an_error(monkeypatch):
     """SongStream ends the response of a client that stopped reading unfinished, which uvicorn logged as an ERROR;
     an unfinished response with no stall behind it stays one."""
-    from music3serve.serving.api import CutResponses
+    from music3serve.serving.song_stream import CutResponses
 
     def record() -> logging.LogRecord:
         return logging.getLogger("uvicorn.error").makeRecord(
@@ -881,7 +876,8 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
     loop's teardown cancelled the streams, logging a traceback for each and one for the app."""
     import socket
 
-    from music3serve.serving.api import CutResponses, create_app
+    from music3serve.serving.api import create_app
+    from music3serve.serving.song_stream import CutResponses
     from music3serve.serving.server import ForceQuitServer
 
     own = Engine.from_pretrained(tiny_dir, device="cpu")

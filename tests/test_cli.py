@@ -769,3 +769,36 @@ def test_a_prompt_over_the_token_limit_is_refused_before_the_model_loads(tiny_di
     code, err = run_cli(generate_args(tmp_path / "song.wav", "--model", str(tiny_dir), lyrics=lyrics), capsys)
     assert code == 2 and "tokens long; the limit is" in err
     assert recorder.calls == []
+
+
+def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypatch):
+    """--api-key (or MUSIC3_API_KEY's comma list), --allowed-origins and --allowed-hosts (repeatable, or comma lists)
+    reach the server; a loopback --host answers loopback names and the allowed hosts only."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from types import SimpleNamespace
+
+    served = []
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
+                        lambda *a, **k: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr("music3serve.serving.server.serve",
+                        lambda engine, host, port, level, access: served.append(access))
+    monkeypatch.setenv("MUSIC3_API_KEY", "env-one, env-two")
+    serve = ["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
+    assert run_cli(serve + ["--allowed-origins", "https://a.example/,http://localhost:3000", "--allowed-origins", "*",
+                            "--allowed-hosts", "music.example,*.example.org"], capsys)[0] == 0
+    assert run_cli(serve + ["--api-key", "flag-one", "--api-key", "flag-two", "--host", "0.0.0.0"], capsys)[0] == 0
+    env, flags = served
+    assert env.api_keys == ("env-one", "env-two") and flags.api_keys == ("flag-one", "flag-two")
+    assert env.allowed_origins == ("https://a.example", "http://localhost:3000", "*")
+    assert env.hosts.allows("localhost:8000") and env.hosts.allows("a.example.org") and not env.hosts.allows("b.example")
+    assert flags.hosts.allows("anything.example")  # all interfaces, no --allowed-hosts: any Host
+    for bad, needle in ((["--api-key", "has space"], "API key"), (["--allowed-origins", "https://a.example/app"],
+                        "not an origin"), (["--allowed-hosts", "a/b"], "not a host name"), (["--allowed-origins", ","],
+                        "empty list")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(serve + bad)
+        assert info.value.code == 2 and needle in capsys.readouterr().err, bad
+    monkeypatch.setenv("MUSIC3_API_KEY", "good,bad key")
+    code, err = run_cli(serve, capsys)
+    assert code == 2 and "MUSIC3_API_KEY: an API key is printable ASCII" in err

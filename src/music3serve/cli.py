@@ -149,6 +149,18 @@ def argument(check: Callable[[str], object]) -> Callable[[str], str]:
     return read
 
 
+def comma_list(check: Callable[[str], str]) -> Callable[[str], list[str]]:
+    """argparse type of a repeatable option that also takes comma-separated values, each checked by `check`."""
+
+    def read(value: str) -> list[str]:
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("names nothing (an empty list)")
+        return [check(item) for item in items]
+
+    return read
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """argparse type of an integer >= low."""
 
@@ -158,6 +170,40 @@ def at_least(low: int) -> Callable[[str], int]:
         return int(value)
 
     return read
+
+
+def api_key(value: str) -> str:
+    """An API key: printable ASCII without spaces or commas (it travels in an HTTP header; commas separate keys)."""
+    if not value or not all("!" <= c <= "~" for c in value) or "," in value:
+        raise argparse.ArgumentTypeError("an API key is printable ASCII without spaces or commas")
+    return value
+
+
+def origin(value: str) -> str:
+    """A browser origin as browsers send it (scheme://host[:port], no path), or * for any."""
+    value = value.rstrip("/")
+    scheme, sep, rest = value.partition("://")
+    if value != "*" and not (sep and scheme.isascii() and scheme.isalpha() and rest
+                             and not any(c in rest for c in "/?# ")):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an origin: scheme://host[:port] (say "
+                                         "https://app.example.com or http://localhost:3000) or *")
+    return value
+
+
+def host_name(value: str) -> str:
+    """A Host header name to answer: a name or address, *.example.com for its subdomains, or * for any."""
+    if not value.isascii() or any(c.isspace() or c in "/@?#" for c in value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a host name (say music.example.com, *.example.com or *)")
+    return value
+
+
+def env_api_keys() -> list[str]:
+    """MUSIC3_API_KEY: one or more comma-separated keys (an empty value: none)."""
+    value = os.environ.get("MUSIC3_API_KEY", "")
+    try:
+        return [api_key(key.strip()) for key in value.split(",") if key.strip()]
+    except argparse.ArgumentTypeError as exc:
+        raise Music3Error(f"MUSIC3_API_KEY: {exc}") from None
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -210,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--ray: engine replicas scaled between MIN and MAX by the songs in flight")
     serve.add_argument("--max-queued-songs", type=at_least(0),
                        help="--ray: songs waiting for a replica's slot; past them a POST gets 429 (default: 64)")
+    serve.add_argument("--api-key", action="append", type=api_key, default=[],
+                       help="every /v1/ request must send Authorization: Bearer KEY (repeat for several keys; "
+                            "default: MUSIC3_API_KEY's comma-separated keys, else none: open)")
+    serve.add_argument("--allowed-origins", action="extend", type=comma_list(origin), default=[],
+                       help="browser origins (https://app.example.com, or *) whose pages may call the API: CORS "
+                            "(repeat, or a comma list; default: none)")
+    serve.add_argument("--allowed-hosts", action="extend", type=comma_list(host_name), default=[],
+                       help="Host header names to answer besides loopback ones on a loopback --host, instead of any "
+                            "on other addresses (against DNS rebinding; *.example.com, *; repeat or a comma list)")
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
@@ -252,6 +307,7 @@ def check_serve(args: argparse.Namespace) -> None:
         raise Music3Error(f"{SERVE_EXTRA} (missing: {', '.join(missing)}): pip install 'music3serve[serve]'")
     if args.ray and importlib.util.find_spec("ray") is None:
         raise Music3Error("--ray needs Ray Serve (missing: ray): pip install 'music3serve[ray]'")
+    args.api_key = args.api_key or env_api_keys()
     args.deploy = load_deploy_config(args.config)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # else the cluster's proxy listens, not this host
         check_port(args.host, args.port)
@@ -311,15 +367,17 @@ def run_serve(args: argparse.Namespace) -> None:
         if (exc.name or "").split(".")[0] not in SERVE_PACKAGES:
             raise
         raise Music3Error(f"{SERVE_EXTRA} ({exc}): pip install 'music3serve[serve]'") from None
+    from .serving.access import Access, HostPolicy
     from .serving.engine import Engine
 
+    access = Access(tuple(args.api_key), tuple(args.allowed_origins), HostPolicy.for_bind(args.host, args.allowed_hosts))
     check_device(args.device)
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
                                       "config": args.config or "default"})
     engine = Engine.from_pretrained(root, args.deploy, args.device, progress=show_progress())
     try:
-        serve(engine, args.host, args.port, args.log_level)
+        serve(engine, args.host, args.port, args.log_level, access)
     finally:
         engine.close()
 

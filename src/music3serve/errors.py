@@ -20,3 +20,9 @@ class CheckpointError(Music3Error):
 class NonFiniteAudio(Music3Error, FloatingPointError):
     """A window rendered to NaN or infinite audio: the song's own content (or the weights) is at fault, not the
     device, so the same request fails again."""
+
+
+def error_text(error: BaseException) -> str:
+    """An error's text for users: its message alone (a repr such as `RuntimeError('...')` shows internals), or its
+    type's name where it has no message."""
+    return str(error) or type(error).__name__

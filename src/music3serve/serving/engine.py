@@ -26,7 +26,7 @@ import torch
 from ..acoustic.renderer import RenderedWindow
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
-from ..errors import EngineBusy, InputError, Music3Error
+from ..errors import EngineBusy, InputError, Music3Error, error_text
 from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from ..talker.engine import SongFinished, Talker
 from .audio_io import CHANNELS
@@ -106,6 +106,7 @@ class Engine:
             self.renderer = stage1_renderer(models, deploy.stages[1])
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
+        self._read_audio_held = 0  # audio callers have read but still hold (hold_read_audio)
         self._clients: dict[str, _Client] = {}  # by key
         self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
         self._submissions = itertools.count()
@@ -229,7 +230,7 @@ class Engine:
         with self._failing:
             if len(self._clients) >= self.max_songs:
                 raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
-            unread = sum(held.unread_bytes for held in list(self._clients.values()))
+            unread = sum(held.unread_bytes for held in list(self._clients.values())) + self._read_audio_held
             if unread + client.unread_bytes > self.max_unread_bytes:
                 raise EngineBusy(f"the songs held have up to {unread / 2**30:.2f} GiB of audio their callers have "
                                  f"not read; this song's {client.unread_bytes / 2**20:.1f} MiB would pass the "
@@ -238,6 +239,12 @@ class Engine:
                 raise InputError(f"request id {client.song!r:.80} is taken by a song whose stream has not ended: "
                                  "wait for it or pick another")
             self._clients[key], self._keys[client.song] = client, key
+
+    def hold_read_audio(self, nbytes: int) -> None:
+        """Audio a caller has read from its streams but still holds (say a whole song waiting for a slow client to
+        take it): `nbytes` more (fewer, when negative) count toward max_unread_bytes beside the songs' own."""
+        with self._failing:
+            self._read_audio_held += nbytes
 
     def cancel(self, song: str) -> bool:
         """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed.
@@ -371,7 +378,7 @@ class Engine:
                 log.error("engine stage stopped", extra={"stage": threading.current_thread().name, "error": str(exc)})
             else:
                 log.exception("engine thread died")
-            self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {exc!r}")
+            self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {error_text(exc)}")
 
     def _stop_serving(self, reason: str) -> None:
         """The engine cannot serve any more: every song it holds fails with the reason, and so does every submit."""

@@ -3,6 +3,12 @@
 - A deadline for reading each request, from the connection's opening (or the start of a request after an answered
   one) to the request's last body byte. uvicorn has none, so a client that opens a connection and never finishes
   its request would hold it, and an open file, forever.
+- A JSON 413 for a Content-Length of more than 20 digits, which h11 refuses itself (with a plain-text 400) before
+  the app's own check (request_body.BoundedBody) could see it.
+- A half-closed client (one that ended its input, `nc -N`) still gets its answer; one gone altogether is told apart
+  by the reset its system answers writes with.
+- Whether the bytes written have reached the client (its TCP acknowledged them), for the app to say whether a
+  song's end was delivered (song_stream.UNACKNOWLEDGED).
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
   does not run out of files (it then fails, and asyncio logs each failure with a traceback, thousands a second;
   AcceptErrorsOncePerMinute turns bursts that get past the cap into one line a minute with a count).
@@ -14,21 +20,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import socket
 import struct
+import sys
 import time
 from typing import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .api import RESET
+from .request_body import MAX_BODY_BYTES, too_large
+from .song_stream import RESET, UNACKNOWLEDGED
 
 log = logging.getLogger(__name__)
 
 REQUEST_READ_S = 30.0  # the largest body (1 MiB) arrives well within this even over a slow link
 WARN_EVERY_S = 60.0  # refused connections and accept() failures are logged once per this interval, with a count
+PEER_CHECK_S = 0.5  # after an end of input, how often the connection is checked for a reset from a client gone
+HEAD_KEPT = 64 * 1024  # of a request's head as it arrives, to read its Content-Length where h11 refused it
+LONG_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*([0-9]{21,})[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
 
 
 class Throttled:
@@ -84,6 +97,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._peer_check: asyncio.TimerHandle | None = None
+        self._head = b""
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             self.refusals()
@@ -91,11 +106,38 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._arm()
 
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # the start of a request: its head is kept until h11 has read it
+            self._head = (self._head + data)[:HEAD_KEPT]
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._head = b""
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot read; one whose Content-Length h11 refused for its length (over 20
+        digits) gets the JSON 413 (or 400) the app gives any other body too large (or a length it cannot read)."""
+        found = LONG_LENGTH.search(self._head.partition(b"\r\n\r\n")[0])  # in the head, not a body after it
+        if found is None:
+            return super().send_400_response(msg)
+        written = found.group(1).decode()
+        digits = written.lstrip("0") or "0"
+        status, message = 413, too_large(digits)
+        if len(digits) <= len(str(MAX_BODY_BYTES)):  # leading zeros: a small length, but too long for h11
+            status, message = 400, f"Content-Length has {len(written)} digits; write it without leading zeros"
+        body = json.dumps({"error": message}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))  # h11 lets a server answer a request it could not read
+        self.transport.close()
+
     def handle_events(self) -> None:
         """Runs on every arrival of data and after every answered request (which may start a pipelined one)."""
         super().handle_events()
         if self.cycle is not None:  # set as the request arrives, before its app task starts
-            self.cycle.scope.setdefault("extensions", {}).setdefault(RESET, {"reset": self._reset})
+            extensions = self.cycle.scope.setdefault("extensions", {})
+            extensions.setdefault(RESET, {"reset": self._reset})
+            extensions.setdefault(UNACKNOWLEDGED, {"bytes": self._unacknowledged})
         state = self.conn.their_state
         receiving = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
         upgraded = self.transport.get_protocol() is not self
@@ -117,6 +159,43 @@ class GuardedH11Protocol(H11Protocol):
             # deadline; uvicorn's keep-alive timer would close the connection under a client pausing mid-body.
             self._unset_keepalive_if_required()
 
+    def eof_received(self) -> bool:
+        """The client ended its input (a half-close, as `nc -N` or a shutdown(SHUT_WR) does): a request it sent whole
+        is still answered, and the connection closed after it. A client that closed its connection altogether is
+        told apart by the writes: its system answers them with a reset, which the transport no longer reads once
+        the input has ended, so the connection's error is looked at every PEER_CHECK_S. An end of input within a
+        request (or between requests) closes at once."""
+        if self.cycle is not None and not self.cycle.response_complete and self.conn.their_state is h11.DONE:
+            self.cycle.keep_alive = False
+            self._peer_check = self.loop.call_later(PEER_CHECK_S, self._check_peer)
+            return True  # keep the transport open for writing
+        return False
+
+    def _check_peer(self) -> None:
+        self._peer_check = None
+        sock = self.transport.get_extra_info("socket")
+        if self.transport.is_closing() or sock is None:
+            return
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):  # a reset came: the client is gone
+            self.transport.abort()
+        else:
+            self._peer_check = self.loop.call_later(PEER_CHECK_S, self._check_peer)
+
+    def _unacknowledged(self) -> int | None:
+        """Bytes written to the connection and not yet acknowledged by the client's TCP: those the transport still
+        holds, and on Linux those in the kernel's send queue (SIOCOUTQ); None once the connection is closing."""
+        if self.transport.is_closing():
+            return None
+        held = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sys.platform == "linux" and sock is not None:
+            import fcntl
+            import termios
+
+            with contextlib.suppress(OSError):
+                held += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        return held
+
     def _reset(self) -> None:
         """Close the connection with a TCP reset: a zero linger time makes the close send RST, not FIN."""
         sock = self.transport.get_extra_info("socket")
@@ -127,6 +206,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._peer_check is not None:
+            self._peer_check.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 from .. import contract
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
-from ..errors import Music3Error, NonFiniteAudio
+from ..errors import Music3Error, NonFiniteAudio, error_text
 from ..memory import GIB, card_share, host_memory
 from .deploy_schema import Stage1Config
 
@@ -131,14 +131,15 @@ class RenderLoop:
             rendered = self.render_call(batch)
         except Exception as exc:
             if len(batch) == 1:
-                self.fail(batch[0].song, f"stage 1 failed: {exc}")
+                self.fail(batch[0].song, f"stage 1 failed: {error_text(exc)}")
                 if isinstance(exc, NonFiniteAudio):  # the call ran, the window's content is at fault (the same
                     log.error("render failed: %s", exc)  # request sent again fails again), not the device: no trace
                     return
                 log.exception("render failed")
                 self.failures_in_a_row += 1
                 if self.failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                    raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: {exc!r}); "
+                    raise Music3Error(f"stage 1 failed {self.failures_in_a_row} windows in a row (the last: "
+                                      f"{error_text(exc)}); "
                                       "it stops") from exc
                 return
             log.warning("a render of %d windows failed (%r); rendering them one at a time", len(batch), exc)

@@ -30,6 +30,12 @@ MAX_ERRORS = 5  # an error message names at most this many problems, then says h
 DRAIN_BYTES = 4 * MAX_BODY_BYTES
 
 
+class ErrorBody(BaseModel):
+    """The API's error body (for the schema at /openapi.json)."""
+
+    error: str
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The API's error body: {"error": message}."""
     return JSONResponse({"error": message}, status_code=status, headers=headers)
@@ -74,6 +80,12 @@ def _at_most(digits: str, limit: int) -> bool:
     """Whether a decimal count without leading zeros is at most `limit` (by length first: int() refuses over 4300
     digits)."""
     return len(digits) <= len(str(limit)) and int(digits) <= limit
+
+
+def too_large(digits: str) -> str:
+    """The 413's message for a body of `digits` bytes (a decimal count without leading zeros)."""
+    shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+    return f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
 
 
 def _expects_continue(scope: dict[str, Any]) -> bool:
@@ -125,8 +137,7 @@ class BoundedBody:
                 return await error_response(400, message)(scope, receive, send)
             digits = length.lstrip("0") or "0"
             if not _at_most(digits, MAX_BODY_BYTES):
-                shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
-                message = f"the body is {shown} bytes; the limit is {MAX_BODY_BYTES} bytes"
+                message = too_large(digits)
                 droppable = _at_most(digits, DRAIN_BYTES)
                 if droppable and not _expects_continue(scope) and await _drop_body(receive, DRAIN_BYTES):
                     return await error_response(413, message)(scope, receive, send)

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..acoustic.renderer import WindowPayload
-from ..errors import InputError, Music3Error
+from ..errors import InputError, Music3Error, error_text
 from ..talker.engine import Event, SongFailed, SongFinished, Talker, WindowReady
 from .heartbeat import StageWatch
 from .metrics import EngineMetrics
@@ -75,10 +75,11 @@ class TalkerLoop:
                     # which would otherwise meet the same failure at every step, forever.
                     for song in [s.id for s in self.talker.active] or list(self.talker.songs):
                         self._drop(song)  # its windows held here or sent on to stage 1 too
-                        self.callers.fail(song, f"stage 0 failed: {exc}")
+                        self.callers.fail(song, f"stage 0 failed: {error_text(exc)}")
                     failures_in_a_row += 1
                     if failures_in_a_row >= FAILED_CALLS_BEFORE_STOP:
-                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: {exc!r}); "
+                        raise Music3Error(f"stage 0 failed {failures_in_a_row} steps in a row (the last: "
+                                          f"{error_text(exc)}); "
                                           "it stops") from exc
                     continue
                 finally:

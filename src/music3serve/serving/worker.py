@@ -21,7 +21,7 @@ from .. import contract
 from ..acoustic.renderer import RenderedWindow, WindowPayload
 from ..acoustic.windows import Window
 from ..checkpoint import ACOUSTIC, load_component
-from ..errors import Music3Error
+from ..errors import Music3Error, error_text
 from .connectors import ConnectorTimeout, LostMessage, Message, make_connector
 from .deploy_config import ConnectorConfig, Stage1Config
 from .heartbeat import RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
@@ -96,7 +96,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
     try:
         renderer = stage1_renderer(load(device), stage1)
     except Exception as exc:  # the engine process says why, not only that the worker exited
-        connector.put(PCM, Message("failed", {"error": f"{type(exc).__name__}: {exc}"}, {}))
+        connector.put(PCM, Message("failed", {"error": error_text(exc)}, {}))
         raise
     connector.put(PCM, Message("ready", {}, {}))
     heartbeat = Heartbeat(lambda message: connector.put(PCM, message))
@@ -136,7 +136,7 @@ def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, c
         RenderLoop(renderer, inbox, on_chunk, on_error, rendering=heartbeat.rendering).run()
     except Exception as exc:  # stage 1 stops (say its calls kept failing): the engine says why, not an exit code
         with contextlib.suppress(Exception):
-            connector.put(PCM, Message("stopped", {"reason": f"{type(exc).__name__}: {exc}"}, {}))
+            connector.put(PCM, Message("stopped", {"reason": error_text(exc)}, {}))
         raise
     finally:
         heartbeat.stop()

@@ -1,0 +1,158 @@
+"""Who may use the HTTP API, and from where: API keys, the Host header (against DNS rebinding), CORS for browser
+apps, and the Allow header of a 405. ASGI middleware, server-only like serving/api.py (docs/api.md, "Access")."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Mapping
+
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match
+
+from .request_body import error_response
+
+ASGIApp = Callable[..., Awaitable[None]]
+# An endpoint's error body: (status, message, headers) -> the response. Routes with a body of their own (OpenAI's
+# {"error": {...}}, a base_resp envelope) name theirs by path in api.ROUTE_ERRORS (or Access.error_shapes); the rest
+# get error_response's {"error": message}.
+ErrorShape = Callable[[int, str, "dict[str, str] | None"], Response]
+OWNER = "music3serve.api_key"  # the scope key under which ApiKeys leaves the index of the request's key
+PROTECTED = "/v1/"  # every route under it needs a key; /health, /metrics and /openapi.json stay open
+# The response headers a browser app may read (CORS hides all but a few unless they are exposed).
+EXPOSED_HEADERS = ("X-Song-Id", "X-Seed", "X-Frame-Budget", "X-Prompt-Tokens", "X-Sample-Rate", "X-Channels",
+                   "Retry-After")
+CORS_METHODS = ("GET", "HEAD", "POST", "DELETE")
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """The Host header values a server answers. `loopback`: names and addresses of this machine's loopback
+    (localhost, *.localhost, 127.0.0.0/8, ::1); `patterns`: names (case-insensitive), `*.example.com` (its
+    subdomains) or `*` (any host)."""
+
+    loopback: bool = False
+    patterns: tuple[str, ...] = ("*",)
+
+    @classmethod
+    def for_bind(cls, bind: str, allowed: Iterable[str] = ()) -> "HostPolicy":
+        """Bound to a loopback address: loopback names and addresses, and `allowed`. Bound elsewhere (all
+        interfaces): `allowed` where given, else any host (probes and proxies reach it by names of their own)."""
+        allowed = tuple(_host_name(a) for a in allowed)  # a port or an IPv6 address's brackets are no part of it
+        if _is_loopback(bind):
+            return cls(True, allowed)
+        return cls(False, allowed or ("*",))
+
+    def allows(self, host: str) -> bool:
+        name = _host_name(host)
+        if self.loopback and _is_loopback(name):
+            return True
+        return any(p == "*" or p == name or (p.startswith("*.") and name.endswith(p[1:])) for p in self.patterns)
+
+
+def _is_loopback(name: str) -> bool:
+    name = name.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):  # RFC 6761: never resolved elsewhere
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host: str) -> str:
+    """The name or address of a Host header value, without its port and an IPv6 address's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+@dataclass(frozen=True)
+class Access:
+    """The API's access settings (`serve --api-key`, `--allowed-origins`, `--allowed-hosts`); the defaults are an
+    open API that answers any Host and no browser origin."""
+
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    hosts: HostPolicy = HostPolicy()
+    error_shapes: Mapping[str, ErrorShape] = field(default_factory=dict)  # by path
+
+    def error_shape(self, path: str) -> ErrorShape:
+        return self.error_shapes.get(path, error_response)
+
+
+class CheckHost:
+    """ASGI middleware: a request whose Host header the policy does not allow is refused with 400, so a web page
+    cannot reach a server on this machine through a name rebound to 127.0.0.1 (a request without one, HTTP/1.0, is
+    no browser's and passes)."""
+
+    def __init__(self, app: ASGIApp, policy: HostPolicy, access: Access):
+        self.app, self.policy, self.access = app, policy, access
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+            if host is not None and not self.policy.allows(host):
+                message = (f"the Host header {host!r:.80} is not one this server answers to (it protects against DNS "
+                           "rebinding; name it with serve --allowed-hosts)")
+                return await self.access.error_shape(scope["path"])(400, message, None)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class ApiKeys:
+    """ASGI middleware: every request under /v1/ needs `Authorization: Bearer KEY` with one of the keys (compared in
+    constant time), else 401 in the endpoint's error shape. The key's index is left in the scope (OWNER): a song
+    belongs to the key that asked for it."""
+
+    def __init__(self, app: ASGIApp, access: Access):
+        self.app, self.access = app, access
+        self.digests = [_digest(key.encode()) for key in access.api_keys]
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, token = header.partition(b" ")
+            given = _digest(token.strip())
+            matches = [hmac.compare_digest(given, digest) for digest in self.digests]  # every key, each in full
+            if scheme.lower() != b"bearer" or True not in matches:
+                message = ("this server needs an API key: send Authorization: Bearer <key>" if not header else
+                           "the API key is not valid" if scheme.lower() == b"bearer" else
+                           "the Authorization header must be Bearer <key>")
+                shape = self.access.error_shape(scope["path"])
+                return await shape(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            scope[OWNER] = matches.index(True)
+        await self.app(scope, receive, send)
+
+
+def install(app: Any, access: Access) -> None:
+    """Put the access checks in front of a FastAPI app's routes (after its other middleware, so outside it),
+    outermost first: the Host header, CORS (a browser's preflight carries no key; a 401 needs CORS headers for the
+    page to read it), then API keys."""
+    if access.api_keys:
+        app.add_middleware(ApiKeys, access=access)
+    if access.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=access.allowed_origins, allow_methods=CORS_METHODS,
+                           allow_headers=["*"], expose_headers=EXPOSED_HEADERS)
+    if access.hosts.loopback or access.hosts.patterns != ("*",):
+        app.add_middleware(CheckHost, policy=access.hosts, access=access)
+
+
+def allowed_methods(routes: Iterable[BaseRoute], scope: dict[str, Any]) -> str:
+    """The Allow header of a 405: the methods of every route at the request's path (Starlette names only the first
+    route's, and FastAPI makes one route per method)."""
+    methods: set[str] = set()
+    for route in routes:
+        if route.matches({**scope, "method": "\0"})[0] is not Match.NONE:  # a method no route has: path matches only
+            methods |= getattr(route, "methods", None) or set()
+    order = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return ", ".join(sorted(methods, key=lambda m: order.index(m) if m in order else len(order)))

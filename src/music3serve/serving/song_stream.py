@@ -1,0 +1,157 @@
+"""A song's HTTP response on its way to the client: sent in pieces, each of which must leave within WRITE_STALL_S;
+what the connection accepted (samples_sent) and whether the song's end reached the client (delivered); a client
+that goes away or stops reading ends it. Streamed and whole songs alike (serving/api.py builds them). Server-only,
+like serving/api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from .audio_io import CHANNELS
+
+log = logging.getLogger(__name__)
+
+# The ASGI scope extensions by which the server (serving/http_guard) tells the app about a connection:
+# RESET {"reset": callable}: close it with a TCP reset. A response without the chunked encoding (HTTP/1.0) cannot say
+# it was cut short but by a reset (a plain close reads as its end), and a close waits for buffers a stalled client
+# never reads. UNACKNOWLEDGED {"bytes": callable}: the response's bytes written but not yet acknowledged by the
+# client's TCP (None once the connection is closed).
+RESET = "music3serve.reset"
+UNACKNOWLEDGED = "music3serve.unacknowledged"
+SEND_PIECE_BYTES = 256 * 1024  # one send at most: each must drain within WRITE_STALL_S, even for a slow reader
+# A client playing the stream in real time frees a window's bytes within ~8 s; one that reads nothing for this
+# long is gone or stuck, and its response is cut rather than held (a streamed song is cancelled).
+WRITE_STALL_S = 120.0
+ACK_POLL_S = (0.005, 0.5)  # first and longest wait between two looks at the bytes not yet acknowledged
+
+
+class SongFailedMidStream(RuntimeError):
+    """Raised out of a streaming response so the server drops the connection before the final chunk."""
+
+
+class ClientStalled(OSError):
+    """The client read nothing for WRITE_STALL_S while a piece of its song waited to be sent."""
+
+
+class Sending(Protocol):
+    """What a response reports on: the song's state and counts (api.SongState)."""
+
+    name: str
+    state: str
+    samples_sent: int
+    delivered: bool
+
+
+async def watch_disconnect(request: Request, gone: Callable[[], None]) -> None:
+    """Call `gone` when the client goes away (the request body has been read, so only http.disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone()
+
+
+class SongStream(StreamingResponse):
+    """A song's response: streamed (chunked) or whole (a Content-Length), sent as `content` yields it. It counts the
+    song's samples the connection accepted, says whether the song's end reached the client, tells `gone` when the
+    client disconnects or stops reading (whatever the ASGI version), and always runs `close` (the body's own cleanup
+    may be in code that never started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], song: Sending, gone: Callable[[], None],
+                 close: Callable[[], Awaitable[None]], preamble: int = 0, **kwargs: Any):
+        """preamble: bytes before the samples (a WAV header)."""
+        super().__init__(content, **kwargs)
+        self.song, self.gone, self.close, self.preamble = song, gone, close, preamble
+        self.left, self.accepted = False, 0
+
+    def _gone(self) -> None:
+        if not self.left:
+            self.left = True
+            self.gone()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        extensions = scope.get("extensions", {})
+        probe = extensions.get(UNACKNOWLEDGED, {}).get("bytes", lambda: 0)  # elsewhere: a write taken is sent
+        watcher = asyncio.ensure_future(watch_disconnect(Request(scope, receive), self._gone))
+
+        async def send_or_give_up(message: dict) -> None:
+            body = message.get("body", b"")
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.song.delivered = self.song.state == "done" and await self._acknowledged(probe)
+            try:
+                await asyncio.wait_for(send(message), WRITE_STALL_S)
+            except TimeoutError:
+                self._stalled()
+            if body and not self.left and probe() is not None:
+                self.accepted += len(body)
+                self.song.samples_sent = max(0, self.accepted - self.preamble) // (2 * CHANNELS)
+
+        ended = stalled = False
+        try:
+            await self.stream_response(send_or_give_up)
+            ended = True
+        except OSError as exc:  # the client went away between two chunks (ASGI 2.4 servers raise on send), or stalled
+            stalled = isinstance(exc, ClientStalled)
+            self._gone()
+        finally:
+            watcher.cancel()
+            reset = extensions.get(RESET)
+            if not ended and reset and (stalled or scope.get("http_version") == "1.0"):
+                reset["reset"]()  # frees a stalled client's buffers at once; over HTTP/1.0, says the body was cut
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.close()
+            log.info("song response ended", extra={"song": self.song.name, "state": self.song.state,
+                                                   "samples": self.song.samples_sent, "delivered": self.song.delivered})
+
+    async def _acknowledged(self, unacknowledged: Callable[[], int | None]) -> bool:
+        """Whether every byte sent so far reached the client's TCP (its acknowledgement), waiting up to WRITE_STALL_S;
+        False once the connection is closed."""
+        wait, waited = ACK_POLL_S[0], 0.0
+        while (left := unacknowledged()) != 0:
+            if left is None or self.left:
+                return False
+            if waited >= WRITE_STALL_S:
+                self._stalled()
+            await asyncio.sleep(wait)
+            waited, wait = waited + wait, min(2 * wait, ACK_POLL_S[1])
+        return not self.left
+
+    def _stalled(self) -> None:
+        log.warning("client stopped reading", extra={"song": self.song.name, "samples": self.song.samples_sent})
+        CutResponses.stalled += 1  # uvicorn will log this response as unfinished
+        raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s")
+
+
+class CutResponses(logging.Filter):
+    """uvicorn logs the responses this app cuts on purpose as errors: each request task it cancels once the shutdown
+    grace is over as "Exception in ASGI application" with a CancelledError traceback, and a response SongStream ended
+    because its client stopped reading as "ASGI callable returned without completing response.", and a stream cut
+    because its song failed as "Exception in ASGI application" with a SongFailedMidStream traceback (the failure
+    itself is logged as an error where it happened); before cutting at shutdown it says "Cancel N running task(s),
+    timeout graceful shutdown exceeded". All are documented behaviour: each becomes one warning line. (Any other
+    unfinished response stays an error.)"""
+
+    stalled = 0  # responses SongStream cut for a stalled client whose unfinished response uvicorn has not logged yet
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if (isinstance(error, asyncio.CancelledError) and "graceful shutdown" in str(error)
+                and message.startswith("Exception in ASGI")):
+            self._warn(record, "a response was cut at shutdown (the grace period was over, or a second Ctrl-C)")
+        elif isinstance(error, SongFailedMidStream) and message.startswith("Exception in ASGI"):
+            self._warn(record, f"a response was cut: {error}")
+        elif message.startswith("Cancel ") and message.endswith("timeout graceful shutdown exceeded"):
+            self._warn(record, f"{message} (the grace period was over, or a second Ctrl-C)")
+        elif message == "ASGI callable returned without completing response." and CutResponses.stalled > 0:
+            CutResponses.stalled -= 1
+            self._warn(record, "a response was cut: its client stopped reading (a streamed song is cancelled)")
+        return True
+
+    @staticmethod
+    def _warn(record: logging.LogRecord, message: str) -> None:
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None
