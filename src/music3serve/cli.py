@@ -140,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--acoustic-dtype", default="float32", choices=["float32", "bfloat16"],
                      help="stage-1 precision: float32 (the default) is the reference, bfloat16 ~10x faster DiT "
                           "(docs/precision.md)")
-
-    serve = commands.add_parser("serve", help="HTTP API: stream songs to clients while they are written")
+    for sub in (gen, serve := commands.add_parser("serve", help="HTTP API: stream songs to clients while they are "
+                                                  "written")):
+        sub.add_argument("--quantization", default=None, choices=["none", "fp8"],
+                         help="both stages: fp8 = e4m3 weights for the talker, FP8 GEMMs for the DiT (bf16 "
+                              "activations; docs/precision.md). serve: overrides the deploy config's `quantization`")
     for sub in (gen, serve):
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--model", help="checkpoint folder (diffusers layout)")
@@ -194,7 +197,8 @@ def run_generate(args: argparse.Namespace) -> None:
         encode_prompt(load_tokenizer(root / "tokenizer"), args.caption, args.lyrics)
     log.info("loading model", extra={"path": str(root), "device": device})
     progress = show_progress()
-    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress)
+    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress,
+                                        quantization=args.quantization or "none")
     song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=progress)
     waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
     path = write_audio(args.output, waveform, args.sample_rate)
@@ -212,10 +216,12 @@ def run_serve(args: argparse.Namespace) -> None:
         if (exc.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn", "h11"):
             raise
         raise Music3Error(f"serving needs fastapi and uvicorn ({exc}): pip install 'music3serve[serve]'") from None
-    from .serving.deploy_config import load_deploy_config
+    from .serving.deploy_config import load_deploy_config, with_quantization
     from .serving.engine import Engine
 
     deploy = load_deploy_config(args.config)
+    if args.quantization is not None:
+        deploy = with_quantization(deploy, args.quantization)
     check_port(args.host, args.port)
     check_runtime(args.device)
     root = resolve_model(args.model, args.tiny)

@@ -30,6 +30,7 @@ from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error
 from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from ..talker.engine import SongFinished, Talker
+from ..talker.quantize import quantize_talker
 from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
@@ -98,6 +99,9 @@ class Engine:
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
+        log.info("stage precision", extra=deploy.precisions())
+        if deploy.stages[0].quantization == "fp8":
+            quantize_talker(models.language_model, models.depth_decoder)
         self.talker = Talker(
             models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config()
         )
