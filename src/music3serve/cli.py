@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e2e only: where stage 1 runs (default colocated; split needs two GPUs)")
     bench.add_argument("--render-batch", type=int, default=None,
                        help="e2e only: windows per render call (stage 1 max_num_batched_tokens; default: the config's)")
+    bench.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                       help="talker and acoustic: fp8 adds FP8 rows beside bf16; e2e: both stages in fp8")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
@@ -299,9 +301,10 @@ def run_bench(args: argparse.Namespace) -> None:
         print(precision())
         return
     if args.stage == "e2e":
-        print(run(placement=args.placement or "colocated", render_batch=args.render_batch))
+        print(run(placement=args.placement or "colocated", render_batch=args.render_batch,
+                  quantization=args.quantization))
     else:
-        print(run(peers=not args.no_peers))
+        print(run(peers=not args.no_peers, quantization=args.quantization))
 
 
 def exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
