@@ -17,7 +17,7 @@ step tests 100 python3 -m pytest -q -rfs -p no:cacheprovider -m gpu -s tests/tes
 step kernel 45 python3 -m music3serve.bench.fp8 kernel
 step talker 140 python3 -c "from music3serve.bench.talker import run
 print(run(concurrency=(1, 8), steps=30, peers=False, depth_modes=(True,), quantization='fp8'))"
-step dit 80 python3 -c "from music3serve.bench import acoustic as a
+step dit ${DIT_S:-80} python3 -c "from music3serve.bench import acoustic as a
 from music3serve.acoustic.precision import BFLOAT16, FP8
 rows = a.dit_rows('cuda', BFLOAT16, (1, 8), fuse=True) + a.dit_rows('cuda', FP8, (1, 8), fuse=True)
 print(a.table(['policy', 'windows', 'eager ms', 'graph ms', 'TFLOP/s', 'x bf16 peak'], rows)); print(a.gemm_rates())

@@ -15,8 +15,9 @@ from music3serve.kernels.skinny_linear import gated_silu_reference
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-# One bf16 rounding of the output apart: the kernel and the reference sum the same float32 products in another order.
-ULP = 2.0**-7
+# The kernel and the reference sum the same float32 products in another order, then round to bf16: the two roundings
+# may land a bf16 step apart (2^-7 relative at most, twice that allowed).
+ULP = 2.0**-6
 
 
 def weights(n: int, k: int, seed: int = 0):

@@ -131,7 +131,7 @@ def memory(device: str = "cuda", cap_gib: float = 22.0, seconds: float = 20.0) -
     from .e2e import random_models, song
 
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, torch.device(device).index or 0)
     deploy = with_quantization(load_deploy_config(), "fp8")
     s0, s1 = deploy.stages
     s0 = replace(s0, max_num_seqs=4, max_model_len=contract.MAX_CONTEXT,

@@ -96,7 +96,7 @@ def _fp8_rows(x: Tensor, w: Tensor, scale: Tensor | None) -> int:
 
 
 def _check_scale(w: Tensor, scale: Tensor | None) -> None:
-    if (scale is None) != (w.dtype == torch.float8_e4m3fn) or (
+    if (scale is None) == (w.dtype == torch.float8_e4m3fn) or (
             scale is not None and (scale.shape != w.shape[:1] or scale.dtype != torch.float32)):
         raise ValueError(f"skinny_linear: a {w.dtype} weight {tuple(w.shape)} takes "
                          + ("a float32 scale per output row" if w.dtype == torch.float8_e4m3fn else "no scale")
