@@ -9,7 +9,7 @@ DEADLINE=${DEADLINE:-575}
 step() {  # step NAME SECONDS COMMAND...: run it (within the deadline), keep its output, show its tail
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS)) t0=$SECONDS
-  [ "$left" -lt 20 ] && { echo "== $name skipped (deadline)"; return; }
+  [ "$left" -lt 20 ] || [ "$limit" -eq 0 ] && { echo "== $name skipped"; return; }
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "== $name rc=$? $((SECONDS - t0)) s"; tail -n 16 "$OUT/$name.txt"
 }
