@@ -88,7 +88,8 @@ def talker_precision(device: str = "cuda", frames: int = 500) -> str:
 # (name, N, K, gated): the talker's weights (bench/skinny_linear.py has the calls per frame).
 SHAPES = [("lm qkv", 6144, 4096, False), ("lm o", 4096, 4096, False), ("lm gate_up + silu", 24576, 4096, True),
           ("lm down", 4096, 12288, False), ("lm head", 16385, 4096, False), ("depth qkv", 12288, 4096, False),
-          ("depth down", 4096, 6144, False)]
+          ("depth down", 4096, 6144, False), ("depth gate_up + silu", 12288, 4096, True),
+          ("depth heads", 1024, 4096, False)]
 CYCLE_BYTES = 512 << 20  # weights cycled per timed graph, past the L2
 
 
@@ -118,6 +119,39 @@ def kernel_bandwidth(device: str = "cuda", rows=(2, 16)) -> str:
         del bf16, fp8
         torch.cuda.empty_cache()
     return table(["weight", "rows", "bf16 us", "fp8 us", "speed-up", "bf16 x copy bw", "fp8 x copy bw"], out)
+
+
+SWEEP = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 512, 8, 4), (64, 256, 4, 6), (128, 256, 8, 4),
+         (32, 512, 8, 6), (16, 1024, 4, 4), (64, 1024, 8, 3), (32, 256, 4, 8)]
+
+
+@torch.inference_mode()
+def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
+    """Time the skinny kernel on e4m3 weights for each talker shape over SWEEP (BLOCK_N per half when gated) and put
+    the fastest in skinny_linear.MEASURED_FP8_TILES for this process; returns the table."""
+    from ..kernels import skinny_linear as sl
+    from ..models.fp8 import quantize
+
+    out = []
+    for name, n, k, gated in SHAPES:
+        copies = max(2, CYCLE_BYTES // (n * k))
+        fp8 = [quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5) for _ in range(copies)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        default = sl.tile_config(n, k, gated, fp8=True)
+        times = {}
+        for config in dict.fromkeys([default, *SWEEP]):
+            try:
+                times[config] = time_ms(graphed(lambda c=config: [sl.run_kernel(x, q.codes, c, gated=gated,
+                                                                                 scale=q.scale) for q in fp8]))
+            except Exception as exc:  # a tile past the shared memory or register budget
+                print(f"{name} {config}: {type(exc).__name__}")
+        best = min(times, key=times.get)
+        sl.MEASURED_FP8_TILES[(n, k, gated)] = best
+        us = times[best] / copies * 1e3
+        out.append([name, rows, str(default), times[default] / copies * 1e3, str(best), us, n * k / (us * 1e-6) / COPY_BW])
+        del fp8
+        torch.cuda.empty_cache()
+    return table(["weight", "rows", "default tile", "us", "best tile", "us", "x copy bw"], out)
 
 
 def memory(device: str = "cuda", cap_gib: float = 22.0, seconds: float = 20.0) -> str:

@@ -62,10 +62,19 @@ MEASURED_GATED_TILES = {
 }
 
 
-def tile_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int, int]:
+# e4m3 weights, (n, k, gated) -> tile; without an entry, the bf16 tile with BLOCK_K doubled (the same bytes per step).
+MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+
+
+def tile_config(n: int, k: int, gated: bool = False, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight; a function of the shape only. gated: the
     weight is [gate | up] and BLOCK_N counts the columns of each (by default half the plain tile: the same bytes
-    per program)."""
+    per program). fp8: the weight is e4m3."""
+    if fp8:
+        if (n, k, gated) in MEASURED_FP8_TILES:
+            return MEASURED_FP8_TILES[(n, k, gated)]
+        block_n, block_k, warps, stages = tile_config(n, k, gated)
+        return block_n, 2 * block_k, warps, stages
     if gated and (n, k) in MEASURED_GATED_TILES:
         return MEASURED_GATED_TILES[(n, k)]
     block_n, block_k, warps, stages = MEASURED_TILES.get((n, k), (16 if n <= 1024 else 32, 128, 4, 4))
@@ -128,13 +137,13 @@ def skinny_linear(x: Tensor, w: Tensor, residual: Tensor | None = None, scale: T
     rows, the torch ops otherwise. An e4m3 w comes with its float32 `scale` [N] (models/fp8.py)."""
     _check_residual(x, w, residual)
     _check_scale(w, scale)
-    chunk = _fp8_rows(x, w, scale)
+    chunk, config = _fp8_rows(x, w, scale), tile_config(*w.shape, fp8=scale is not None)
     if chunk and not uses_kernel(x, w):
-        return torch.cat([run_kernel(part, w, tile_config(*w.shape), residual=res, scale=scale)
+        return torch.cat([run_kernel(part, w, config, residual=res, scale=scale)
                           for part, res in _chunks(x, residual, chunk)]).view(*x.shape[:-1], w.shape[0])
     if not uses_kernel(x, w):
         return (_product(x, w, scale) if residual is None else residual + _product(x, w, scale)).contiguous()
-    return run_kernel(x, w, tile_config(*w.shape), residual=residual, scale=scale)
+    return run_kernel(x, w, config, residual=residual, scale=scale)
 
 
 def _chunks(x: Tensor, residual: Tensor | None, rows: int) -> list[tuple[Tensor, Tensor | None]]:
@@ -150,7 +159,7 @@ def skinny_gated_silu(x: Tensor, gate_up: Tensor, scale: Tensor | None = None) -
     the torch ops do (gate and up to x's dtype, then silu, then the product); gated_silu_reference otherwise. An
     e4m3 gate_up comes with its float32 `scale` [N]."""
     _check_scale(gate_up, scale)
-    config = tile_config(*gate_up.shape, gated=True)
+    config = tile_config(*gate_up.shape, gated=True, fp8=scale is not None)
     chunk = _fp8_rows(x, gate_up, scale) if not gate_up.shape[0] % 2 else 0
     if chunk and not uses_kernel(x, gate_up):
         return torch.cat([run_kernel(part, gate_up, config, gated=True, scale=scale) for part, _ in _chunks(

@@ -24,6 +24,7 @@ from typing import AsyncIterator
 import numpy as np
 import torch
 
+from ..acoustic.precision import PrecisionPolicy, apply_policy
 from ..acoustic.renderer import RenderedWindow
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
@@ -100,6 +101,9 @@ class Engine:
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
         log.info("stage precision", extra=deploy.precisions())
+        if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
+            apply_policy(models.condition_encoder, models.dit, models.vocoder,
+                         PrecisionPolicy.named(deploy.stages[1].precision))
         if deploy.stages[0].quantization == "fp8":
             quantize_talker(models.language_model, models.depth_decoder)
         self.talker = Talker(
