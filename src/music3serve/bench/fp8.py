@@ -1,7 +1,7 @@
 """FP8 against bf16 and float32 (docs/precision.md, docs/performance.md): the talker teacher-forced, the skinny kernel's
 bandwidth on e4m3 weights, and the engine's peak memory in FP8 under a memory cap.
 
-    python -m music3serve.bench.fp8 {precision,kernel,memory}
+    python -m music3serve.bench.fp8 {precision,kernel,sweep,memory}
 """
 
 from __future__ import annotations
@@ -187,13 +187,15 @@ def memory(device: str = "cuda", cap_gib: float = 22.0, seconds: float = 20.0) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=["precision", "kernel", "memory"])
+    parser.add_argument("what", choices=["precision", "kernel", "sweep", "memory"])
     parser.add_argument("--frames", type=int, default=500)
     args = parser.parse_args(argv)
     if args.what == "precision":
         print(talker_precision(frames=args.frames))
     elif args.what == "kernel":
         print(kernel_bandwidth())
+    elif args.what == "sweep":
+        print(sweep_tiles())
     else:
         print(memory())
 

@@ -62,8 +62,20 @@ MEASURED_GATED_TILES = {
 }
 
 
-# e4m3 weights, (n, k, gated) -> tile; without an entry, the bf16 tile with BLOCK_K doubled (the same bytes per step).
-MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+# e4m3 weights, (n, k, gated) -> tile: the fastest of `python -m music3serve.bench.fp8 sweep` at 16 rows on the H200
+# (2026-12-04). They reach only 40-55% of copy bandwidth (bf16: 71-88%): the widened tile is the dot's B operand,
+# which goes back through shared memory (docs/performance.md). Without an entry: the bf16 tile with BLOCK_K doubled.
+MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+    (6144, 4096, False): (32, 512, 4, 4),  # backbone qkv: 14.6 us (0.40 of copy bandwidth)
+    (4096, 4096, False): (32, 512, 4, 4),  # backbone o, depth o and projection: 9.9 us (0.39)
+    (24576, 4096, True): (32, 256, 4, 3),  # backbone gate_up: 46.8 us (0.50)
+    (4096, 12288, False): (32, 512, 4, 4),  # backbone down: 25.7 us (0.46)
+    (16385, 4096, False): (64, 512, 4, 3),  # legal-column head: 28.7 us (0.55)
+    (12288, 4096, False): (32, 512, 4, 4),  # depth qkv: 22.6 us (0.52)
+    (12288, 4096, True): (32, 256, 4, 4),  # depth gate_up: 26.3 us (0.45)
+    (4096, 6144, False): (32, 512, 4, 4),  # depth down: 13.8 us (0.43)
+    (1024, 4096, False): (32, 512, 4, 4),  # depth heads: 9.2 us
+}
 
 
 def tile_config(n: int, k: int, gated: bool = False, fp8: bool = False) -> tuple[int, int, int, int]:
