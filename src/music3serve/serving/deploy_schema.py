@@ -102,7 +102,7 @@ def describe_precision(dtype: str, quantization: str, talker: bool) -> str:
     """One stage's precision and what it costs, in words (the start-up log line of `generate` and `serve`)."""
     if quantization == "fp8":
         if talker:
-            return f"fp8: e4m3 weights with per-channel scales, {dtype} activations and KV"
+            return f"fp8: e4m3 weights with per-channel scales (half the weight memory), {dtype} activations and KV"
         overridden = f"; dtype {dtype} is overridden" if dtype != "bfloat16" else ""
         return f"fp8: the DiT blocks' GEMMs in e4m3, the rest as bfloat16 (bf16 activations{overridden})"
     if not talker and dtype == "float32":
