@@ -15,8 +15,9 @@ from torch import nn
 from music3serve.acoustic.precision import BFLOAT16, FP8, PrecisionPolicy, apply_dit_policy
 from music3serve.bench.fp8 import talker_agreement
 from music3serve.bench.precision import measure_precision, rel_err
-from music3serve.checkpoint import load_component
+from music3serve.checkpoint import load_component, load_models
 from music3serve.cli import build_parser
+from music3serve.errors import Music3Error
 from music3serve.kernels.glu_linear import pair_rows
 from music3serve.models.fp8 import (
     E4M3, Fp8Linear, dequantize, quantize, quantize_linears, scaled_linear, scaled_reference, weight_only_reference,
@@ -156,3 +157,12 @@ def test_quantization_settings_and_what_the_engine_says():
         assert parser.parse_args([*argv, "--quantization", "fp8"]).quantization == "fp8"
         with pytest.raises(SystemExit):
             parser.parse_args([*argv, "--quantization", "int4"])
+
+
+def test_load_models_quantizes_the_talker_as_it_reads_it(tiny_dir):
+    models = load_models(tiny_dir, quantization="fp8")
+    talker = [*models.language_model.modules(), *models.depth_decoder.modules()]
+    assert not any(type(m) is nn.Linear for m in talker) and isinstance(models.depth_decoder.heads, Fp8Linear)
+    assert all(p.dtype == torch.float32 for p in models.dit.parameters())  # stage 1 is its policy's to cast
+    with pytest.raises(Music3Error, match="none or fp8"):
+        load_models(tiny_dir, quantization="fp4")

@@ -16,12 +16,11 @@ from . import contract
 from .acoustic.precision import PrecisionPolicy
 from .acoustic.renderer import Renderer
 from .checkpoint import Music3Models, load_models
-from .errors import InputError, Music3Error
+from .errors import InputError
 from .models.language_model import KVCache
 from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from .serving.deploy_schema import describe_precision
 from .talker.frame import talker_frame
-from .talker.quantize import quantize_talker
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +59,8 @@ class Pipeline:
     ) -> "Pipeline":
         """Load a checkpoint; acoustic modules load in float32 so a bf16 policy keeps true float32 islands.
         quantization "fp8": the talker's weights in e4m3 and stage 1 on the fp8 policy (whatever `acoustic` says)."""
-        models = load_models(Path(root), device=device, talker_dtype=talker_dtype, progress=progress)
-        if quantization == "fp8":
-            quantize_talker(models.language_model, models.depth_decoder)
-        elif quantization != "none":
-            raise Music3Error(f"quantization must be none or fp8, got {quantization!r}")
+        models = load_models(Path(root), device=device, talker_dtype=talker_dtype, progress=progress,
+                             quantization=quantization)
         precisions = {"stage 0": describe_precision(str(models.language_model.embed.weight.dtype).removeprefix(
             "torch."), quantization, talker=True), "stage 1": describe_precision(acoustic, quantization, talker=False)}
         log.info("stage precision", extra=precisions)

@@ -180,7 +180,7 @@ class Engine:
         split = device0 != device1 if split is None else split
         talker_dtype = getattr(torch, s0.dtype) if torch.device(device0).type != "cpu" else torch.float32
         models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split,
-                             progress=progress)
+                             progress=progress, quantization=s0.quantization)
         worker = RenderWorker(partial(load_acoustic, str(root)), device1, s1, deploy.connector) if split else None
         try:
             return cls(models, deploy, worker)
