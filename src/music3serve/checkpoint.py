@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from . import contract
 from .checkpoint_config import SUPPORTED, check_supported, checked_fields, config_values, read_json
-from .errors import CheckpointError
+from .errors import CheckpointError, Music3Error
 from .tokenizer import load_tokenizer
 from .models.condition_encoder import ConditionEncoder, ConditionEncoderConfig
 from .models.depth_decoder import DepthDecoder, DepthDecoderConfig
@@ -26,6 +26,7 @@ from .models.dit import DiT, DiTConfig
 from .models.language_model import LanguageModel, LanguageModelConfig
 from .models.vocoder import Vocoder, VocoderConfig
 from .models.weights import ParamSource, WeightNormSource
+from .talker.quantize import quantize_talker
 
 
 class Blocks(typing.NamedTuple):
@@ -404,10 +405,13 @@ def load_models(
     talker_dtype: torch.dtype | None = None,
     acoustic: bool = True,
     progress: bool = False,
+    quantization: str = "none",
 ) -> Music3Models:
     """Every component on `device`; the talker in bf16 on CUDA (float32 on the CPU) unless told otherwise, the
     acoustic components in float32 (a precision policy casts them, keeping its float32 islands true). With
-    acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process). progress: a bar per component."""
+    acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process). progress: a bar per component.
+    quantization "fp8": the talker's weights turned to e4m3 as soon as they are read (talker/quantize.py), before
+    stage 1's load, so its bf16 copy and stage 1's float32 one never share the device."""
     root = Path(root)
     check_layout(root)
     check_fit(root)
@@ -417,10 +421,15 @@ def load_models(
     def load(name: str, dtype: torch.dtype) -> nn.Module:
         return load_component(root, name, device, dtype, progress)
 
+    if quantization not in ("none", "fp8"):
+        raise Music3Error(f"quantization must be none or fp8, got {quantization!r}")
+    language_model, depth_decoder = load("language_model", talker_dtype), load("depth_decoder", talker_dtype)
+    if quantization == "fp8":
+        quantize_talker(language_model, depth_decoder)
     return Music3Models(
         tokenizer=load_tokenizer(root / "tokenizer"),
-        language_model=load("language_model", talker_dtype),
-        depth_decoder=load("depth_decoder", talker_dtype),
+        language_model=language_model,
+        depth_decoder=depth_decoder,
         condition_encoder=load("condition_encoder", torch.float32),
         dit=load("dit", torch.float32) if acoustic else None,
         vocoder=load("vocoder", torch.float32) if acoustic else None,

@@ -21,7 +21,7 @@ from .logs import setup_logging
 from .pdl_setting import pdl_mode
 from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, check_seed, check_steps, check_text, frames_for_duration
 from .serving.audio_io import OUTPUT_RATES, check_output, resample, write_audio
-from .serving.deploy_config import load_deploy_config
+from .serving.deploy_config import load_deploy_config, with_quantization
 
 log = logging.getLogger("music3serve")
 
@@ -234,8 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--acoustic-dtype", default="float32", choices=["float32", "bfloat16"],
                      help="stage-1 precision: float32 (the default) is the reference, bfloat16 ~10x faster DiT "
                           "(docs/precision.md)")
-
-    serve = commands.add_parser("serve", help="HTTP API: stream songs to clients while they are written")
+    for sub in (gen, serve := commands.add_parser("serve", help="HTTP API: stream songs to clients while they are "
+                                                  "written")):
+        sub.add_argument("--quantization", default=None, choices=["none", "fp8"],
+                         help="both stages: fp8 = e4m3 weights for the talker, FP8 GEMMs for the DiT (bf16 "
+                              "activations; docs/precision.md). serve: overrides the deploy config's `quantization`")
     for sub in (gen, serve):
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--model", help="checkpoint folder (diffusers layout)")
@@ -274,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e2e only: where stage 1 runs (default colocated; split needs two GPUs)")
     bench.add_argument("--render-batch", type=positive_int, default=None,
                        help="e2e only: windows per render call (stage 1 max_num_batched_tokens; default: the config's)")
+    bench.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                       help="talker and acoustic: fp8 adds FP8 rows beside bf16; e2e: both stages in fp8")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     tiny.add_argument("directory")
@@ -309,6 +314,8 @@ def check_serve(args: argparse.Namespace) -> None:
         raise Music3Error("--ray needs Ray Serve (missing: ray): pip install 'music3serve[ray]'")
     args.api_key = args.api_key or env_api_keys()
     args.deploy = load_deploy_config(args.config)
+    if args.quantization is not None:
+        args.deploy = with_quantization(args.deploy, args.quantization)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # else the cluster's proxy listens, not this host
         check_port(args.host, args.port)
     pdl_mode()
@@ -347,7 +354,8 @@ def run_generate(args: argparse.Namespace) -> None:
         encode_prompt(load_tokenizer(root / "tokenizer"), args.caption, args.lyrics)
     log.info("loading model", extra={"path": str(root), "device": device})
     progress = show_progress()
-    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress)
+    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress,
+                                        quantization=args.quantization or "none")
     song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=progress)
     waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
     path = write_audio(args.output, waveform, args.sample_rate)
@@ -447,9 +455,10 @@ def run_bench(args: argparse.Namespace) -> None:
         print(precision())
         return
     if args.stage == "e2e":
-        print(run(placement=args.placement or "colocated", render_batch=args.render_batch))
+        print(run(placement=args.placement or "colocated", render_batch=args.render_batch,
+                  quantization=args.quantization))
     else:
-        print(run(peers=not args.no_peers))
+        print(run(peers=not args.no_peers, quantization=args.quantization))
 
 
 def exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:

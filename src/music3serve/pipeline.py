@@ -19,6 +19,7 @@ from .checkpoint import Music3Models, load_models
 from .errors import InputError
 from .models.language_model import KVCache
 from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration
+from .serving.deploy_schema import describe_precision
 from .talker.frame import talker_frame
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,16 @@ class Pipeline:
     @classmethod
     def from_pretrained(
         cls, root: Path | str, device: str = "cpu", talker_dtype: torch.dtype | None = None, acoustic: str = "float32",
-        progress: bool = False,
+        progress: bool = False, quantization: str = "none",
     ) -> "Pipeline":
-        """Load a checkpoint; acoustic modules load in float32 so a bf16 policy keeps true float32 islands."""
-        return cls(load_models(Path(root), device=device, talker_dtype=talker_dtype, progress=progress), acoustic)
+        """Load a checkpoint; acoustic modules load in float32 so a bf16 policy keeps true float32 islands.
+        quantization "fp8": the talker's weights in e4m3 and stage 1 on the fp8 policy (whatever `acoustic` says)."""
+        models = load_models(Path(root), device=device, talker_dtype=talker_dtype, progress=progress,
+                             quantization=quantization)
+        precisions = {"stage 0": describe_precision(str(models.language_model.embed.weight.dtype).removeprefix(
+            "torch."), quantization, talker=True), "stage 1": describe_precision(acoustic, quantization, talker=False)}
+        log.info("stage precision", extra=precisions)
+        return cls(models, "fp8" if quantization == "fp8" else acoustic)
 
     @property
     def device(self) -> torch.device:

@@ -23,11 +23,13 @@ convolutions, and cuDNN's flag is on by default in PyTorch anyway.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Literal, get_args
 
 import torch
 from torch import nn
+
+from ..models.fp8 import quantize_linears
 
 # Parameter-name rules of the islands that may stay float32 while the rest of a component runs in bf16.
 DIT_ISLANDS: dict[str, Callable[[str], bool]] = {
@@ -58,6 +60,7 @@ class PrecisionPolicy:
     vocoder_tf32: bool = False  # a float32 vocoder's convolutions use TF32 (cuDNN; 10-bit mantissa inputs)
     condition_encoder: torch.dtype = torch.float32
     dit_island_matmuls: IslandMatmuls = "ieee"  # the DiT islands' Linear layers: float32 GEMMs, or bf16x3_linear
+    dit_fp8: bool = False  # the DiT blocks' linear layers in e4m3, weights and activations (models/fp8.py)
 
     def __post_init__(self) -> None:
         if self.dit_island_matmuls not in get_args(IslandMatmuls):
@@ -70,7 +73,7 @@ class PrecisionPolicy:
 
     @staticmethod
     def named(name: str) -> "PrecisionPolicy":
-        """The policy for a stage `dtype` setting: "float32" (reference) or "bfloat16"."""
+        """The policy for a stage `dtype` setting: "float32" (reference) or "bfloat16"; or "fp8" (`quantization`)."""
         try:
             return POLICIES[name]
         except KeyError:
@@ -91,7 +94,12 @@ BFLOAT16 = PrecisionPolicy(
     vocoder_tf32=True,
     dit_island_matmuls="bf16x3",
 )
-POLICIES = {"float32": FLOAT32, "bfloat16": BFLOAT16}
+# bf16 with the blocks' qkv, o, ff_in and ff_out GEMMs in FP8 (weights per channel, activations per token, bf16 out);
+# time embedding, norms, stem, head and the residual stream keep their float32 islands, the Euler state and the
+# guidance blend stay as in bf16, and the vocoder and condition encoder are untouched.
+FP8 = replace(BFLOAT16, name="fp8", dit_fp8=True)
+POLICIES = {"float32": FLOAT32, "bfloat16": BFLOAT16, "fp8": FP8}
+DIT_FP8_LAYERS = (".qkv", ".o", ".ff_in", ".ff_out")  # the blocks' linear layers FP8 replaces
 
 
 def _cast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -216,6 +224,8 @@ def apply_dit_policy(dit: nn.Module, policy: PrecisionPolicy) -> None:
     cast_component(dit, policy.dit, DIT_ISLANDS, keep, blocks=dit.blocks, island_matmuls=policy.dit_island_matmuls)
     for block in dit.blocks:
         block.set_glu_pairs(policy.dit != torch.float32)
+    if policy.dit_fp8:  # after the pairing: each row's scale moves with it; one-way (the bf16 weights are dropped)
+        quantize_linears(dit.blocks, lambda name: name.endswith(DIT_FP8_LAYERS))
 
 
 def apply_policy(encoder: nn.Module, dit: nn.Module, vocoder: nn.Module, policy: PrecisionPolicy) -> None:

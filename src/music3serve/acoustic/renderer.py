@@ -20,6 +20,7 @@ from ..errors import NonFiniteAudio
 from ..kernels import glu_linear
 from ..models.condition_encoder import ConditionEncoder
 from ..models.dit import DiT
+from ..models.fp8 import Fp8Weight
 from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
@@ -256,9 +257,12 @@ class Renderer:
         return torch.cat(pieces, dim=-1), latents
 
 
-def log_feed_forward_gate(weight: torch.Tensor) -> None:
+def log_feed_forward_gate(weight: torch.Tensor | Fp8Weight) -> None:
     """Say at start whether the DiT's feed-forward gate runs in quack's GEMM (kernels/glu_linear.py), or why not on a
-    Hopper GPU, where the `hopper` extra would make multi-window DiT calls faster."""
+    Hopper GPU, where the `hopper` extra would make multi-window DiT calls faster. FP8 weights: the gate is always
+    the pass after the FP8 GEMM, nothing to say."""
+    if isinstance(weight, Fp8Weight):
+        return
     reason = glu_linear.unavailable_reason(weight)
     if reason is None:
         log.info("stage 1 fuses the DiT's feed-forward gate into quack's GEMM",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import contract
-from ..acoustic.precision import BFLOAT16, FLOAT32, PrecisionPolicy, apply_dit_policy, float32_matmuls
+from ..acoustic.precision import BFLOAT16, FLOAT32, FP8, PrecisionPolicy, apply_dit_policy, float32_matmuls
 from ..checkpoint import ACOUSTIC
 from ..kernels import glu_linear
 from ..models.fusion import disable_fusion, enable_fusion
@@ -18,6 +18,32 @@ from .common import FULL_CONFIGS, graphed, random_module, table, time_ms
 PEAK_TFLOPS = 791.0
 # BFLOAT16 with its islands' Linear layers as IEEE float32 GEMMs instead of bf16x3 (acoustic/precision.py).
 IEEE_ISLANDS = replace(BFLOAT16, name="bfloat16, IEEE islands", dit_island_matmuls="ieee")
+
+
+def block_gemms(windows: int, length: int = contract.latent_length(contract.WINDOW_FRAMES)) -> list[tuple[int, int, int]]:
+    """(M, N, K) of one DiT block's qkv, o, ff_in and ff_out GEMMs over cond + uncond of `windows` windows."""
+    c = FULL_CONFIGS["dit"]
+    width, ff, m = c["num_attention_heads"] * c["attention_head_dim"], c["ff_inner_dim"], 2 * windows * (length + 1)
+    return [(m, 3 * width, width), (m, width, width), (m, 2 * ff, width), (m, width, ff)]
+
+
+@torch.inference_mode()
+def gemm_rates(device: str = "cuda", windows: int = 8) -> dict[str, float]:
+    """TFLOP/s of the DiT blocks' four GEMMs at `windows` windows: bf16 F.linear, and torch._scaled_mm on e4m3 inputs
+    with rowwise scales (the FP8 floor's rate; activation quantization not included)."""
+    from ..models.fp8 import quantize, quantize_rows
+
+    calls: dict[str, list] = {"bf16": [], "fp8": []}
+    for m, n, k in block_gemms(windows):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
+        codes, scale = quantize_rows(x)
+        q = quantize(w)
+        calls["bf16"].append(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+        calls["fp8"].append(lambda c=codes, s=scale, q=q: torch._scaled_mm(
+            c, q.codes.T, scale_a=s, scale_b=q.scale[None, :], out_dtype=torch.bfloat16))
+    flops = sum(2 * m * n * k for m, n, k in block_gemms(windows))
+    return {name: flops / time_ms(lambda fns=fns: [f() for f in fns]) / 1e9 for name, fns in calls.items()}
 
 
 def dit_flops(windows: int, length: int = contract.latent_length(contract.WINDOW_FRAMES)) -> float:
@@ -73,10 +99,13 @@ def vocoder_ms(device: str, dtype: torch.dtype) -> float:
     return time_ms(lambda: vocoder(latents))
 
 
-def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
+def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True, quantization: str = "none") -> str:
+    """quantization "fp8": also the FP8 policy's calls, and the FP8 GEMM rate measured in the same run."""
     rows = dit_rows(device, FLOAT32, [b for b in batches if b <= 2], fuse=False)  # slow: 1 and 2 windows
     rows += dit_rows(device, BFLOAT16, batches, fuse=False) + dit_rows(device, BFLOAT16, batches, fuse=True)
     rows += dit_rows(device, IEEE_ISLANDS, batches, fuse=True)
+    if quantization == "fp8":
+        rows += dit_rows(device, FP8, batches, fuse=True)
     with float32_matmuls(device):
         vocoder = {str(d).removeprefix("torch."): vocoder_ms(device, d) for d in (torch.float32, torch.bfloat16)}
     with float32_matmuls(device, conv_tf32=True):
@@ -87,6 +116,10 @@ def run(device: str = "cuda", batches=(1, 2, 4, 8), peers: bool = True) -> str:
     out = [f"DiT call = cond + uncond of N windows of 689 latent columns; {dit_flops(1) / 1e12:.2f} TFLOP per window; "
            f"bf16 feed-forward gate: {gate}", "", table(headers, rows), "", "vocoder per 689-column window: " +
            ", ".join(f"{k} {v:.2f} ms" for k, v in vocoder.items())]
+    if quantization == "fp8":
+        rates = gemm_rates(device)
+        out.append("DiT block GEMMs at 8 windows: " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in rates.items())
+                   + f"; an FP8 call at that rate: {dit_flops(8) / rates['fp8'] / 1e9:.1f} ms for 8 windows")
     if peers:
         from .peers import diffusers_dit_ms
 

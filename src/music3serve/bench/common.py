@@ -100,8 +100,10 @@ def graphed(fn: Callable[[], Any], stream: torch.cuda.Stream | None = None) -> C
     return graph.replay
 
 
-def param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def param_bytes(module: nn.Module | torch.Tensor) -> int:
+    """Bytes of a tensor, or of a module's parameters and buffers (an FP8 layer holds its codes and scales there)."""
+    tensors = [module] if isinstance(module, torch.Tensor) else [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

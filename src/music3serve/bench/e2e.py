@@ -14,9 +14,10 @@ import torch
 
 from ..checkpoint import ACOUSTIC, Music3Models
 from ..errors import Music3Error
-from ..serving.deploy_config import DeployConfig, load_deploy_config
+from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization
 from ..serving.engine import AudioChunk, Done, Engine, SongRequest
 from ..serving.worker import RenderWorker
+from ..talker.quantize import quantize_talker
 from ..tokenizer import load_tokenizer, write_tokenizer
 from .common import random_module, table
 
@@ -40,17 +41,18 @@ def random_acoustic(device: str, names: tuple[str, ...] = ACOUSTIC) -> SimpleNam
                               for i, n in enumerate(ACOUSTIC)})
 
 
-def random_models(device: str, acoustic: bool = True) -> Music3Models:
+def random_models(device: str, acoustic: bool = True, quantize: bool = False) -> Music3Models:
+    """quantize: the talker's weights in FP8 (as the engine would quantize them), before stage 1's are made, so the
+    bf16 talker and the float32 acoustic weights are never on the device together."""
     with tempfile.TemporaryDirectory() as folder:
         write_tokenizer(Path(folder))
         tokenizer = load_tokenizer(Path(folder))
+    lm = random_module("language_model", device, torch.bfloat16)
+    depth = random_module("depth_decoder", device, torch.bfloat16, seed=1)
+    if quantize:
+        quantize_talker(lm, depth)
     stage1 = random_acoustic(device, ACOUSTIC if acoustic else ACOUSTIC[:1])  # the talker mixes with the encoder
-    return Music3Models(
-        tokenizer=tokenizer,
-        language_model=random_module("language_model", device, torch.bfloat16),
-        depth_decoder=random_module("depth_decoder", device, torch.bfloat16, seed=1),
-        **vars(stage1),
-    )
+    return Music3Models(tokenizer=tokenizer, language_model=lm, depth_decoder=depth, **vars(stage1))
 
 
 def random_engine(deploy: DeployConfig, placement: str = "colocated", device: str = "cuda") -> Engine:
@@ -91,9 +93,11 @@ async def scenario(engine: Engine, durations: list[float]) -> tuple[list[dict[st
 
 def run(
     device: str = "cuda", acoustic_dtype: str = "bfloat16", placement: str = "colocated", render_batch: int | None = None,
+    quantization: str = "none",
 ) -> str:
-    """render_batch: windows per render call (stage 1's max_num_batched_tokens); None keeps the default config's."""
-    deploy = load_deploy_config()
+    """render_batch: windows per render call (stage 1's max_num_batched_tokens); None keeps the default config's.
+    quantization: both stages' (none or fp8)."""
+    deploy = with_quantization(load_deploy_config(), quantization)
     stage1 = dataclasses.replace(deploy.stages[1], dtype=acoustic_dtype)
     if render_batch is not None:
         if render_batch < 1:
@@ -118,5 +122,5 @@ def run(
     finally:
         faulthandler.cancel_dump_traceback_later()
         engine.close()
-    setting = f"acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]}), render batch {stage1.render_batch}"
+    setting = f"quantization {quantization}, acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]}), render batch {stage1.render_batch}"
     return setting + "\n\n" + table(headers, rows)

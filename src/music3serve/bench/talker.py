@@ -10,6 +10,7 @@ from .. import contract
 from ..prompt import unconditional_ids
 from ..talker.engine import Talker, TalkerConfig
 from ..talker.frame import sample_semantic, talker_frame
+from ..talker.quantize import quantize_talker
 from . import attention
 from .common import COPY_BW, graphed, param_bytes, random_module, table, time_ms
 
@@ -20,7 +21,7 @@ def weight_floor_ms(lm, depth, looked_up: bool = False) -> float:
     (DepthInputs), what the cached depth calls read."""
     backbone = param_bytes(lm) - lm.embed.weight.numel() * lm.embed.weight.element_size()
     depth_call = param_bytes(depth) - depth.embed.weight.numel() * depth.embed.weight.element_size()
-    depth_call -= depth.heads.numel() * depth.heads.element_size() * 6 // 7  # one head per call
+    depth_call -= param_bytes(depth.heads) * 6 // 7  # one head per call
     skipped = param_bytes(depth.projection) + param_bytes(depth.blocks[0].qkv) if looked_up else 0
     return (backbone + 7 * depth_call - (contract.NUM_CODEBOOKS - 2) * skipped) / COPY_BW * 1e3
 
@@ -51,7 +52,8 @@ def split_ms(talker: Talker, rows: int) -> dict[str, float]:
     return {"backbone": ms["backbone"], "depth": ms["frame"] - ms["sampling"], "sampling": ms["sampling"]}
 
 
-def measure(talker: Talker, concurrency, prompt_tokens: int, steps: int, floor: float) -> list[list]:
+def measure(talker: Talker, concurrency, prompt_tokens: int, steps: int, floor: float, label: str = "bf16"
+            ) -> list[list]:
     """One table row per concurrency level: graph and engine step times, the split, the ratio to the floor."""
     out = []
     for songs in concurrency:
@@ -65,7 +67,7 @@ def measure(talker: Talker, concurrency, prompt_tokens: int, steps: int, floor: 
         torch.cuda.synchronize()  # the last step is still queued when step() returns
         engine_ms = (time.perf_counter() - started) / steps * 1e3
         parts = split_ms(talker, rows)
-        out.append([songs, "cached" if talker.step_fn.depth_cache else "recomputed", graph_ms, engine_ms,
+        out.append([label, songs, "cached" if talker.step_fn.depth_cache else "recomputed", graph_ms, engine_ms,
                     parts["backbone"], parts["depth"], parts["sampling"], graph_ms / floor])
         for song in list(talker.songs):
             talker.cancel(song)
@@ -75,21 +77,27 @@ def measure(talker: Talker, concurrency, prompt_tokens: int, steps: int, floor: 
 @torch.inference_mode()
 def run(
     device: str = "cuda", concurrency=(1, 2, 4, 8), prompt_tokens: int = 300, steps: int = 50, peers: bool = True,
-    depth_modes=(False, True),
+    depth_modes=(False, True), quantization: str = "none",
 ) -> str:
+    """quantization "fp8": the same weights measured again as e4m3 (models/fp8.py) after the bf16 rows, each row's
+    ratio to the floor of its own weight bytes."""
     lm = random_module("language_model", device, torch.bfloat16)
     depth = random_module("depth_decoder", device, torch.bfloat16, seed=1)
     encoder = random_module("condition_encoder", device, torch.float32, seed=2)
-    floor = weight_floor_ms(lm, depth)
-    rows_out = []
-    for depth_cache in depth_modes:
-        config = TalkerConfig(max_num_seqs=16, capture_sizes=(2, 4, 8, 16), depth_cache=depth_cache)
-        rows_out += measure(Talker(lm, depth, encoder, config), concurrency, prompt_tokens, steps, floor)
-        torch.cuda.empty_cache()
-    headers = ["songs", "depth calls", "step ms (graph)", "step ms (engine, with host)", "backbone ms",
+    rows_out, floors = [], []
+    for label in ("bf16", "fp8") if quantization == "fp8" else ("bf16",):
+        if label == "fp8":
+            quantize_talker(lm, depth)
+        floor = weight_floor_ms(lm, depth)
+        floors.append(f"{label} {floor:.2f} ms (cached depth calls read less: "
+                      f"{weight_floor_ms(lm, depth, looked_up=True):.2f} ms)")
+        for depth_cache in depth_modes:
+            config = TalkerConfig(max_num_seqs=16, capture_sizes=(2, 4, 8, 16), depth_cache=depth_cache)
+            rows_out += measure(Talker(lm, depth, encoder, config), concurrency, prompt_tokens, steps, floor, label)
+            torch.cuda.empty_cache()
+    headers = ["weights", "songs", "depth calls", "step ms (graph)", "step ms (engine, with host)", "backbone ms",
                "depth loop ms", "sampling ms", "x weight-read floor"]
-    out = (f"weight-read floor for one frame: {floor:.2f} ms (cached depth calls read less: "
-           f"{weight_floor_ms(lm, depth, looked_up=True):.2f} ms)\n\n" + table(headers, rows_out))
+    out = f"weight-read floor for one frame: {'; '.join(floors)}\n\n" + table(headers, rows_out)
     del lm, depth, encoder
     torch.cuda.empty_cache()
     out += "\n\n" + attention.run()

@@ -16,6 +16,7 @@ from ..kernels.dit_attention import dit_attention
 from ..kernels.glu_linear import glu, glu_linear, pair_rows, unpair_rows
 from ..kernels.glu_linear import uses_kernel as uses_glu_kernel
 from ..kernels.split_rope import split_rope
+from .fp8 import Fp8Weight, scaled_linear
 from .fusion import between_library_calls, hot
 from .layers import rope_angles
 from .weights import Source, require
@@ -89,7 +90,8 @@ class DiTBlock(nn.Module):
         # Decided here, outside the compiled hot paths, so they specialize on it (and fuse the torch ops if False).
         kernel1 = uses_add_norm_kernel(x, self.norm1.weight, self.norm1.bias, self.qkv.weight.dtype)
         kernel2 = uses_add_norm_kernel(x, self.norm2.weight, self.norm2.bias, self.ff_in.weight.dtype)
-        fused_glu = self.glu_pairs and uses_glu_kernel(x.numel() // x.shape[-1], self.ff_in.weight, self.ff_in.bias)
+        fused_glu = self.glu_pairs and not isinstance(self.ff_in.weight, Fp8Weight) and uses_glu_kernel(
+            x.numel() // x.shape[-1], self.ff_in.weight, self.ff_in.bias)
         x, qkv = dit_qkv(x, delta, self.norm1.weight, self.norm1.bias, self.qkv.weight, self.norm1.eps, kernel1)
         q, k, v = split_rope(qkv, *rope, self.heads)
         return dit_block_output(
@@ -104,7 +106,8 @@ FF_IN = ("ff_in.weight", "ff_in.bias")
 def _ff_in_rows_saved_in_checkpoint_order(block: DiTBlock, state_dict: dict, prefix: str, _metadata) -> None:
     if block.glu_pairs:
         for name in FF_IN:
-            state_dict[prefix + name] = unpair_rows(state_dict[prefix + name])
+            if prefix + name in state_dict:  # an FP8 ff_in holds codes and scales instead (models/fp8.py)
+                state_dict[prefix + name] = unpair_rows(state_dict[prefix + name])
 
 
 def _ff_in_rows_loaded_in_block_order(block: DiTBlock, state_dict: dict, prefix: str, *_args) -> None:
@@ -124,7 +127,7 @@ def dit_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block input x + delta [batch, tokens, width], and the fused q, k, v projections of its norm."""
     x, h = add_norm(x, delta, norm_w, norm_b, eps, qkv_w.dtype, kernel)
-    return x, F.linear(h, qkv_w)
+    return x, block_linear(h, qkv_w)
 
 
 @between_library_calls
@@ -135,10 +138,17 @@ def dit_block_output(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, tokens, width]. `pairs`:
     ff_in's rows are in (gate, value) pairs; `fused_glu`: glu_linear's fused GEMM takes them."""
-    attn_out = F.linear(attn.to(o_w.dtype), o_w)
+    attn_out = block_linear(attn.to(o_w.dtype), o_w)
     x, h = add_norm(x, attn_out, norm_w, norm_b, eps, ff_in_w.dtype, kernel)
-    act = glu_linear(h, ff_in_w, ff_in_b) if fused_glu else glu(F.linear(h, ff_in_w, ff_in_b), pairs)
-    return x, F.linear(act.to(ff_out_w.dtype), ff_out_w, ff_out_b)
+    act = glu_linear(h, ff_in_w, ff_in_b) if fused_glu else glu(block_linear(h, ff_in_w, ff_in_b), pairs)
+    return x, block_linear(act.to(ff_out_w.dtype), ff_out_w, ff_out_b)
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or for an FP8 weight the FP8 GEMM with x quantized per token (models/fp8.py)."""
+    if isinstance(weight, Fp8Weight):
+        return scaled_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def add_norm(x, delta, norm_w, norm_b, eps: float, out_dtype: torch.dtype, kernel: bool):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.skinny_linear import gated_silu_reference, skinny_gated_silu, skinny_linear
+from .fp8 import Fp8Weight, reference_linear
 from .fusion import hot
 
 
@@ -47,19 +48,26 @@ class GatedMLP(nn.Module):
         return swiglu(x, self.gate_up.weight, self.down.weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+Weight = torch.Tensor | Fp8Weight  # an FP8 weight multiplies weight-only: x keeps its dtype (models/fp8.py)
+
+
+def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None) -> torch.Tensor:
     """[residual +] F.linear(x, weight) without bias; on CUDA, bf16 decode rows take the skinny kernel, the residual
     added in its epilogue (kernels/skinny_linear.py)."""
+    if isinstance(weight, Fp8Weight):
+        if _skinny(x):
+            return skinny_linear(x, weight.codes, residual, weight.scale)
+        return reference_linear(x, weight) if residual is None else residual + reference_linear(x, weight)
     if _skinny(x):
         return skinny_linear(x, weight, residual)
     return F.linear(x, weight) if residual is None else residual + F.linear(x, weight)
 
 
-def swiglu(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None = None
-) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: Weight, down: Weight, residual: torch.Tensor | None = None) -> torch.Tensor:
     """[residual +] down(silu(gate) * up) with gate_up = [gate | up]; on CUDA bf16 two skinny kernels."""
     gated = skinny_gated_silu if _skinny(x) else gated_silu_reference
+    if isinstance(gate_up, Fp8Weight):
+        return linear(gated(x, gate_up.codes, gate_up.scale), down, residual)
     return linear(gated(x, gate_up), down, residual)
 
 

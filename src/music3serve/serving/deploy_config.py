@@ -11,6 +11,7 @@ docs/configuration.md.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from .deploy_schema import (
     MAX_WINDOWS,
     MIN_SLEEP_S,
     MIN_STAGE0_MAX_TOKENS,
+    QUANTIZATIONS,
     PIPELINE,
     SEED_LIMIT,
     CfgArgs,
@@ -65,6 +67,7 @@ __all__ = [
     "Stage1Sampling",
     "load_deploy_config",
     "parse_deploy_config",
+    "with_quantization",
 ]
 
 CONNECTOR_CLASSES = ("SharedMemoryConnector",)
@@ -133,8 +136,20 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
     return DeployConfig(pipeline, async_chunk, trust_remote_code, connectors, (s0, s1), source)
 
 
-_STAGE_KEYS = ("stage_id", "max_num_seqs", "gpu_memory_utilization", "dtype", "max_model_len", "max_num_batched_tokens",
-               "enforce_eager", "compilation_config", "async_scheduling", "enable_prefix_caching", "devices")
+def with_quantization(deploy: DeployConfig, quantization: str) -> DeployConfig:
+    """`deploy` with both stages' `quantization` set (serve's --quantization); fp8 needs stage 0 in bfloat16."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization: {quantization!r}; allowed: {' or '.join(QUANTIZATIONS)}")
+    s0, s1 = deploy.stages
+    if quantization == "fp8" and s0.dtype != "bfloat16":
+        raise ConfigError(f"--quantization fp8: stage 0 has dtype {s0.dtype} in {deploy.source}; allowed: dtype "
+                          "bfloat16 (the FP8 decode kernel takes bf16 activations)")
+    stages = (replace(s0, quantization=quantization), replace(s1, quantization=quantization))
+    return replace(deploy, stages=stages)
+
+
+_STAGE_KEYS = ("stage_id", "max_num_seqs", "gpu_memory_utilization", "dtype", "quantization", "max_model_len",
+               "max_num_batched_tokens", "enforce_eager", "compilation_config", "async_scheduling", "enable_prefix_caching", "devices")
 _STAGE_EXTRA = ((0, ("output_connectors", "default_sampling_params")),
                 (1, ("input_connectors", "default_sampling_params")))
 _EXTRA_KEYS = tuple(SharedMemoryExtra().as_extra())
@@ -191,6 +206,12 @@ _PREFIX_WHY = (
     "positions",
     "stage 1 has no KV cache: its tokens are windows, each rendered once from the talker's frames",
 )
+_QUANTIZATION_WHY = (
+    "fp8: e4m3 weights with per-channel scales for the backbone, its head and the depth decoder; activations, KV "
+    "and sampling stay in dtype",
+    "fp8: the DiT blocks' linear layers in e4m3, weights per channel and activations per token; it runs the rest "
+    "of stage 1 as dtype bfloat16 does, whatever dtype says",
+)
 _GPU_LIST = re.compile(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)+")
 _GPU = re.compile(r"\s*0*([0-9]{1,4})\s*")  # at most 4 digits past leading zeros: int() refuses over 4300
 
@@ -212,6 +233,7 @@ def _common(m: Section, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...],
         gpu_memory_utilization=m.number("gpu_memory_utilization", d.gpu_memory_utilization, lambda v: 0 < v <= 1,
                                         "a number in (0, 1]"),
         dtype=m.choice("dtype", d.dtype, dtypes, dtype_why),
+        quantization=m.choice("quantization", d.quantization, QUANTIZATIONS, _QUANTIZATION_WHY[d.stage_id]),
         enforce_eager=m.bool("enforce_eager", d.enforce_eager),
         async_scheduling=m.bool("async_scheduling", False, _SYNC_WHY[d.stage_id]),
         enable_prefix_caching=m.bool("enable_prefix_caching", False, _PREFIX_WHY[d.stage_id]),
@@ -263,6 +285,9 @@ def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
     seqs = m.int("max_num_seqs", d.max_num_seqs, 2, MAX_NUM_SEQS, even=True,
                  allowed=f"an even integer in [2, {MAX_NUM_SEQS}] (rows: every song is a cond/uncond pair)")
     kw = _common(m, d, STAGE0_DTYPES, "the talker's weights and KV")
+    if kw["quantization"] == "fp8" and kw["dtype"] != "bfloat16":
+        raise m.bad("dtype", kw["dtype"], "bfloat16 with quantization: fp8 (the FP8 decode kernel takes bf16 "
+                    "activations); or quantization: none")
     kw.update(
         max_model_len=m.int("max_model_len", d.max_model_len, MIN_CONTEXT, contract.MAX_CONTEXT,
                             f"an integer in [{MIN_CONTEXT}, {contract.MAX_CONTEXT}] (the shortest prompt, "

@@ -95,11 +95,29 @@ class Stage1Sampling:
     seed: int = 0  # the only value: stage 1 draws nothing at temperature 0, its DiT noise is keyed by the song's seed
 
 
+QUANTIZATIONS = ("none", "fp8")  # a stage's `quantization`: none, or e4m3 weights (models/fp8.py)
+
+
+def describe_precision(dtype: str, quantization: str, talker: bool) -> str:
+    """One stage's precision and what it costs, in words (the start-up log line of `generate` and `serve`)."""
+    if quantization == "fp8":
+        if talker:
+            return f"fp8: e4m3 weights with per-channel scales (half the weight memory), {dtype} activations and KV"
+        overridden = f"; dtype {dtype} is overridden" if dtype != "bfloat16" else ""
+        return f"fp8: the DiT blocks' GEMMs in e4m3, the rest as bfloat16 (bf16 activations{overridden})"
+    if not talker and dtype == "float32":
+        return ("float32: the reference, about 10x slower DiT than bfloat16 and minutes longer to get ready on a GPU "
+                "(docs/precision.md)")
+    return dtype
+
+
 class _Stage:
     """What both stage dataclasses compute from their fields."""
 
     enforce_eager: bool
     compilation_config: CompilationConfig
+    dtype: str
+    quantization: str
 
     @property
     def graphs(self) -> bool:
@@ -115,6 +133,7 @@ class Stage0Config(_Stage):
     max_num_seqs: int = 16
     gpu_memory_utilization: float = 0.6
     dtype: str = "bfloat16"
+    quantization: str = "none"  # fp8: e4m3 weights of the backbone, its head and the depth decoder; bf16 activations
     max_model_len: int = contract.MAX_CONTEXT
     max_num_batched_tokens: int = contract.MAX_CONTEXT
     enforce_eager: bool = False
@@ -134,6 +153,7 @@ class Stage1Config(_Stage):
     max_num_seqs: int = 8
     gpu_memory_utilization: float = 0.2
     dtype: str = "float32"
+    quantization: str = "none"  # fp8: the DiT blocks' linear layers in e4m3 (weights and activations), dtype bf16
     max_model_len: int = MAX_WINDOWS
     max_num_batched_tokens: int = 8
     enforce_eager: bool = False
@@ -145,6 +165,11 @@ class Stage1Config(_Stage):
     devices: tuple[int, ...] = (0,)
     input_connectors: dict[str, str] = field(default_factory=lambda: {"from_stage_0": CONNECTOR})
     default_sampling_params: Stage1Sampling = field(default_factory=Stage1Sampling)
+
+    @property
+    def precision(self) -> str:
+        """The precision policy's name (acoustic/precision.py): fp8 when quantized (bf16 around it), else dtype."""
+        return "fp8" if self.quantization == "fp8" else self.dtype
 
     @property
     def render_batch(self) -> int:
@@ -166,6 +191,12 @@ class DeployConfig:
         """The connector between the stages in the split layout (windows to the stage-1 worker, its PCM and events
         back)."""
         return self.connectors[self.stages[0].output_connectors["to_stage_1"]]
+
+    def precisions(self) -> dict[str, str]:
+        """What each stage runs in, as the engine says at start."""
+        s0, s1 = self.stages
+        return {"stage 0": describe_precision(s0.dtype, s0.quantization, talker=True),
+                "stage 1": describe_precision(s1.dtype, s1.quantization, talker=False)}
 
     def talker_config(self) -> TalkerConfig:
         """Stage 0 as the talker engine's settings. Capture sizes count rows, so only even ones are kept."""

@@ -23,12 +23,14 @@ from typing import AsyncIterator
 import numpy as np
 import torch
 
+from ..acoustic.precision import PrecisionPolicy, apply_policy
 from ..acoustic.renderer import RenderedWindow
 from ..acoustic.windows import song_samples
 from ..checkpoint import Music3Models, load_models
 from ..errors import EngineBusy, InputError, Music3Error, error_text
 from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from ..talker.engine import SongFinished, Talker
+from ..talker.quantize import quantize_talker
 from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
@@ -98,6 +100,12 @@ class Engine:
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
+        log.info("stage precision", extra=deploy.precisions())
+        if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
+            apply_policy(models.condition_encoder, models.dit, models.vocoder,
+                         PrecisionPolicy.named(deploy.stages[1].precision))
+        if deploy.stages[0].quantization == "fp8":
+            quantize_talker(models.language_model, models.depth_decoder)
         self.talker = Talker(
             models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config()
         )
@@ -173,7 +181,7 @@ class Engine:
         split = device0 != device1 if split is None else split
         talker_dtype = getattr(torch, s0.dtype) if torch.device(device0).type != "cpu" else torch.float32
         models = load_models(Path(root), device=device0, talker_dtype=talker_dtype, acoustic=not split,
-                             progress=progress)
+                             progress=progress, quantization=s0.quantization)
         worker = RenderWorker(partial(load_acoustic, str(root)), device1, s1, deploy.connector) if split else None
         try:
             return cls(models, deploy, worker)

@@ -23,7 +23,7 @@ def stage1_renderer(models: Any, stage1: Stage1Config) -> Renderer:
     elementwise chains are fused (inductor) with or without graphs, in a worker of its own as beside the talker,
     whose process fuses everything it runs."""
     renderer = Renderer.from_models(
-        models, PrecisionPolicy.named(stage1.dtype), graphs=stage1.graphs, max_batch=stage1.render_batch, fuse=True,
+        models, PrecisionPolicy.named(stage1.precision), graphs=stage1.graphs, max_batch=stage1.render_batch, fuse=True,
     )
     check_weights_fit(renderer, stage1.gpu_memory_utilization)
     renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)

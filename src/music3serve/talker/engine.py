@@ -334,7 +334,7 @@ class Talker:
 
 def device_bytes(lm: LanguageModel, depth: DepthDecoder, config: TalkerConfig) -> int:
     """The weights and lookup tables the talker keeps on its device, whatever the songs."""
-    weights = sum(p.numel() * p.element_size() for m in (lm, depth) for p in m.parameters())
+    weights = sum(t.numel() * t.element_size() for m in (lm, depth) for t in (*m.parameters(), *m.buffers()))
     return weights + (DepthInputs.bytes_needed(depth) if config.depth_cache else 0)
 
 

@@ -1,0 +1,204 @@
+"""FP8 against bf16 and float32 (docs/precision.md, docs/performance.md): the talker teacher-forced, the skinny kernel's
+bandwidth on e4m3 weights, and the engine's peak memory in FP8 under a memory cap.
+
+    python -m music3serve.bench.fp8 {precision,kernel,sweep,memory}
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import contract
+from ..models.depth_decoder import DepthDecoder
+from ..models.language_model import KVCache, LanguageModel
+from ..talker.frame import talker_frame
+from ..talker.quantize import quantize_talker
+from .common import COPY_BW, graphed, random_module, table, time_ms
+from .precision import rel_err
+
+
+@dataclass
+class TalkerAgreement:
+    """One talker variant against the float32 reference over teacher-forced frames."""
+
+    name: str
+    logits_rel_err: list[float]  # per frame: the backbone's legal-column logits (cond and uncond rows)
+    c0_equal: float  # share of frames whose drawn c0 equals float32's (same draws)
+    depth_equal: float  # share of the 7 depth codes equal to float32's, over all frames
+
+    def __str__(self) -> str:
+        errs = self.logits_rel_err
+        return (f"{self.name}: logits rel err mean {statistics.fmean(errs):.2e} max {max(errs):.2e} over {len(errs)} "
+                f"frames; c0 equal {self.c0_equal:.1%}, depth codes equal {self.depth_equal:.1%}")
+
+
+@torch.inference_mode()
+def talker_agreement(
+    reference: tuple[LanguageModel, DepthDecoder], variants: dict[str, tuple[LanguageModel, DepthDecoder]],
+    frames: int = 500, prompt: int = 64, seed: int = 0,
+) -> list[TalkerAgreement]:
+    """Every model pair fed the same inputs: a random two-row prompt, then each frame the float32 reference's feedback
+    embedding; each draws its codes from its own logits with the same (seed, frame) draws (talker_frame)."""
+    models = {"float32": reference, **variants}
+    lm = reference[0]
+    device = lm.embed.weight.device
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, contract.AUDIO_CODE_OFFSET, (2, prompt), generator=gen).to(device)
+    ids[:, -1] = contract.AUDIO_START
+    caches = {n: KVCache.allocate(m[0].cfg, 2, prompt + frames, m[0].embed.weight.dtype, device) for n, m in models.items()}
+    hidden = {n: m[0](m[0].embed(ids), torch.arange(prompt, device=device), caches[n].at(0))[:, -1]
+              for n, m in models.items()}
+    seeds = torch.tensor([seed], device=device)
+    errs: dict[str, list[float]] = {n: [] for n in variants}
+    c0 = dict.fromkeys(variants, 0)
+    depth_codes = dict.fromkeys(variants, 0)
+    for frame in range(frames):
+        index = torch.tensor([frame], device=device)
+        ref_logits = lm.logits(hidden["float32"])
+        ref = talker_frame(*reference, hidden["float32"], seeds, index, depth_cache=False)
+        for name in variants:
+            v_lm, v_depth = variants[name]
+            errs[name].append(rel_err(ref_logits, v_lm.logits(hidden[name])))
+            codes = talker_frame(v_lm, v_depth, hidden[name], seeds, index, depth_cache=False).codes
+            c0[name] += int(codes[0, 0] == ref.codes[0, 0])
+            depth_codes[name] += int((codes[0, 1:] == ref.codes[0, 1:]).sum())
+        position = torch.tensor([prompt + frame], device=device)
+        for name, (m_lm, _) in models.items():
+            feedback = ref.feedback.to(m_lm.embed.weight.dtype)[:, None]
+            hidden[name] = m_lm(feedback, position, caches[name].at(prompt + frame))[:, -1]
+    return [TalkerAgreement(n, errs[n], c0[n] / frames, depth_codes[n] / (7 * frames)) for n in variants]
+
+
+def talker_precision(device: str = "cuda", frames: int = 500) -> str:
+    """Full-size random weights (bf16, as the checkpoint stores them): float32 upcast as the reference, bf16, FP8."""
+    lm = random_module("language_model", device, torch.bfloat16)
+    depth = random_module("depth_decoder", device, torch.bfloat16, seed=1)
+    reference = (copy.deepcopy(lm).float(), copy.deepcopy(depth).float())
+    quantized = (copy.deepcopy(lm), copy.deepcopy(depth))
+    quantize_talker(*quantized)
+    reports = talker_agreement(reference, {"bf16": (lm, depth), "fp8": quantized}, frames=frames)
+    return "\n".join(str(r) for r in reports)
+
+
+# (name, N, K, gated): the talker's weights (bench/skinny_linear.py has the calls per frame).
+SHAPES = [("lm qkv", 6144, 4096, False), ("lm o", 4096, 4096, False), ("lm gate_up + silu", 24576, 4096, True),
+          ("lm down", 4096, 12288, False), ("lm head", 16385, 4096, False), ("depth qkv", 12288, 4096, False),
+          ("depth down", 4096, 6144, False), ("depth gate_up + silu", 12288, 4096, True),
+          ("depth heads", 1024, 4096, False)]
+CYCLE_BYTES = 512 << 20  # weights cycled per timed graph, past the L2
+
+
+@torch.inference_mode()
+def kernel_bandwidth(device: str = "cuda", rows=(2, 16)) -> str:
+    """The skinny kernel per talker weight, bf16 and e4m3 weights: microseconds and weight bytes over time against
+    copy bandwidth (the weights cycling through more copies than L2 holds)."""
+    from ..kernels.skinny_linear import skinny_gated_silu, skinny_linear
+    from ..models.fp8 import quantize
+
+    out = []
+    for name, n, k, gated in SHAPES:
+        copies = max(2, CYCLE_BYTES // (n * k * 2))
+        bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        fp8 = [quantize(w) for w in bf16]
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            fn = skinny_gated_silu if gated else skinny_linear
+            if gated:
+                calls = {"bf16": lambda: [fn(x, w) for w in bf16], "fp8": lambda: [fn(x, q.codes, q.scale) for q in fp8]}
+            else:
+                calls = {"bf16": lambda: [fn(x, w) for w in bf16],
+                         "fp8": lambda: [fn(x, q.codes, None, q.scale) for q in fp8]}
+            us = {label: time_ms(graphed(call)) / copies * 1e3 for label, call in calls.items()}
+            share = {label: n * k * (2 if label == "bf16" else 1) / (us[label] * 1e-6) / COPY_BW for label in us}
+            out.append([name, m, us["bf16"], us["fp8"], us["bf16"] / us["fp8"], share["bf16"], share["fp8"]])
+        del bf16, fp8
+        torch.cuda.empty_cache()
+    return table(["weight", "rows", "bf16 us", "fp8 us", "speed-up", "bf16 x copy bw", "fp8 x copy bw"], out)
+
+
+SWEEP = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 512, 8, 4), (64, 256, 4, 6), (128, 256, 8, 4),
+         (32, 512, 8, 6), (16, 1024, 4, 4), (64, 1024, 8, 3), (32, 256, 4, 8)]
+
+
+@torch.inference_mode()
+def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
+    """Time the skinny kernel on e4m3 weights for each talker shape over SWEEP (BLOCK_N per half when gated) and put
+    the fastest in skinny_linear.MEASURED_FP8_TILES for this process; returns the table."""
+    from ..kernels import skinny_linear as sl
+    from ..models.fp8 import quantize
+
+    out = []
+    for name, n, k, gated in SHAPES:
+        copies = max(2, CYCLE_BYTES // (n * k))
+        fp8 = [quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5) for _ in range(copies)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        default = sl.tile_config(n, k, gated, fp8=True)
+        times = {}
+        for config in dict.fromkeys([default, *SWEEP]):
+            try:
+                times[config] = time_ms(graphed(lambda c=config: [sl.run_kernel(x, q.codes, c, gated=gated,
+                                                                                 scale=q.scale) for q in fp8]))
+            except Exception as exc:  # a tile past the shared memory or register budget
+                print(f"{name} {config}: {type(exc).__name__}")
+        best = min(times, key=times.get)
+        sl.MEASURED_FP8_TILES[(n, k, gated)] = best
+        us = times[best] / copies * 1e3
+        out.append([name, rows, str(default), times[default] / copies * 1e3, str(best), us, n * k / (us * 1e-6) / COPY_BW])
+        del fp8
+        torch.cuda.empty_cache()
+    return table(["weight", "rows", "default tile", "us", "best tile", "us", "x copy bw"], out)
+
+
+def memory(device: str = "cuda", cap_gib: float = 22.0, seconds: float = 20.0) -> str:
+    """The engine colocated in FP8 (2 songs: max_num_seqs 4, max_model_len 10240) under
+    torch.cuda.set_per_process_memory_fraction of `cap_gib`: one song, then the peak memory reserved."""
+    import asyncio
+    import time
+
+    from ..serving.deploy_config import load_deploy_config, with_quantization
+    from ..serving.engine import Engine
+    from .e2e import random_models, song
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, torch.device(device).index or 0)
+    deploy = with_quantization(load_deploy_config(), "fp8")
+    s0, s1 = deploy.stages
+    s0 = replace(s0, max_num_seqs=4, max_model_len=contract.MAX_CONTEXT,
+                 compilation_config=replace(s0.compilation_config, cudagraph_capture_sizes=(2, 4)))
+    s1 = replace(s1, max_num_seqs=2, max_num_batched_tokens=2,
+                 compilation_config=replace(s1.compilation_config, cudagraph_capture_sizes=(1, 2)))
+    deploy = replace(deploy, stages=(s0, s1))
+    started = time.perf_counter()
+    engine = Engine(random_models(device, quantize=True), deploy)
+    ready = time.perf_counter() - started
+    try:
+        result = asyncio.run(song(engine, seconds, 0))
+    finally:
+        engine.close()
+    peak = torch.cuda.max_memory_reserved(device) / 2**30
+    return (f"FP8 engine under a {cap_gib:g} GiB cap: ready in {ready:.1f} s, one {seconds:g} s song in "
+            f"{result['total_s']:.2f} s (first audio {result['first_audio_s']:.2f} s); peak reserved {peak:.2f} GiB")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("what", choices=["precision", "kernel", "sweep", "memory"])
+    parser.add_argument("--frames", type=int, default=500)
+    args = parser.parse_args(argv)
+    if args.what == "precision":
+        print(talker_precision(frames=args.frames))
+    elif args.what == "kernel":
+        print(kernel_bandwidth())
+    elif args.what == "sweep":
+        print(sweep_tiles())
+    else:
+        print(memory())
+
+
+if __name__ == "__main__":
+    main()
