@@ -17,7 +17,9 @@ On CUDA with Triton importable the work runs as flash-decoding, in two kernels:
    rows, NaN) cannot leak into the result.
 2. ``combine``: grid ``(q_heads, rows)``. Merges the active splits of one head by their log-sum-exps.
 
-``num_splits`` is fixed per (rows, kv_heads, capacity) shape, so the launch grid is static and graph capturable.
+``num_splits`` follows the capacity alone (``_choose_num_splits``), so the launch grid is static and graph capturable,
+and a row's share of its filled length, hence the order its positions are summed and merged in, depends on that length
+only: a row's result does not depend on the other rows or on how many there are (batch invariance).
 
 ``append=(k_new, v_new, positions)`` also stores each row's new key and value at ``positions[r]`` of its slot
 (what a decode step must do before attending). The Triton path does it inside ``split``, with no launch of its
@@ -371,28 +373,22 @@ def _kernels():
     return triton, split_kernel, combine_kernel
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Defaults for Hopper (H100/H200), head_dim 128, bf16: K and V blocks of 64 positions, 4 warps, a 3-stage
-# pipeline, and about one (row, kv_head, split) program per SM at full length (rows 2 -> 9 splits, rows 16 -> 2).
-# Picked from two sweeps on an H200 (bench/decode_attention.py --sweep: 36 layers, capacity 10240, rows 2 and 16,
-# filled 1k/5k/10k): this is within ~5% of the best of 22 configurations in every case and reaches the bytes
-# floor at rows 16 x 10k; 2 stages with these splits cost up to 35% more, 4x the splits 3-15% more.
+# pipeline (bench/decode_attention.py --sweep on an H200: 36 layers, capacity 10240, rows 2 and 16, filled 1k/5k/10k;
+# 2 stages cost up to 35% more). At most 8 splits of a row's filled length: a full one-song step (2 rows x 8 kv heads)
+# is then 128 programs, about one per SM of an H200, and the split count never follows the row count (module
+# docstring).
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
-_PROGRAMS_PER_SM = 1
+_MAX_SPLITS = 8
 
 
-def _choose_num_splits(rows: int, kv_heads: int, capacity: int, block_n: int, sm_count: int) -> int:
-    """Splits per (row, kv_head): enough programs to fill the GPU when the slots are full, no more splits than
-    blocks in the capacity. Static for a (rows, kv_heads, capacity) shape, so a captured graph keeps its grid."""
-    max_blocks = max(1, math.ceil(capacity / block_n))
-    want = math.ceil(_PROGRAMS_PER_SM * sm_count / max(1, rows * kv_heads))
-    return max(1, min(want, max_blocks, 128))
+def _choose_num_splits(capacity: int, block_n: int) -> int:
+    """Splits per (row, kv_head): _MAX_SPLITS, or one per block of a smaller capacity. A function of the capacity
+    alone; each row's share is then ceil(blocks(L) / _MAX_SPLITS) blocks of its filled length L, whatever the other
+    rows (and whatever the capacity: a smaller one has no more blocks than splits)."""
+    return max(1, min(_MAX_SPLITS, math.ceil(capacity / block_n)))
 
 
 def _decode_attention_triton(
@@ -434,7 +430,7 @@ def _decode_attention_triton(
     group = q_heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     if num_splits is None:
-        num_splits = _choose_num_splits(rows, kv_heads, capacity, block_n, _sm_count(q.device.index or 0))
+        num_splits = _choose_num_splits(capacity, block_n)
     splits_pad = max(2, triton.next_power_of_2(num_splits))
 
     out = torch.empty((rows, q_heads, head_dim), device=q.device, dtype=out_dtype)

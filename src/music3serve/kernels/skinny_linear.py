@@ -1,18 +1,22 @@
-"""y = x @ w.T for a few rows of bf16 x (decode steps: 2-16 rows), reading w once at close to copy bandwidth.
+"""y = x @ w.T for a few rows of bf16 x (decode steps: 2-128 rows), reading w once at close to copy bandwidth.
 
 cuBLAS picks its kernel by the row count, so a row's result can change with the number of rows beside it, and
 on the talker's shapes it reaches only 57-75% of copy bandwidth for the o / qkv / down projections
-(docs/performance.md). Here one Triton program owns ``BLOCK_N`` output columns for all rows (padded to 16, the
-smallest tensor-core tile) and walks the whole K dimension in ``BLOCK_K`` steps, accumulating in float32, so:
+(docs/performance.md). Here one Triton program owns ``BLOCK_N`` output columns of one tile of ``ROW_TILE`` rows
+(16, the smallest tensor-core tile; the last tile padded) and walks the whole K dimension in ``BLOCK_K`` steps,
+accumulating in float32, so:
 
 - the arithmetic of a row does not depend on the other rows or on how many there are (batch invariance by
-  construction: the tile configuration is chosen from (N, K) only, never from the row count);
-- w streams through once per call; the grid is ``ceil(N / BLOCK_N)`` programs, no split-K, no atomics, so
-  results are deterministic.
+  construction: the tile configuration is chosen from (N, K) only, never from the row count, and every row tile
+  runs the same program);
+- w streams from memory about once per call: the grid is ``(row tiles, ceil(N / BLOCK_N))`` with the row tile
+  varying fastest, so the programs reading the same columns run together and share them through L2; no split-K,
+  no atomics, so results are deterministic.
 
 ``skinny_linear`` and ``skinny_gated_silu`` are custom ops (``music3serve::...``) so compiled hot paths
 (models/fusion.py) call them as one opaque kernel each. They run the Triton kernel for bf16 CUDA inputs of at most
-``MAX_ROWS`` rows (x and a residual are read with their row stride, copied only without unit stride along K; w
+``MAX_ROWS`` rows (every row count of a frame step: 64 rows of 32 songs, the depth decoder's first call two positions
+each) (x and a residual are read with their row stride, copied only without unit stride along K; w
 needs unit stride along K) and the torch ops otherwise (prefill, float32, CPU), always returning a contiguous tensor
 in x's dtype. The GPU tests bound the kernel against the exact float64 product (tests/test_skinny_linear.py).
 """
@@ -30,10 +34,11 @@ from .decode_attention import triton_available
 from .pdl import launch_options, uses_pdl
 
 __all__ = [
-    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
+    "MAX_ROWS", "ROW_TILE", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
 ]
 
-MAX_ROWS = 16
+ROW_TILE = 16
+MAX_ROWS = 128
 
 
 # Fastest tiles of `python3 bench/skinny_linear.py --sweep` on the H200 (docs/performance.md, session 3) for the
@@ -121,8 +126,8 @@ def run_kernel(
     block_n, block_k, warps, stages = config
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
-    _kernel()[(math.ceil(n / block_n),)](
-        x_rows, w, y, added, rows, n, k, w.stride(0), x_rows.stride(0), added.stride(0), BLOCK_M=MAX_ROWS,
+    _kernel()[(math.ceil(rows / ROW_TILE), math.ceil(n / block_n))](
+        x_rows, w, y, added, rows, n, k, w.stride(0), x_rows.stride(0), added.stride(0), BLOCK_M=ROW_TILE,
         BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=residual is not None, PDL=pdl,
         PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, num_warps=warps, num_stages=stages,
         **launch_options(pdl),
@@ -181,8 +186,8 @@ def _kernel():
                              PREFETCH_LINES: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         if PDL:  # the weights are constant: start them towards L2 while the previous kernel finishes (kernels/pdl.py)
             lines = tl.arange(0, PREFETCH_LINES) * 64
