@@ -93,12 +93,13 @@ def run(talker: Talker, song: Song, beside: list[Song]) -> tuple[torch.Tensor, t
             if event.song != song.id:
                 continue
             if isinstance(event, WindowReady):
-                event.ready.synchronize()
+                if event.ready is not None:
+                    event.ready.synchronize()
                 mixed.append((event.window, event.mixed.clone()))
             elif isinstance(event, SongFinished):
                 codes = event.codes
         step += 1
-    frames = torch.full((FRAMES, talker.lm.cfg.hidden), float("nan"), device="cuda")
+    frames = torch.full((song.frames, talker.lm.cfg.hidden), float("nan"), device=talker.device)
     for window, rows in mixed:
         frames[window.start : window.start + window.frames] = rows
     return codes, frames
@@ -135,15 +136,19 @@ def test_a_songs_windows_beside_other_songs_stay_within_the_measured_bound_of_re
     windows = song_windows(FRAMES)[:3]
     generator = torch.Generator(device="cuda").manual_seed(11)
     beside = [solo[1][torch.randperm(FRAMES, generator=generator, device="cuda")] for _ in range(7)]
-    pcm = {}
+    pcm, latents = {}, {}
     for name, songs in (("alone", [solo[1]]), ("beside seven", [solo[1], *beside])):
-        pieces = []
+        rendered = []
         for index in range(len(windows)):
             payloads = [renderer.payloads((name, i), 7 + i, mixed)[index] for i, mixed in enumerate(songs)]
-            pieces.append(renderer.render(payloads)[0].pcm)
+            rendered.append(renderer.render(payloads)[0])
         for i in range(len(songs)):
             renderer.cancel((name, i))
-        pcm[name] = torch.cat(pieces, dim=-1)
+        pcm[name] = torch.cat([r.pcm for r in rendered], dim=-1)
+        latents[name] = torch.cat([r.latent for r in rendered], dim=-1)
     difference = (pcm["alone"] - pcm["beside seven"]).abs().max().item()
-    print(f"{policy.name}: largest |PCM difference| alone vs beside seven {difference:.3g}")
+    latent = ((latents["alone"] - latents["beside seven"]).norm() / latents["alone"].norm()).item()
+    print(f"{policy.name}: largest |PCM difference| alone vs beside seven {difference:.3g} (full scale 1, "
+          f"{(pcm['alone'].abs() == 1).float().mean().item():.1%} of the samples clamped); latents relative L2 "
+          f"{latent:.3g}")
     assert difference <= PCM_BOUND[policy.name]
