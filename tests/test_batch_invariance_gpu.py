@@ -30,9 +30,12 @@ pytestmark = pytest.mark.gpu
 FRAMES = 750
 SONG = "the song"
 # Stage 1 batches with cuBLAS, whose kernel follows the batch, so a window rendered beside others rounds differently
-# from the same window alone. Largest |difference| of the PCM (full scale 1) over the song's first three windows beside
-# seven others, measured on the H200; the bound is about three times that.
-PCM_BOUND = {"float32": 2e-3, "bfloat16": 1e-1}
+# from the same window alone. Measured on the H200 over the song's first three windows beside seven others (2026-12-04):
+# the latents' relative L2 difference 7.9e-7 (float32) and 1.3e-3 (bfloat16); the random vocoder amplifies and
+# saturates (88% of the samples at full scale), so its PCM moved by up to 0.021 in float32 and, where a saturated
+# sample flipped sign, by 2 in bfloat16 (no bound there). The bounds are about three times what was measured.
+LATENT_BOUND = {"float32": 3e-6, "bfloat16": 5e-3}
+PCM_BOUND = {"float32": 0.07}
 
 
 @dataclass(frozen=True)
@@ -151,4 +154,6 @@ def test_a_songs_windows_beside_other_songs_stay_within_the_measured_bound_of_re
     print(f"{policy.name}: largest |PCM difference| alone vs beside seven {difference:.3g} (full scale 1, "
           f"{(pcm['alone'].abs() == 1).float().mean().item():.1%} of the samples clamped); latents relative L2 "
           f"{latent:.3g}")
-    assert difference <= PCM_BOUND[policy.name]
+    assert latent <= LATENT_BOUND[policy.name]
+    if policy.name in PCM_BOUND:
+        assert difference <= PCM_BOUND[policy.name]
