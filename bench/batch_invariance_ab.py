@@ -2,9 +2,9 @@
 interleaved in one process so that clock drift cancels. Full-size model, random weights, prompts of 300 tokens.
 
 "row-count" rebuilds the earlier choices: the decode attention's split count from the row count (about one program
-per SM at full length: ceil(SMs / (rows x kv_heads)) splits, at most one per block of the capacity) and more than 16
-rows of a GEMM in cuBLAS. "invariant" is the engine as it is: splits from the capacity alone, every row count up to
-128 in the skinny kernel. Both talkers share the weights; each has its own KV slots and graphs. Then the decode
+per SM at full length: ceil(SMs / (rows x kv_heads)) splits, at most one per block of the capacity, shares of any
+size) and more than 16 rows of a GEMM in cuBLAS. "invariant" is the engine as it is: splits from the capacity alone in
+shares of at least 4 blocks, every row count up to 128 in the skinny kernel. Both talkers share the weights; each has its own KV slots and graphs. Then the decode
 attention alone at 16 rows over long filled lengths, where the split counts differ most.
 
     PYTHONPATH=src python3 bench/batch_invariance_ab.py
@@ -40,6 +40,7 @@ def row_count_dispatch():
 
     def by_rows(q, k_cache, v_cache, lengths, scale=None, **kw):
         kw.setdefault("num_splits", row_count_splits(q.shape[0], k_cache.shape[1], k_cache.shape[2]))
+        kw.setdefault("split_blocks", 1)
         return triton_path(q, k_cache, v_cache, lengths, scale, **kw)
 
     attention._decode_attention_triton, skinny.MAX_ROWS = by_rows, 16
@@ -80,11 +81,12 @@ def main() -> None:
     case = AttentionCase(16)
     for filled in (1024, 5120, 10240):
         case.set_length(filled)
-        splits = {"row-count": row_count_splits(16, KV_HEADS, CAPACITY), "invariant": None}
+        rules = {"row-count": {"num_splits": row_count_splits(16, KV_HEADS, CAPACITY), "split_blocks": 1},
+                 "invariant": {}}
         replays = {
-            name: graphed(lambda n=n: [attention._decode_attention_triton(case.q[i], case.k[i], case.v[i], case.lengths,
-                                                                          num_splits=n) for i in range(LAYERS)])
-            for name, n in splits.items()
+            name: graphed(lambda kw=kw: [attention._decode_attention_triton(case.q[i], case.k[i], case.v[i],
+                                                                            case.lengths, **kw) for i in range(LAYERS)])
+            for name, kw in rules.items()
         }
         times = interleaved_ms(replays, rounds=5)
         for name, ms in times.items():

@@ -48,9 +48,8 @@ def test_the_attentions_split_count_follows_the_capacity_never_the_row_count(mon
             cache = torch.empty(rows, 8, capacity, 128, dtype=torch.bfloat16, device="cuda")
             lengths = torch.empty(rows, dtype=torch.int32, device="cuda")
             attention._decode_attention_triton(q, cache, cache, lengths)
-    splits = {c["NUM_SPLITS"] for c in split.constants}
-    assert splits == {min(8, -(-capacity // 64))}
-    assert [g[0] for g in split.grids] == [splits.pop()] * 7
+    assert {(c["NUM_SPLITS"], c["SPLIT_BLOCKS"]) for c in split.constants} == {(min(8, -(-capacity // 256)), 4)}
+    assert len(split.grids) == 7 and {g[0] for g in split.grids} == {min(8, -(-capacity // 256))}
     assert len({tuple(sorted(c.items())) for c in combine.constants}) <= 1  # one merge order for every row count
 
 
@@ -100,3 +99,18 @@ def test_a_songs_prefill_chunks_do_not_depend_on_what_else_is_prefilled(tiny_dir
     assert len(alone) > 1 and all(size == 7 for _, size in alone[:-1])
     assert song_chunks(["a", "b"]) == alone
     assert song_chunks(["c", "a", "b"]) == alone
+
+
+def test_the_skinny_kernels_launch_takes_its_tiles_from_the_weight_never_the_row_count(monkeypatch):
+    """Every row count runs the same program on tiles of 16 rows (up to 16 rows) or 32 (beyond): the column and K tiles,
+    warps and stages follow the weight's shape alone."""
+    launches = Launches()
+    monkeypatch.setattr(skinny, "_kernel", lambda: launches)
+    monkeypatch.setattr(skinny, "uses_pdl", lambda device: False)
+    with FakeTensorMode():
+        w = torch.empty(12288, 4096, dtype=torch.bfloat16, device="cuda")
+        for rows in (1, 2, 16, 17, 32, 64, 128):
+            skinny.run_kernel(torch.empty(rows, 4096, dtype=torch.bfloat16, device="cuda"), w, skinny.tile_config(*w.shape))
+    assert [c["BLOCK_M"] for c in launches.constants] == [16, 16, 16, 32, 32, 32, 32]
+    assert [g[0] for g in launches.grids] == [1, 1, 1, 1, 1, 2, 4]
+    assert len({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for c in launches.constants}) == 1
