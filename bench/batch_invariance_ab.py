@@ -5,7 +5,7 @@ interleaved in one process so that clock drift cancels. Full-size model, random 
 per SM at full length: ceil(SMs / (rows x kv_heads)) splits, at most one per block of the capacity, shares of any
 size) and more than 16 rows of a GEMM in cuBLAS. "invariant" is the engine as it is: splits from the capacity alone in
 shares of at least 4 blocks, every row count up to 128 in the skinny kernel. Both talkers share the weights; each has its own KV slots and graphs. Then the decode
-attention alone at 16 rows over long filled lengths, where the split counts differ most.
+attention alone (36 layers in one graph, per layer) at 2 and 16 rows: both rules and fixed split counts.
 
     PYTHONPATH=src python3 bench/batch_invariance_ab.py
 """
@@ -78,19 +78,21 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     out = []
-    case = AttentionCase(16)
-    for filled in (1024, 5120, 10240):
-        case.set_length(filled)
-        rules = {"row-count": {"num_splits": row_count_splits(16, KV_HEADS, CAPACITY), "split_blocks": 1},
-                 "invariant": {}}
-        replays = {
-            name: graphed(lambda kw=kw: [attention._decode_attention_triton(case.q[i], case.k[i], case.v[i],
-                                                                            case.lengths, **kw) for i in range(LAYERS)])
-            for name, kw in rules.items()
-        }
-        times = interleaved_ms(replays, rounds=5)
-        for name, ms in times.items():
-            out.append([16, filled, name, ms * 1e3 / LAYERS, ms / times["row-count"]])
+    for n_rows in (2, 16):
+        case = AttentionCase(n_rows)
+        for filled in (384, 1024, 4096):
+            case.set_length(filled)
+            rules = {"row-count": {"num_splits": row_count_splits(n_rows, KV_HEADS, CAPACITY), "split_blocks": 1},
+                     "invariant": {}} | {f"{n} splits": {"num_splits": n, "split_blocks": 1} for n in (1, 2, 4, 6, 8)}
+            replays = {
+                name: graphed(lambda kw=kw: [attention._decode_attention_triton(
+                    case.q[i], case.k[i], case.v[i], case.lengths, **kw) for i in range(LAYERS)])
+                for name, kw in rules.items()
+            }
+            times = interleaved_ms(replays, rounds=5)
+            out += [[n_rows, filled, name, ms * 1e3 / LAYERS, ms / times["row-count"]] for name, ms in times.items()]
+        del case
+        torch.cuda.empty_cache()
     print(table(["rows", "filled", "splits", "us per layer", "vs row-count"], out))
 
 
