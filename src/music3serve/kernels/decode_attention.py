@@ -380,9 +380,10 @@ def _kernels():
 # 2 stages cost up to 35% more). A row's filled length is split into at most 8 shares of at least 4 blocks (256
 # positions), whatever the rows beside it. An H200 sweep of split counts (36 layers, rows 2 and 16, filled 384, 1024
 # and 4096; bench/batch_invariance_ab.py) picked these: two rows want many splits (6-8 at 384 positions: 5.7-6.3 us a
-# layer against 8.1 for one), sixteen few (one or two at 384: 10.0-11.4 us against 17.0 for eight); shares of 4 blocks
-# give each the earlier row-count rule's time at the talker's usual lengths, and 8 splits make a full one-song step
-# 128 programs, about one per SM.
+# layer against 8.1 for one), sixteen few (one or two at 384: 10.0-11.4 us against 17.0 for eight). Shares of 4 blocks
+# keep both within 1 us a layer of the earlier row-count rule at a few hundred positions; at 1024-4096 positions
+# sixteen rows take 5-6 us a layer more (8 splits where the row-count rule took 2), and 8 splits keep a full one-song
+# step at 128 programs, about one per SM.
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
