@@ -199,17 +199,20 @@ def test_six_concurrent_songs_spread_over_both_replicas_and_equal_their_solo_run
 
 def test_the_first_window_arrives_before_the_song_ends(cluster):
     url, _, _ = cluster
-    seen_running = []
+    running: list[dict] = []
     with httpx.stream("POST", f"{url}/v1/songs", json={**SONG, "seed": 9, "duration": LONG}, timeout=TIMEOUT) as r:
         assert r.status_code == 200
         body = b""
         for piece in r.iter_bytes():
             body += piece
-            if not seen_running and len(body) >= 4 * 44100:  # past the first second: the first window
-                seen_running.append(state_of(url, r.headers["x-song-id"])["state"])
-    assert seen_running == ["running"]
+            if len(body) >= 4 * 44100 and not running:  # past the first second: the first window
+                running.append(state_of(url, r.headers["x-song-id"]))
+    # The replica's progress reached the front: the talker had written frames, stage 1 rendered the first window.
+    assert running[0]["state"] == "running"
+    assert running[0]["frames_written"] > 0 and running[0]["windows_rendered"] >= 1
     done = state_of(url, r.headers["x-song-id"])
     assert done["state"] == "done" and len(body) == 4 * done["samples_sent"]
+    assert done["frames_written"] == done["frames"] >= running[0]["frames_written"]
 
 
 def test_songs_past_the_slots_wait_past_the_queue_get_429_and_delete_reaches_either_replica(cluster):
@@ -287,6 +290,42 @@ def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
         assert 0 < p50 <= p95 <= wall and rate == pytest.approx(audio / wall)
     assert rows[2][7] == pytest.approx(rows[2][6] / (2 * rows[1][6]))
     assert "| Ray | 2 | 0 | 4 |" in capsys.readouterr().out
+
+
+def test_api_keys_and_song_ownership_work_through_the_proxy(cluster, tiny_dir, deploy_file):
+    """serve --ray --api-key: /v1/ needs a key through Ray's proxy, and a song belongs to the key that asked for it."""
+    url, _, _ = cluster
+    args = RayAppArgs(model=str(tiny_dir), config=str(deploy_file), device="cpu", api_keys=["key-one", "key-two"])
+    serve.run(build(args), name=APP_NAME, route_prefix="/")  # replaces the benchmark's application
+    one, two = ({"Authorization": f"Bearer key-{n}"} for n in ("one", "two"))
+    refused = httpx.post(f"{url}/v1/songs", json={**SONG, "duration": SHORT}, timeout=TIMEOUT)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert refused.json() == {"error": "this server needs an API key: send Authorization: Bearer <key>"}
+    song = httpx.post(f"{url}/v1/songs", json={**SONG, "seed": 3, "duration": SHORT, "stream": False, "id": "mine"},
+                      headers=one, timeout=TIMEOUT)
+    assert song.status_code == 200 and song.headers["x-song-id"] == "mine" and song.headers["x-replica"]
+    state = httpx.get(f"{url}/v1/songs/mine", headers=one, timeout=TIMEOUT).json()
+    assert state["state"] == "done" and len(song.content) == 4 * state["samples_sent"] > 0
+    assert httpx.get(f"{url}/v1/songs/mine", headers=two, timeout=TIMEOUT).status_code == 404  # the other key's ids
+    # The whole song's audio went back to the front's unread-audio budget once sent.
+    assert re.search(r"^music3_unread_audio_bytes 0\.0$", httpx.get(f"{url}/metrics").text, re.MULTILINE)
+
+
+def test_the_front_has_everything_the_app_asks_of_an_engine():
+    """Every `engine.X` the HTTP app's modules use is part of RemoteEngine (an attribute h31-style routes add to the
+    app without adding it to the front fails here, not as a 500 under Ray)."""
+    from music3serve.serving import api
+    from music3serve.serving.ray_front import RemoteEngine
+
+    app = Path(api.__file__)  # api.py and the serving modules it imports (the uvicorn runner, server.py, is not used)
+    modules = [app, *(app.with_name(f"{name}.py") for name in re.findall(r"^from \.(\w+) import", app.read_text(),
+                                                                         re.MULTILINE) if name != "engine")]
+    used = set()
+    for module in modules:
+        used |= set(re.findall(r"\bengine\.([a-z_]\w*)", module.read_text())) - {"py"}  # not serving/engine.py
+    front = RemoteEngine(engines=None)
+    assert {"submit", "progress", "cancel", "hold_read_audio", "unavailable", "metrics"} <= used
+    assert [name for name in sorted(used) if not hasattr(front, name)] == []
 
 
 def test_shutdown_drains_the_songs_and_leaves_no_process_and_no_shared_memory(cluster):
