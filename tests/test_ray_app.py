@@ -26,7 +26,8 @@ httpx = pytest.importorskip("httpx")
 from music3serve.acoustic.windows import song_samples  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
-from music3serve.serving.engine import Engine  # noqa: E402
+from music3serve.prompt import frames_for_duration  # noqa: E402
+from music3serve.serving.engine import Engine, audio_bytes  # noqa: E402
 from music3serve.serving.ray_app import APP_NAME, RayAppArgs, build  # noqa: E402
 from polling import poll_until  # noqa: E402
 from test_engine import PCM_MAX_ABS  # noqa: E402
@@ -115,16 +116,17 @@ def solo(tiny_dir: Path, deploy_file: Path, serve_http):
 class Listener(threading.Thread):
     """One streamed song read to its end in a thread: headers, bytes, and how it ended."""
 
-    def __init__(self, url: str, **song) -> None:
+    def __init__(self, url: str, headers: dict | None = None, **song) -> None:
         super().__init__(daemon=True)
-        self.url, self.song = url, {**SONG, **song}
+        self.url, self.song, self.send_headers = url, {**SONG, **song}, headers
         self.status, self.headers, self.body, self.error = None, {}, b"", None
         self.accepted = threading.Event()
         self.start()
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.url}/v1/songs", json=self.song, timeout=TIMEOUT) as response:
+            with httpx.stream("POST", f"{self.url}/v1/songs", json=self.song, headers=self.send_headers,
+                              timeout=TIMEOUT) as response:
                 self.status, self.headers = response.status_code, response.headers
                 self.accepted.set()
                 for piece in response.iter_bytes():
@@ -292,10 +294,13 @@ def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
     assert "| Ray | 2 | 0 | 4 |" in capsys.readouterr().out
 
 
-def test_api_keys_and_song_ownership_work_through_the_proxy(cluster, tiny_dir, deploy_file):
-    """serve --ray --api-key: /v1/ needs a key through Ray's proxy, and a song belongs to the key that asked for it."""
+def test_api_keys_song_ownership_and_the_fronts_audio_budget_work_through_the_proxy(cluster, tiny_dir, deploy_file):
+    """serve --ray --api-key: /v1/ needs a key through Ray's proxy, and a song belongs to the key that asked for it.
+    The front holds at most max_unread_audio_gib of audio for clients: past it, 429 as on one engine."""
     url, _, _ = cluster
-    args = RayAppArgs(model=str(tiny_dir), config=str(deploy_file), device="cpu", api_keys=["key-one", "key-two"])
+    minute = audio_bytes(frames_for_duration(60))
+    args = RayAppArgs(model=str(tiny_dir), config=str(deploy_file), device="cpu", api_keys=["key-one", "key-two"],
+                      max_unread_audio_gib=(minute + (1 << 20)) / 2**30)  # one minute of audio (and 1 MiB)
     serve.run(build(args), name=APP_NAME, route_prefix="/")  # replaces the benchmark's application
     one, two = ({"Authorization": f"Bearer key-{n}"} for n in ("one", "two"))
     refused = httpx.post(f"{url}/v1/songs", json={**SONG, "duration": SHORT}, timeout=TIMEOUT)
@@ -307,8 +312,17 @@ def test_api_keys_and_song_ownership_work_through_the_proxy(cluster, tiny_dir, d
     state = httpx.get(f"{url}/v1/songs/mine", headers=one, timeout=TIMEOUT).json()
     assert state["state"] == "done" and len(song.content) == 4 * state["samples_sent"] > 0
     assert httpx.get(f"{url}/v1/songs/mine", headers=two, timeout=TIMEOUT).status_code == 404  # the other key's ids
-    # The whole song's audio went back to the front's unread-audio budget once sent.
-    assert re.search(r"^music3_unread_audio_bytes 0\.0$", httpx.get(f"{url}/metrics").text, re.MULTILINE)
+    # A minute-long song holds the budget until its client has read it: another is refused meanwhile.
+    held = Listener(url, seed=4, duration=60, id="long", headers=one)
+    assert held.accepted.wait(120) and held.status == 200
+    busy = httpx.post(f"{url}/v1/songs", json={**SONG, "duration": 60}, headers=two, timeout=TIMEOUT)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "10"
+    assert "of audio their callers have not read; this song's 20.2 MiB would pass" in busy.json()["error"]
+    assert httpx.delete(f"{url}/v1/songs/long", headers=one, timeout=TIMEOUT).status_code == 204
+    held.finish()
+    # Every song's audio went back to the front's budget once read or cancelled.
+    poll_until(lambda: re.search(r"^music3_unread_audio_bytes 0\.0$", httpx.get(f"{url}/metrics").text,
+                                 re.MULTILINE), 30)
 
 
 def test_the_front_has_everything_the_app_asks_of_an_engine():
