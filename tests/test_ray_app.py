@@ -24,6 +24,7 @@ serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip
 httpx = pytest.importorskip("httpx")
 
 from music3serve.acoustic.windows import song_samples  # noqa: E402
+from music3serve.serving.access import HostPolicy  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
 from music3serve.prompt import frames_for_duration  # noqa: E402
@@ -168,6 +169,23 @@ def test_serve_ray_arguments_are_checked(argv, error, capsys):
     except SystemExit as exc:  # argparse's errors
         code = exc.code
     assert code == 2 and error in capsys.readouterr().err
+
+
+def test_serve_ray_passes_its_access_flags_to_the_application(monkeypatch):
+    """serve --ray's --api-key (or MUSIC3_API_KEY), --allowed-origins and --allowed-hosts reach the front's Access as
+    `music3serve serve` builds it for the plain server, the proxy's --host deciding the loopback names."""
+    from music3serve import cli
+    from music3serve.serving import ray_app
+
+    built = []
+    monkeypatch.setattr(ray_app, "serve_on_ray", lambda args, host, port: built.append(args.access()))
+    monkeypatch.setenv("MUSIC3_API_KEY", "from-env")
+    argv = ["serve", "--tiny", "--ray", "--port", "0", "--allowed-origins", "https://app.example", "--allowed-hosts",
+            "music.example"]
+    assert cli.main(argv) == 0 and cli.main([*argv, "--api-key", "given", "--host", "0.0.0.0"]) == 0
+    assert [a.api_keys for a in built] == [("from-env",), ("given",)]
+    assert {a.allowed_origins for a in built} == {("https://app.example",)}
+    assert [a.hosts for a in built] == [HostPolicy(True, ("music.example",)), HostPolicy(False, ("music.example",))]
 
 
 def state_of(url: str, song: str) -> dict:
