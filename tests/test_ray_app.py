@@ -315,11 +315,11 @@ def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
 def test_api_keys_song_ownership_and_the_fronts_audio_budget_work_through_the_proxy(cluster, tiny_dir, deploy_file):
     """serve --ray --api-key: /v1/ needs a key through Ray's proxy, and a song belongs to the key that asked for it.
     The front holds at most max_unread_audio_gib of audio for clients: past it, 429 as on one engine."""
-    url, _, _ = cluster
+    url = f"{cluster[0]}/music"  # mounted under a prefix: its /v1/ routes need a key all the same
     minute = audio_bytes(frames_for_duration(60))
     args = RayAppArgs(model=str(tiny_dir), config=str(deploy_file), device="cpu", api_keys=["key-one", "key-two"],
                       max_unread_audio_gib=(minute + (1 << 20)) / 2**30)  # one minute of audio (and 1 MiB)
-    serve.run(build(args), name=APP_NAME, route_prefix="/")  # replaces the benchmark's application
+    serve.run(build(args), name=APP_NAME, route_prefix="/music")  # replaces the benchmark's application
     one, two = ({"Authorization": f"Bearer key-{n}"} for n in ("one", "two"))
     refused = httpx.post(f"{url}/v1/songs", json={**SONG, "duration": SHORT}, timeout=TIMEOUT)
     assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
