@@ -24,9 +24,11 @@ serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip
 httpx = pytest.importorskip("httpx")
 
 from music3serve.acoustic.windows import song_samples  # noqa: E402
+from music3serve.serving.access import HostPolicy  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
-from music3serve.serving.engine import Engine  # noqa: E402
+from music3serve.prompt import frames_for_duration  # noqa: E402
+from music3serve.serving.engine import Engine, audio_bytes  # noqa: E402
 from music3serve.serving.ray_app import APP_NAME, RayAppArgs, build  # noqa: E402
 from polling import poll_until  # noqa: E402
 from test_engine import PCM_MAX_ABS  # noqa: E402
@@ -115,16 +117,17 @@ def solo(tiny_dir: Path, deploy_file: Path, serve_http):
 class Listener(threading.Thread):
     """One streamed song read to its end in a thread: headers, bytes, and how it ended."""
 
-    def __init__(self, url: str, **song) -> None:
+    def __init__(self, url: str, headers: dict | None = None, **song) -> None:
         super().__init__(daemon=True)
-        self.url, self.song = url, {**SONG, **song}
+        self.url, self.song, self.send_headers = url, {**SONG, **song}, headers
         self.status, self.headers, self.body, self.error = None, {}, b"", None
         self.accepted = threading.Event()
         self.start()
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.url}/v1/songs", json=self.song, timeout=TIMEOUT) as response:
+            with httpx.stream("POST", f"{self.url}/v1/songs", json=self.song, headers=self.send_headers,
+                              timeout=TIMEOUT) as response:
                 self.status, self.headers = response.status_code, response.headers
                 self.accepted.set()
                 for piece in response.iter_bytes():
@@ -168,6 +171,23 @@ def test_serve_ray_arguments_are_checked(argv, error, capsys):
     assert code == 2 and error in capsys.readouterr().err
 
 
+def test_serve_ray_passes_its_access_flags_to_the_application(monkeypatch):
+    """serve --ray's --api-key (or MUSIC3_API_KEY), --allowed-origins and --allowed-hosts reach the front's Access as
+    `music3serve serve` builds it for the plain server, the proxy's --host deciding the loopback names."""
+    from music3serve import cli
+    from music3serve.serving import ray_app
+
+    built = []
+    monkeypatch.setattr(ray_app, "serve_on_ray", lambda args, host, port: built.append(args.access()))
+    monkeypatch.setenv("MUSIC3_API_KEY", "from-env")
+    argv = ["serve", "--tiny", "--ray", "--port", "0", "--allowed-origins", "https://app.example", "--allowed-hosts",
+            "music.example"]
+    assert cli.main(argv) == 0 and cli.main([*argv, "--api-key", "given", "--host", "0.0.0.0"]) == 0
+    assert [a.api_keys for a in built] == [("from-env",), ("given",)]
+    assert {a.allowed_origins for a in built} == {("https://app.example",)}
+    assert [a.hosts for a in built] == [HostPolicy(True, ("music.example",)), HostPolicy(False, ("music.example",))]
+
+
 def state_of(url: str, song: str) -> dict:
     return httpx.get(f"{url}/v1/songs/{song}", timeout=TIMEOUT).json()
 
@@ -199,17 +219,20 @@ def test_six_concurrent_songs_spread_over_both_replicas_and_equal_their_solo_run
 
 def test_the_first_window_arrives_before_the_song_ends(cluster):
     url, _, _ = cluster
-    seen_running = []
+    running: list[dict] = []
     with httpx.stream("POST", f"{url}/v1/songs", json={**SONG, "seed": 9, "duration": LONG}, timeout=TIMEOUT) as r:
         assert r.status_code == 200
         body = b""
         for piece in r.iter_bytes():
             body += piece
-            if not seen_running and len(body) >= 4 * 44100:  # past the first second: the first window
-                seen_running.append(state_of(url, r.headers["x-song-id"])["state"])
-    assert seen_running == ["running"]
+            if len(body) >= 4 * 44100 and not running:  # past the first second: the first window
+                running.append(state_of(url, r.headers["x-song-id"]))
+    # The replica's progress reached the front: the talker had written frames, stage 1 rendered the first window.
+    assert running[0]["state"] == "running"
+    assert running[0]["frames_written"] > 0 and running[0]["windows_rendered"] >= 1
     done = state_of(url, r.headers["x-song-id"])
     assert done["state"] == "done" and len(body) == 4 * done["samples_sent"]
+    assert done["frames_written"] == done["frames"] >= running[0]["frames_written"]
 
 
 def test_songs_past_the_slots_wait_past_the_queue_get_429_and_delete_reaches_either_replica(cluster):
@@ -287,6 +310,54 @@ def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
         assert 0 < p50 <= p95 <= wall and rate == pytest.approx(audio / wall)
     assert rows[2][7] == pytest.approx(rows[2][6] / (2 * rows[1][6]))
     assert "| Ray | 2 | 0 | 4 |" in capsys.readouterr().out
+
+
+def test_api_keys_song_ownership_and_the_fronts_audio_budget_work_through_the_proxy(cluster, tiny_dir, deploy_file):
+    """serve --ray --api-key: /v1/ needs a key through Ray's proxy, and a song belongs to the key that asked for it.
+    The front holds at most max_unread_audio_gib of audio for clients: past it, 429 as on one engine."""
+    url = f"{cluster[0]}/music"  # mounted under a prefix: its /v1/ routes need a key all the same
+    minute = audio_bytes(frames_for_duration(60))
+    args = RayAppArgs(model=str(tiny_dir), config=str(deploy_file), device="cpu", api_keys=["key-one", "key-two"],
+                      max_unread_audio_gib=(minute + (1 << 20)) / 2**30)  # one minute of audio (and 1 MiB)
+    serve.run(build(args), name=APP_NAME, route_prefix="/music")  # replaces the benchmark's application
+    one, two = ({"Authorization": f"Bearer key-{n}"} for n in ("one", "two"))
+    refused = httpx.post(f"{url}/v1/songs", json={**SONG, "duration": SHORT}, timeout=TIMEOUT)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert refused.json() == {"error": "this server needs an API key: send Authorization: Bearer <key>"}
+    song = httpx.post(f"{url}/v1/songs", json={**SONG, "seed": 3, "duration": SHORT, "stream": False, "id": "mine"},
+                      headers=one, timeout=TIMEOUT)
+    assert song.status_code == 200 and song.headers["x-song-id"] == "mine" and song.headers["x-replica"]
+    state = httpx.get(f"{url}/v1/songs/mine", headers=one, timeout=TIMEOUT).json()
+    assert state["state"] == "done" and len(song.content) == 4 * state["samples_sent"] > 0
+    assert httpx.get(f"{url}/v1/songs/mine", headers=two, timeout=TIMEOUT).status_code == 404  # the other key's ids
+    # A minute-long song holds the budget until its client has read it: another is refused meanwhile.
+    held = Listener(url, seed=4, duration=60, id="long", headers=one)
+    assert held.accepted.wait(120) and held.status == 200
+    busy = httpx.post(f"{url}/v1/songs", json={**SONG, "duration": 60}, headers=two, timeout=TIMEOUT)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "10"
+    assert "of audio their callers have not read; this song's 20.2 MiB would pass" in busy.json()["error"]
+    assert httpx.delete(f"{url}/v1/songs/long", headers=one, timeout=TIMEOUT).status_code == 204
+    held.finish()
+    # Every song's audio went back to the front's budget once read or cancelled.
+    poll_until(lambda: re.search(r"^music3_unread_audio_bytes 0\.0$", httpx.get(f"{url}/metrics").text,
+                                 re.MULTILINE), 30)
+
+
+def test_the_front_has_everything_the_app_asks_of_an_engine():
+    """Every `engine.X` the HTTP app's modules use is part of RemoteEngine (an attribute h31-style routes add to the
+    app without adding it to the front fails here, not as a 500 under Ray)."""
+    from music3serve.serving import api
+    from music3serve.serving.ray_front import RemoteEngine
+
+    app = Path(api.__file__)  # api.py and the serving modules it imports (the uvicorn runner, server.py, is not used)
+    modules = [app, *(app.with_name(f"{name}.py") for name in re.findall(r"^from \.(\w+) import", app.read_text(),
+                                                                         re.MULTILINE) if name != "engine")]
+    used = set()
+    for module in modules:
+        used |= set(re.findall(r"\bengine\.([a-z_]\w*)", module.read_text())) - {"py"}  # not serving/engine.py
+    front = RemoteEngine(engines=None)
+    assert {"submit", "progress", "cancel", "hold_read_audio", "unavailable", "metrics"} <= used
+    assert [name for name in sorted(used) if not hasattr(front, name)] == []
 
 
 def test_shutdown_drains_the_songs_and_leaves_no_process_and_no_shared_memory(cluster):

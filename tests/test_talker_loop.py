@@ -115,7 +115,7 @@ def run_loop(script: list[Callable[[], list[Event]]], stage1: RecordingStage1, s
     (async_chunk false: windows held until the song's last frame) through the script's steps, on this thread."""
     stop = threading.Event()
     loop = TalkerLoop(talker(script, stop), songs.callers(), stage1, StageWatch(math.inf, "talker call"),
-                      EngineMetrics(lambda: 0, lambda: 0), stop, async_chunk=False)
+                      EngineMetrics(lambda: 0, lambda: 0, lambda: 0), stop, async_chunk=False)
     loop.submit("a", [1, 2], [1, 2], 7, 300, 2)
     loop.run()
     return loop

@@ -399,7 +399,8 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
         raise Music3Error(f"--ray needs Ray Serve ({exc}): pip install 'music3serve[ray]'") from None
     queue = {} if args.max_queued_songs is None else {"max_queued_songs": args.max_queued_songs}
     app = RayAppArgs(model=args.model, tiny=args.tiny, config=args.config, device=args.device,
-                     replicas=args.replicas or 1, autoscale=args.autoscale, **queue)
+                     replicas=args.replicas or 1, autoscale=args.autoscale, api_keys=args.api_key,
+                     allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, host=args.host, **queue)
     serve_on_ray(app, args.host, args.port)
 
 

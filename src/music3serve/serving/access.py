@@ -32,6 +32,12 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
+def route_path(scope: dict[str, Any]) -> str:
+    """The request's path within the app: without the prefix it is mounted under (root_path, say a Ray Serve
+    route_prefix), so /v1/ routes need a key wherever the app is mounted."""
+    return scope["path"].removeprefix(scope.get("root_path", ""))
+
+
 @dataclass(frozen=True)
 class HostPolicy:
     """The Host header values a server answers. `loopback`: names and addresses of this machine's loopback
@@ -105,7 +111,7 @@ class CheckHost:
             if host is not None and not self.policy.allows(host):
                 message = (f"the Host header {host!r:.80} is not one this server answers to (it protects against DNS "
                            "rebinding; name it with serve --allowed-hosts)")
-                return await self.access.error_shape(scope["path"])(400, message, None)(scope, receive, send)
+                return await self.access.error_shape(route_path(scope))(400, message, None)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -119,7 +125,7 @@ class ApiKeys:
         self.digests = [_digest(key.encode()) for key in access.api_keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+        if scope["type"] == "http" and route_path(scope).startswith(PROTECTED):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = header.partition(b" ")
             given = _digest(token.strip())
@@ -128,7 +134,7 @@ class ApiKeys:
                 message = ("this server needs an API key: send Authorization: Bearer <key>" if not header else
                            "the API key is not valid" if scheme.lower() == b"bearer" else
                            "the Authorization header must be Bearer <key>")
-                shape = self.access.error_shape(scope["path"])
+                shape = self.access.error_shape(route_path(scope))
                 return await shape(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             scope[OWNER] = matches.index(True)
         await self.app(scope, receive, send)

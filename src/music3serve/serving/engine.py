@@ -60,6 +60,19 @@ def audio_bytes(frames: int) -> int:
     return song_samples(frames) * PCM_BYTES_PER_SAMPLE
 
 
+def too_long(duration_s: float, audio: int, limit: int) -> InputError:
+    """The refusal of a song whose `audio` bytes alone pass `limit`."""
+    return InputError(f"a song of {duration_s:g} s is {audio / 2**20:.1f} MiB of audio, more than the engine holds "
+                      f"for its callers ({limit / 2**20:.1f} MiB)")
+
+
+def unread_refusal(unread: int, song: int, limit: int) -> EngineBusy:
+    """The refusal of a song whose `song` bytes of audio, beside the `unread` bytes held for callers, pass `limit`."""
+    return EngineBusy(f"the songs held have up to {unread / 2**30:.2f} GiB of audio their callers have not read; "
+                      f"this song's {song / 2**20:.1f} MiB would pass the engine's {limit / 2**30:.2f} GiB: try "
+                      "again when they have read it")
+
+
 def _deliver(client: "_Client", event: Event) -> None:
     """On the caller's loop: queue the event."""
     client.events.put_nowait(event)
@@ -112,7 +125,7 @@ class Engine:
         self.worker = worker  # (split) and self.renderer (colocated): for callers and tests; the engine uses stage1
         if worker is None:
             self.renderer = stage1_renderer(models, deploy.stages[1])
-        self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting))
+        self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting), self.unread_audio)
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
         self._read_audio_held = 0  # audio callers have read but still hold (hold_read_audio)
         self._clients: dict[str, _Client] = {}  # by key
@@ -205,8 +218,7 @@ class Engine:
         song, budget_request, seed, steps = self._validate(request)
         audio = audio_bytes(budget_request)
         if audio > self.max_unread_bytes:
-            raise InputError(f"a song of {request.duration_s:g} s is {audio / 2**20:.1f} MiB of audio, more than the "
-                             f"engine holds for its callers ({self.max_unread_bytes / 2**20:.1f} MiB)")
+            raise too_long(request.duration_s, audio, self.max_unread_bytes)
         client = _Client(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), unread_bytes=audio)
         key = self._key(song)
         self._hold(key, client)
@@ -238,11 +250,9 @@ class Engine:
         with self._failing:
             if len(self._clients) >= self.max_songs:
                 raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
-            unread = sum(held.unread_bytes for held in list(self._clients.values())) + self._read_audio_held
+            unread = self.unread_audio()
             if unread + client.unread_bytes > self.max_unread_bytes:
-                raise EngineBusy(f"the songs held have up to {unread / 2**30:.2f} GiB of audio their callers have "
-                                 f"not read; this song's {client.unread_bytes / 2**20:.1f} MiB would pass the "
-                                 f"engine's {self.max_unread_bytes / 2**30:.2f} GiB: try again when they have read it")
+                raise unread_refusal(unread, client.unread_bytes, self.max_unread_bytes)
             if client.song in self._keys:
                 raise InputError(f"request id {client.song!r:.80} is taken by a song whose stream has not ended: "
                                  "wait for it or pick another")
@@ -253,6 +263,10 @@ class Engine:
         take it): `nbytes` more (fewer, when negative) count toward max_unread_bytes beside the songs' own."""
         with self._failing:
             self._read_audio_held += nbytes
+
+    def unread_audio(self) -> int:
+        """Bytes of audio held for callers: what the songs held may still queue, and what callers hold read."""
+        return sum(held.unread_bytes for held in list(self._clients.values())) + self._read_audio_held
 
     def cancel(self, song: str) -> bool:
         """Stop a song wherever it is; its stream ends with Failed("cancelled"), its rows and windows are freed.

@@ -17,8 +17,10 @@ REFUSALS = ("invalid", "busy", "unavailable")  # bad input (HTTP 400), at max so
 
 
 class EngineMetrics:
-    def __init__(self, songs_held: Callable[[], int], songs_waiting: Callable[[], int]) -> None:
-        """songs_held / songs_waiting: read at each scrape (all songs the engine holds; those not yet decoding)."""
+    def __init__(self, songs_held: Callable[[], int], songs_waiting: Callable[[], int],
+                 unread_audio: Callable[[], int]) -> None:
+        """songs_held / songs_waiting / unread_audio: read at each scrape (all songs the engine holds; those not yet
+        decoding; the bytes of audio held for callers that have not read or sent it)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("music3_requests", "Songs accepted (each given its frame budget)", registry=r)
@@ -30,6 +32,8 @@ class EngineMetrics:
         Gauge("music3_songs_held", "Songs the engine holds (decoding, waiting or rendering)",
               registry=r).set_function(songs_held)
         Gauge("music3_songs_waiting", "Songs waiting for talker rows", registry=r).set_function(songs_waiting)
+        Gauge("music3_unread_audio_bytes", "Audio held for callers: songs' audio not read yet, and audio read but not "
+              "sent (whole songs)", registry=r).set_function(unread_audio)
         self.talker_steps = Counter("music3_talker_steps", "Stage-0 scheduler steps", registry=r)
         self.frames = Counter("music3_frames", "Frames (40 ms each) written by stage 0", registry=r)
         self.windows = Counter("music3_windows", "Windows rendered by stage 1", registry=r)

@@ -9,6 +9,7 @@ serving/ray_front.py's view of the engine replicas. `music3serve serve --ray` ru
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
@@ -20,13 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from ray import serve
 from ray.serve import Application
 
-from ..cli import replica_range, resolve_model
+from ..cli import api_key, env_api_keys, host_name, origin, replica_range, resolve_model
 from ..errors import Music3Error
+from .access import Access, HostPolicy
 from .api import create_app
 from .deploy_config import DeployConfig, load_deploy_config
 from .engine import MAX_SONGS, Engine
 from .events import Event, SongRequest
-from .ray_front import RemoteEngine, ReplicaHeader
+from .ray_front import Progress, RemoteEngine, ReplicaHeader, with_progress
 from .ray_metrics import RayMetricsCopy
 from .server import SHUTDOWN_GRACE_S
 
@@ -62,6 +64,14 @@ class RayAppArgs(EngineArgs):
     cpus_per_replica: float = Field(1.0, ge=0)
     health_check_period_s: PositiveFloat = 10.0
     shutdown_grace_s: PositiveFloat = SHUTDOWN_GRACE_S
+    api_keys: list[str] = Field([], description="every /v1/ request must send one (Authorization: Bearer KEY); "
+                                                "default: MUSIC3_API_KEY in the front's environment, else none")
+    allowed_origins: list[str] = Field([], description="browser origins whose pages may call the API (CORS)")
+    allowed_hosts: list[str] = Field([], description="Host header names to answer (against DNS rebinding)")
+    host: str = Field("0.0.0.0", description="the address Ray's proxy listens on: on a loopback one, loopback Host "
+                                             "names are answered besides allowed_hosts")
+    max_unread_audio_gib: PositiveFloat = Field(4.0, description="audio the front holds for clients that have not "
+                                                                 "read it; past it: 429")
 
     @field_validator("autoscale")
     @classmethod
@@ -69,6 +79,20 @@ class RayAppArgs(EngineArgs):
         if value is not None:
             replica_range(value)
         return value
+
+    @field_validator("api_keys", "allowed_origins", "allowed_hosts")
+    @classmethod
+    def _as_on_the_command_line(cls, values: list[str], info: Any) -> list[str]:
+        check = {"api_keys": api_key, "allowed_origins": origin, "allowed_hosts": host_name}[info.field_name]
+        try:
+            return [check(value) for value in values]
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
+
+    def access(self) -> Access:
+        """The API's access settings, as `music3serve serve` builds them from its flags."""
+        keys = self.api_keys or env_api_keys()
+        return Access(tuple(keys), tuple(self.allowed_origins), HostPolicy.for_bind(self.host, self.allowed_hosts))
 
     def engine_args(self) -> EngineArgs:
         """The replicas' own arguments: a change of scale alone leaves the replicas running."""
@@ -111,10 +135,10 @@ class EngineReplica:
         self.metrics = RayMetricsCopy(self.engine.metrics.registry)
         log.info("engine replica ready", extra={"replica": self.tag, "pid": os.getpid()})
 
-    async def submit(self, request: SongRequest) -> AsyncIterator[Event | str | Music3Error]:
+    async def submit(self, request: SongRequest) -> AsyncIterator[Event | Progress | str | Music3Error]:
         yield self.tag
         try:
-            async with contextlib.aclosing(self.engine.submit(request)) as events:
+            async with contextlib.aclosing(with_progress(self.engine, self.engine.submit(request))) as events:
                 async for event in events:
                     yield event
         except Music3Error as exc:
@@ -136,11 +160,12 @@ class EngineReplica:
 class Front:
     """The HTTP ingress: serving/api.py's routes over the engine replicas, with X-Replica on a song's response."""
 
-    def __init__(self, engines: Any) -> None:
-        self.engine = RemoteEngine(engines)
+    def __init__(self, engines: Any, args: RayAppArgs) -> None:
+        self.engine = RemoteEngine(engines, int(args.max_unread_audio_gib * 2**30))
+        self.access = args.access()
 
     def __serve_build_asgi_app__(self) -> Any:
-        app = create_app(self.engine)  # type: ignore[arg-type]  # an Engine-shaped view (serving/ray_front.py)
+        app = create_app(self.engine, access=self.access)  # type: ignore[arg-type]  # Engine-shaped (ray_front.py)
         app.add_middleware(ReplicaHeader, engine=self.engine)
         return app
 
@@ -171,7 +196,7 @@ def build(args: RayAppArgs | dict[str, Any]) -> Application:
         Front, name="Music3Front", num_replicas=1, max_ongoing_requests=MAX_SONGS + CONTROL_REQUESTS,
         max_queued_requests=CONTROL_REQUESTS, backpressure_config=busy, ray_actor_options={"num_cpus": 0}, **grace,
     )
-    return front.bind(engines)
+    return front.bind(engines, args)
 
 
 @contextlib.contextmanager

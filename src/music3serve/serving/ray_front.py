@@ -4,7 +4,10 @@ The front is the application's one HTTP ingress replica. A song's POST becomes a
 deployment (Ray's router picks a replica with a free song slot, or queues the call); its events come back window by
 window. Every song's HTTP state (GET /v1/songs/{id}) lives here, built by api.py from the events it relays, and a
 DELETE cancels the relayed call, which Ray delivers to the replica running the song: status and cancel never reach an
-engine replica's request slots. Design and limits: docs/scaling.md.
+engine replica's request slots. A replica's call also carries the song's Progress beside its events (with each
+window, and every PROGRESS_EVERY_S while it changes), so GET reports frames written and windows rendered without
+asking the replica. Audio the front holds for clients that have not read it counts toward its own budget, as on one
+engine (max_unread_bytes). Design and limits: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -14,17 +17,70 @@ import concurrent.futures
 import contextlib
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException, RequestCancelledError
 
 from ..errors import EngineBusy, InputError, Music3Error
-from .api import KEEP_FINISHED
+from ..prompt import frames_for_duration
+from .access import OWNER
+from .api import KEEP_FINISHED, scoped
+from .engine import MAX_UNREAD_BYTES, Engine, audio_bytes, too_long, unread_refusal
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
 
 REPLICA_HEADER = b"x-replica"  # the engine replica that holds the song, on the POST's response
+PROGRESS_EVERY_S = 0.5  # a running song's progress is sent this often while it changes (and with every window)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A running song's frames written and windows rendered on its replica (Engine.progress), sent beside its events."""
+
+    frames: int
+    windows: int
+
+
+async def _pull(events: AsyncIterator[Event]) -> Event | None:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+async def with_progress(engine: Engine, events: AsyncIterator[Event]) -> AsyncIterator[Event | Progress]:
+    """A song's events, each preceded by its Progress where that changed, and a Progress every PROGRESS_EVERY_S
+    between events while it changes. Closing this cancels the song (its engine stream is cancelled)."""
+    song, sent, step = None, None, None
+    try:
+        while True:
+            step = step or asyncio.ensure_future(_pull(events))
+            done, _ = await asyncio.wait({step}, timeout=PROGRESS_EVERY_S)
+            event = step.result() if done else None  # the engine's refusal raises here
+            step = None if done else step
+            progress = engine.progress(song) if song is not None else None
+            if progress is not None and progress != sent:
+                sent = progress
+                yield Progress(*progress)
+            if done and event is None:  # the engine's stream ended
+                return
+            if event is not None:
+                song = event.song if isinstance(event, Accepted) else song
+                yield event
+    finally:
+        if step is not None and not step.done():
+            step.cancel()  # raises CancelledError inside the engine's stream: it cancels the song
+            await asyncio.wait({step})
+
+
+def _song_audio(request: SongRequest) -> int:
+    """The PCM bytes of the song the request asks for (0 for a duration the replica will refuse)."""
+    try:
+        return audio_bytes(frames_for_duration(request.duration_s))
+    except (Music3Error, TypeError, ValueError):
+        return 0
 
 
 def _short(exc: BaseException) -> str:
@@ -41,15 +97,20 @@ def _cancel(stream: Any) -> None:
 
 
 class RemoteEngine:
-    """What api.py needs of an Engine (submit, cancel, unavailable, metrics), over a handle to the engine replicas."""
+    """What the HTTP app needs of an Engine, over a handle to the engine replicas. Its whole surface, each as
+    Engine's: submit, progress, cancel, hold_read_audio, max_unread_bytes, unread_audio, unavailable, metrics, close
+    (tests/test_ray_app.py checks that every `engine.X` the app's modules use is here)."""
 
-    def __init__(self, engines: Any) -> None:
+    def __init__(self, engines: Any, max_unread_bytes: int = MAX_UNREAD_BYTES) -> None:
         """engines: a DeploymentHandle of serving/ray_app.py's engine deployment."""
-        self.engines = engines
+        self.engines, self.max_unread_bytes = engines, max_unread_bytes
         self._streams: dict[str, Any] = {}  # song id -> its call to a replica, from its acceptance to its end
         self._waiting: set[str] = set()  # client-given ids of songs not accepted yet
+        self._progress: dict[str, tuple[int, int]] = {}  # song id -> the latest Progress its replica sent
+        self._unread: dict[object, int] = {}  # per call: audio the song may still bring that api.py has not read
+        self._read_audio_held = 0  # audio api.py has read but not sent yet (hold_read_audio)
         self.replica_of: OrderedDict[str, str] = OrderedDict()  # song id -> the replica tag, recent songs
-        self.metrics = EngineMetrics(lambda: len(self._streams), lambda: 0)
+        self.metrics = EngineMetrics(lambda: len(self._streams), lambda: 0, self.unread_audio)
         self._closed = False
 
     def submit(self, request: SongRequest) -> AsyncIterator[Event]:
@@ -63,9 +124,15 @@ class RemoteEngine:
         if song is not None and (song in self._streams or song in self._waiting):  # one id, one song, on any replica
             raise InputError(f"request id {song!r:.80} is taken by a song whose stream has not ended: wait for it or "
                              "pick another")
+        call, audio = object(), _song_audio(request)
+        if audio > self.max_unread_bytes:
+            raise too_long(request.duration_s, audio, self.max_unread_bytes)
+        if self.unread_audio() + audio > self.max_unread_bytes:
+            raise unread_refusal(self.unread_audio(), audio, self.max_unread_bytes)
         started, first_audio, stream, ended = time.perf_counter(), None, None, False
         if song is not None:
             self._waiting.add(song)
+        self._unread[call] = audio
         try:
             stream = self.engines.options(stream=True).submit.remote(request)
             async for item in stream:
@@ -74,15 +141,22 @@ class RemoteEngine:
                 if isinstance(item, str):  # the replica's first item: its tag
                     replica = item
                     continue
+                if isinstance(item, Progress):
+                    if accepted:
+                        self._progress[song] = (item.frames, item.windows)
+                    continue
                 if isinstance(item, Accepted):
                     song, accepted = item.song, True
                     self._waiting.discard(song)
                     self._streams[song] = stream
+                    self._unread[call] -= audio - audio_bytes(item.budget_frames)
                     self._remember(song, replica)
                     self.metrics.requests.inc()
-                elif isinstance(item, AudioChunk) and first_audio is None:
-                    first_audio = time.perf_counter() - started
-                    self.metrics.first_audio.observe(first_audio)
+                elif isinstance(item, AudioChunk):
+                    self._unread[call] -= item.pcm.nbytes
+                    if first_audio is None:
+                        first_audio = time.perf_counter() - started
+                        self.metrics.first_audio.observe(first_audio)
                 yield item
                 if isinstance(item, Done):
                     self.metrics.song_seconds.observe(time.perf_counter() - started)
@@ -103,8 +177,10 @@ class RemoteEngine:
                                "replicas' songs go on: submit it again")
         finally:
             self._waiting.discard(request.id)  # type: ignore[arg-type]
+            del self._unread[call]
             if song is not None and self._streams.get(song) is stream:
                 del self._streams[song]
+                self._progress.pop(song, None)
             if stream is not None and not ended:  # a call still running on its replica ends there, which cancels the
                 _cancel(stream)  # song in its engine
 
@@ -113,6 +189,20 @@ class RemoteEngine:
         self.replica_of[song] = replica
         while len(self.replica_of) > KEEP_FINISHED:
             self.replica_of.popitem(last=False)
+
+    def progress(self, song: str) -> tuple[int, int] | None:
+        """(frames written, windows rendered) of a running song, as its replica last sent them (at most
+        PROGRESS_EVERY_S old while the talker writes, and current with each window), or None."""
+        return self._progress.get(song, (0, 0)) if song in self._streams else None
+
+    def hold_read_audio(self, nbytes: int) -> None:
+        """Audio api.py has read but still holds (a whole song waiting for its client): counted toward
+        max_unread_bytes beside the songs' own, as Engine.hold_read_audio."""
+        self._read_audio_held += nbytes
+
+    def unread_audio(self) -> int:
+        """Bytes of audio the front holds or may still be sent for clients that have not read it."""
+        return sum(self._unread.values()) + self._read_audio_held
 
     def cancel(self, song: str) -> bool:
         """Cancel the song's call on its replica; whether an accepted song still running had that id. A song still
@@ -148,7 +238,8 @@ class ReplicaHeader:
         async def add_replica(message: dict) -> None:
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers", []))
-                replica = self.engine.replica_of.get(headers.get(b"x-song-id", b"").decode("latin-1"))
+                song = scoped(headers.get(b"x-song-id", b"").decode("latin-1"), scope.get(OWNER))  # the key's own id
+                replica = self.engine.replica_of.get(song)
                 if replica:
                     message = {**message, "headers": [*message.get("headers", []),
                                                       (REPLICA_HEADER, replica.encode("latin-1"))]}
