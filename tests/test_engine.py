@@ -1073,8 +1073,8 @@ def load_models_arguments(monkeypatch, *args, **kwargs) -> dict:
     """What Engine.from_pretrained("unused", *args, **kwargs) hands load_models (stopped there: no model loads)."""
     loaded = {}
 
-    def fake_load_models(root, device, talker_dtype, acoustic, progress):
-        loaded.update(device=device, talker_dtype=talker_dtype, acoustic=acoustic)
+    def fake_load_models(root, device, talker_dtype, acoustic, progress, quantization):
+        loaded.update(device=device, talker_dtype=talker_dtype, acoustic=acoustic, quantization=quantization)
         raise RuntimeError("stop before building the engine")
 
     monkeypatch.setattr("music3serve.serving.engine.load_models", fake_load_models)

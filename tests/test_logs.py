@@ -61,3 +61,10 @@ def test_lines_are_stamped_in_utc_iso_8601_with_milliseconds():
         root.handlers[:] = handlers
         root.setLevel(level)
     assert line == "1970-01-02T00:00:00.250Z INFO music3serve.x song ended song=s1"
+
+
+def test_private_attributes_other_libraries_add_to_records_stay_out_of_the_line():
+    """Ray's log record factory stamps every record with `_ray_timestamp_ns`; under `serve --ray` it went out as a
+    field of every line. Names with a leading underscore are no extra field of ours."""
+    record = logging.makeLogRecord({"msg": "song ended", "song": "s1", "_ray_timestamp_ns": 1796414858876678354})
+    assert KeyValueFormatter("%(message)s").format(record) == "song ended song=s1"

@@ -20,7 +20,8 @@ class KeyValueFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        fields = {k: v for k, v in vars(record).items() if k not in _STANDARD and v is not None}
+        fields = {k: v for k, v in vars(record).items()  # "_" names: other libraries' own (Ray's record factory)
+                  if k not in _STANDARD and not k.startswith("_") and v is not None}
         tail = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
         return f"{line} {tail}" if tail else line
 
