@@ -55,13 +55,13 @@ def test_frame_budget_caps():
     assert frame_budget(100, 5000) == 100
 
 
-@pytest.mark.parametrize("seed", [-1, 2**63, 2**64, 1.0, 0.5, True, False, "1", None])
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**65, 1.0, 0.5, True, False, "1", None])
 def test_bad_seed(seed):
     with pytest.raises(InputError, match="seed"):
         check_seed(seed)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1])
+@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1, 2**63, 2**64 - 1])
 def test_good_seed(seed):
     assert check_seed(seed) == seed
 

@@ -143,7 +143,7 @@ def frames_for_duration(duration: object) -> int:
 
 def check_seed(seed: object) -> int:
     if not contract.is_seed(seed):
-        raise InputError(f"seed must be an integer in [0, 2**63), got {_shown(seed)}")
+        raise InputError(f"seed must be an integer in [0, 2**64), got {_shown(seed)}")
     return seed
 
 

@@ -43,7 +43,7 @@ class SongBody(BaseModel):
     caption: str
     lyrics: str
     duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=contract.SEED_LIMIT)
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     format: Literal["wav", "pcm"] = "wav"
     sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
