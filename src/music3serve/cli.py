@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "split into two processes when they differ; cpu when there is no GPU)")
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     serve.add_argument("--port", type=port_number, default=8000, help="default: %(default)s")
+    serve.add_argument("--served-model-name", action="append", metavar="NAME",
+                       help="a `model` name requests may give (repeat for several; default: "
+                            f"{' and '.join(contract.SERVED_MODEL_NAMES)})")
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
@@ -223,7 +226,8 @@ def run_serve(args: argparse.Namespace) -> None:
                                       "config": args.config or "default"})
     engine = Engine.from_pretrained(root, deploy, args.device, progress=show_progress())
     try:
-        serve(engine, args.host, args.port, args.log_level)
+        serve(engine, args.host, args.port, args.log_level,
+              tuple(args.served_model_name or contract.SERVED_MODEL_NAMES))
     finally:
         engine.close()
 

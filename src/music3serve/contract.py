@@ -41,6 +41,8 @@ MIN_PROMPT_TOKENS = 10
 MAX_FRAMES = 9_000
 MAX_CONTEXT = 10_240
 MAX_DURATION_S = 360.0
+# The model names official clients send (OpenAI's `model`): the model's own and its Hugging Face repository's.
+SERVED_MODEL_NAMES = ("MiniMax-Music3", "MiniMaxAI/MiniMax-Music3")
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit: every bit keys the sampler's and the DiT noise's draws
 
 # Stage 0 sampling recipe.

@@ -1,8 +1,9 @@
-"""The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
+"""The HTTP API over an Engine: songs stream to the client in the format it asks for while they are being written.
 
-The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here, in serving/request_body.py (read by
-this module only), and in serving/server.py and serving/http_guard.py (the uvicorn server that runs the app), and
-nowhere else, so the engine core runs without them. This module
+POST /v1/songs is served here; POST /v1/audio/speech (serving/openai_speech.py) and POST /v1/music_generation
+(serving/music_generation.py) are thin adapters over the same SongService. The server's packages (FastAPI,
+Starlette, pydantic, uvicorn) and PyAV are imported by the serving/ modules of the HTTP API and the uvicorn server
+only, so the engine core runs without them. This module
 never touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints,
 fields, headers and streaming semantics: docs/api.md.
 """
@@ -14,8 +15,8 @@ import contextlib
 import logging
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator, Awaitable, Callable
+from importlib.metadata import version
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -23,16 +24,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .. import contract
 from ..errors import EngineBusy, InputError, Music3Error
-from .audio_io import CHANNELS, PcmEncoder, wav_header
+from .audio_io import CHANNELS, PcmEncoder
+from .encoders import MEDIA_TYPES, make_encoder
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response
 from .heartbeat import TALKER_STEP_LIMIT_S
-from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
+from .music_generation import add_music_routes
+from .openai_speech import add_speech_routes
+from .openapi_docs import (
+    AUDIO_CONTENT, HEALTH_RESPONSES, TEXT, SongStatus, error_responses, openapi_schema, post_responses,
+)
+from .request_body import BoundedBody, SongBody, describe, first_field, json_object_of
+from .song_types import Framing, SongOrder, SongState, Started
 
 log = logging.getLogger(__name__)
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
+SILENCE = np.zeros((CHANNELS, 0), np.float32)
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 # The ASGI scope extension by which a server lets the app reset a connection: {"reset": callable} (serving/http_guard
 # offers it). A response without the chunked encoding (HTTP/1.0) cannot say it was cut short but by a reset: a plain
@@ -50,24 +60,13 @@ class SongFailedMidStream(RuntimeError):
     """Raised out of a streaming response so the server drops the connection before the final chunk."""
 
 
-@dataclass
-class SongState:
-    """What the API server knows of one song; GET /v1/songs/{id} returns it (without `stop`)."""
+REQUEST_FIELDS = ("caption", "lyrics", "duration", "seed", "steps")  # SongRequest's, as the engine's messages name them
 
-    id: str
-    seed: int
-    frame_budget: int
-    format: str
-    sample_rate: int
-    state: str = "running"  # running | done | failed | cancelled
-    error: str | None = None
-    frames: int | None = None
-    ended_by: str | None = None
-    samples_sent: int = 0  # per channel, at the output rate
-    stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
-    def public(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"}
+def _field_named(message: str) -> str | None:
+    """The request field an engine InputError is about (its messages begin with the field's name)."""
+    word = message.split(" ", 1)[0]
+    return word if word in REQUEST_FIELDS else None
 
 
 async def _pull(events: AsyncIterator[Event]) -> Event:
@@ -183,66 +182,95 @@ class SongService:
             stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
 
     async def create(self, body: SongBody, request: Request) -> Response:
-        song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
+        """POST /v1/songs."""
+        request_ = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
         if body.steps is not None:
-            song_request.steps = body.steps
-        events, stop = self.engine.submit(song_request), asyncio.Event()
-        owner = body.id is not None and self.pending.setdefault(body.id, stop) is stop
-        try:  # wait for acceptance, so input errors are still proper HTTP errors
+            request_.steps = body.steps
+        started = await self.start(SongOrder(request_, body.format, body.sample_rate, body.stream), error_response)
+        if isinstance(started, Response):
+            return started
+        if body.stream:
+            return self.streamed(started)
+        data = await self.whole(started, request, error_response)
+        if isinstance(data, Response):
+            return data
+        return Response(data, media_type=MEDIA_TYPES[started.song.format], headers=started.headers)
+
+    async def start(self, order: SongOrder, reply: ErrorReply) -> Started | Response:
+        """Submit the song and wait for the engine to accept it, so input errors are still proper HTTP errors
+        (answered with `reply`, the endpoint's error shape)."""
+        request = order.request
+        try:
+            encoder = make_encoder(order.format, order.sample_rate, order.stream, order.bitrate)
+        except Music3Error as exc:  # PyAV missing
+            return reply(500, str(exc), param="format")
+        events, stop = self.engine.submit(request), asyncio.Event()
+        owner = request.id is not None and self.pending.setdefault(request.id, stop) is stop
+        try:
             first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
         except TimeoutError:
             await events.aclose()
             message = f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later"
-            return error_response(503, message)
+            return reply(503, message)
         except InputError as exc:
-            return error_response(400, str(exc))
+            return reply(400, str(exc), param=_field_named(str(exc)))
         except EngineBusy as exc:
-            return error_response(429, str(exc), {"Retry-After": "10"})
+            return reply(429, str(exc), {"Retry-After": "10"})
         except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
-            return error_response(503, f"the engine cannot take songs: {exc}")
+            return reply(503, f"the engine cannot take songs: {exc}")
         except BaseException:
             await events.aclose()
             raise
         finally:
             if owner:
-                del self.pending[body.id]
+                del self.pending[request.id]
         if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
             await events.aclose()
-            log.info("song cancelled before it was accepted", extra={"song": body.id})
-            return error_response(409, f"song {body.id} was cancelled before it was accepted")
+            log.info("song cancelled before it was accepted", extra={"song": request.id})
+            return reply(409, f"song {request.id} was cancelled before it was accepted")
         if not isinstance(first, Accepted):
             await events.aclose()
             if isinstance(first, Failed) and first.refused:
-                return error_response(400, first.message)
+                return reply(400, first.message)
             why = self.engine.unavailable()
             if why is not None:  # closing, or a stage died: retry elsewhere or later
-                return error_response(503, f"the engine cannot take songs: {why}")
+                return reply(503, f"the engine cannot take songs: {why}")
             message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
-            return error_response(500, message)
-        song = SongState(first.song, first.seed, first.budget_frames, body.format, body.sample_rate, stop=stop)
+            return reply(500, message)
+        song = SongState(first.song, first.seed, first.budget_frames, order.format, encoder.sample_rate,
+                         prompt_tokens=first.prompt_tokens, stop=stop)
         self.running[song.id] = song
         headers = {
             "X-Song-Id": song.id, "X-Seed": str(song.seed), "X-Frame-Budget": str(song.frame_budget),
             "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
             "X-Channels": str(CHANNELS), "Cache-Control": "no-store",
         }
-        if body.stream:
-            headers["X-Accel-Buffering"] = "no"  # ask proxies not to buffer the stream
-            return SongStream(self.stream(song, events), song, lambda: self.abandon(song, events), headers=headers,
-                              media_type=MEDIA_TYPES[song.format])
-        return await self.whole(song, events, request, headers)
+        return Started(song, events, encoder, headers)
 
-    async def stream(self, song: SongState, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-        encoder = PcmEncoder(song.sample_rate)
+    def streamed(self, started: Started, framing: Framing | None = None) -> SongStream:
+        """The song's stream response: its audio as it is encoded, or wrapped by `framing` (say in events)."""
+        framing = framing or Framing()
+        headers = {**started.headers, "X-Accel-Buffering": "no"}  # ask proxies not to buffer the stream
+        song, events = started.song, started.events
+        return SongStream(self.stream(started, framing), song, lambda: self.abandon(song, events), headers=headers,
+                          media_type=framing.media_type or MEDIA_TYPES[song.format])
+
+    async def stream(self, started: Started, framing: Framing) -> AsyncIterator[bytes]:
+        song, events, encoder = started.song, started.events, started.encoder
         try:
-            if song.format == "wav":
-                yield wav_header(song.sample_rate)
+            if header := encoder.header():
+                yield framing.audio(header)
             async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
                 async for data in audio:
-                    yield data
+                    yield framing.audio(data)
             if song.state == "failed":
+                if ending := framing.failed(song):
+                    yield ending
                 raise SongFailedMidStream(f"song {song.id} failed after {song.samples_sent} samples: {song.error}")
+            if song.state == "done" and (ending := framing.done(song)):
+                yield ending
         finally:
+            encoder.close()
             await self.abandon(song, events)
 
     async def abandon(self, song: SongState, events: AsyncIterator[Event]) -> None:
@@ -250,56 +278,60 @@ class SongService:
         await events.aclose()  # type: ignore[attr-defined]
         self.finish(song, "cancelled")
 
-    async def whole(self, song: SongState, events: AsyncIterator[Event], request: Request, headers: dict) -> Response:
+    async def whole(self, started: Started, request: Request, reply: ErrorReply) -> bytes | Response:
+        """The whole file once the song is done, or the error reply of a song that did not end done."""
+        song, events, encoder, headers = started.song, started.events, started.encoder, started.headers
         watcher = asyncio.ensure_future(_watch_disconnect(request, song.stop))
         try:
-            async with contextlib.aclosing(self.audio(song, events, PcmEncoder(song.sample_rate))) as audio:
+            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
                 data = b"".join([piece async for piece in audio])
         except asyncio.CancelledError:  # only the server's shutdown cancels a request task (grace over, second Ctrl-C)
             asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
-            return error_response(503, f"the server shut down before song {song.id} was finished (songs still running "
-                                       "when its shutdown grace period is over, or at a second Ctrl-C, are cut)",
-                                  headers)
+            return reply(503, f"the server shut down before song {song.id} was finished (songs still running "
+                              "when its shutdown grace period is over, or at a second Ctrl-C, are cut)", headers)
         finally:
             watcher.cancel()
+            encoder.close()
             await events.aclose()
             self.finish(song, "cancelled")
         if song.state == "failed":
-            return error_response(500, f"song {song.id} failed: {song.error}", headers)
+            return reply(500, f"song {song.id} failed: {song.error}", headers)
         if song.state != "done":
-            return error_response(409, f"song {song.id} was cancelled before it was finished", headers)
-        if song.format == "wav":
-            data = wav_header(song.sample_rate, len(data)) + data
-        return Response(data, media_type=MEDIA_TYPES[song.format], headers=headers)
+            return reply(409, f"song {song.id} was cancelled before it was finished", headers)
+        return encoder.whole_file(data)
 
     async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[bytes]:
-        """PCM bytes of each window as it arrives; sets the song's state when it ends."""
+        """The encoded bytes of each window as it arrives; sets the song's state when it ends."""
+        counted = 0  # of the encoder's output samples, those counted in samples_sent
         while song.state == "running":
             event = await _next_event(events, song.stop)
             if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
                 self.finish(song, "cancelled")
-            elif isinstance(event, AudioChunk):
-                data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
+            elif isinstance(event, (AudioChunk, Done)):
+                pcm, last = (event.pcm, event.last) if isinstance(event, AudioChunk) else (SILENCE, True)
+                data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
+                samples = encoder.samples_out - counted
+                counted += samples if data else 0  # a whole file's bytes come at the end, with all its samples
                 for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
-                    piece = data[start : start + SEND_PIECE_BYTES]
-                    yield piece
-                    song.samples_sent += len(piece) // (2 * CHANNELS)  # once taken: a client gone stops the count
-            elif isinstance(event, Done):
-                tail = await asyncio.to_thread(encoder.feed, np.zeros((CHANNELS, 0), np.float32), True)
-                if tail:
-                    yield tail
-                    song.samples_sent += len(tail) // (2 * CHANNELS)
-                song.frames, song.ended_by = event.frames, event.ended_by
-                self.finish(song, "done")
+                    end = min(start + SEND_PIECE_BYTES, len(data))
+                    yield data[start:end]
+                    # Once taken (a client gone stops the count), the samples the bytes encode, pro rata.
+                    song.samples_sent += samples * end // len(data) - samples * start // len(data)
+                if isinstance(event, Done):
+                    song.frames, song.ended_by = event.frames, event.ended_by
+                    song.first_audio_s = event.timings.get("first_audio_s")
+                    self.finish(song, "done")
             elif isinstance(event, Failed):
                 log.error("song failed", extra={"song": song.id, "error": event.message, "samples": song.samples_sent})
                 self.finish(song, "failed", event.message)
 
 
-def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
+def create_app(engine: Engine, close_engine: bool = False,
+               served_model_names: Sequence[str] = contract.SERVED_MODEL_NAMES) -> FastAPI:
     """The HTTP API over a running engine; the caller owns the engine. close_engine: the app closes it when the
     server shuts down (uvicorn re-raises SIGTERM after its shutdown: under the default handler the process ends
-    before any code after the server's run)."""
+    before any code after the server's run). served_model_names: the `model` names requests may give (and
+    GET /v1/models lists)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -309,36 +341,42 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
             if close_engine:
                 await asyncio.to_thread(engine.close)
 
-    # No /docs, /redoc or /openapi.json: the API is docs/api.md's endpoints and nothing else.
-    # No redirects of a trailing slash either: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
+    # /openapi.json describes every route (serving/openapi_docs.py), /docs renders it; no /redoc.
+    # No redirects of a trailing slash: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
     # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+                  version=version("music3serve"), lifespan=lifespan, redoc_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 
     app.add_middleware(BoundedBody)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, describe(exc))
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_reply_for(request.url.path)(400, describe(exc), param=first_field(exc))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
+        reply = error_reply_for(request.url.path)
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
             why = str(exc.__cause__)
             if "integer string conversion" in why:  # Python's guard on decoding huge integers
                 why = f"a number has more than {sys.get_int_max_str_digits()} digits"
-            return error_response(400, f"the body is not valid JSON: {why}", exc.headers)
-        return error_response(exc.status_code, str(exc.detail), exc.headers)
+            return reply(400, f"the body is not valid JSON: {why}", exc.headers)
+        return reply(exc.status_code, str(exc.detail), exc.headers)
 
-    @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(plain_json_object)])
+    @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(json_object_of(SongBody))],
+              operation_id="create_song", response_class=Response, responses=post_responses(AUDIO_CONTENT, "plain"))
     async def create_song(body: SongBody, request: Request) -> Response:
         return await service.create(body, request)
 
-    @app.get("/v1/songs/{song_id}")
+    add_speech_routes(app, service, served_model_names)
+    add_music_routes(app, service, served_model_names)
+
+    @app.get("/v1/songs/{song_id}", operation_id="song_status", response_model=SongStatus,
+             responses=error_responses((404,)))
     async def song_status(song_id: str) -> JSONResponse:
         song = service.lookup(song_id)
         if song is None:
@@ -346,22 +384,27 @@ def create_app(engine: Engine, close_engine: bool = False) -> FastAPI:
             return error_response(404, f"no song {song_id!r:.132} is running or finished recently")
         return JSONResponse(song.public())
 
-    @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None)
+    @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None, operation_id="cancel_song")
     async def cancel_song(song_id: str) -> Response:
         service.cancel(song_id)
         return Response(status_code=204)
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # load balancers probe with either
     async def health() -> Response:
         why = engine.unavailable()
         if why is not None:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_model=None)
+    for method in ("GET", "HEAD"):  # load balancers probe with either; one operation each
+        app.add_api_route("/health", health, methods=[method], response_model=None, responses=HEALTH_RESPONSES,
+                          operation_id=f"health_{method.lower()}")
+
+    @app.get("/metrics", response_model=None, operation_id="metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text", "content": {METRICS_TYPE: {"schema": TEXT}}}})
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
 

@@ -214,18 +214,37 @@ class StreamResampler:
 
 
 class PcmEncoder:
-    """Float windows at the model rate -> interleaved s16le bytes at the output rate."""
+    """Float windows at the model rate -> interleaved s16le bytes at the output rate. The base of every streaming
+    encoder (serving/encoders.py): `samples` gives the clamped, resampled float samples the others encode."""
 
     def __init__(self, sample_rate: int):
         same = sample_rate == contract.SAMPLE_RATE
+        self.sample_rate = sample_rate
         self.resampler = None if same else StreamResampler(contract.SAMPLE_RATE, sample_rate)
         self.finished = False
+        self.samples_out = 0  # per channel, at the output rate, encoded so far
 
-    def feed(self, pcm: np.ndarray, last: bool) -> bytes:
+    def samples(self, pcm: np.ndarray, last: bool) -> np.ndarray:
+        """[2, n] float32 at the output rate, ready to encode (none once the last window has been fed)."""
         if self.finished:
-            return b""
+            return np.zeros((CHANNELS, 0), np.float32)
         self.finished = last
         pcm = np.clip(pcm, -1.0, 1.0)  # as the offline waveform is clamped before it is resampled
         if self.resampler is not None:
             pcm = self.resampler.feed(pcm, last)
-        return to_pcm16(pcm).tobytes()
+        self.samples_out += pcm.shape[-1]
+        return pcm
+
+    def feed(self, pcm: np.ndarray, last: bool) -> bytes:
+        return to_pcm16(self.samples(pcm, last)).tobytes()
+
+    def header(self) -> bytes:
+        """What a stream starts with, before the first window's bytes."""
+        return b""
+
+    def whole_file(self, body: bytes) -> bytes:
+        """The complete file of a whole (not streamed) response from all the bytes `feed` returned."""
+        return body
+
+    def close(self) -> None:
+        """Free what the encoder holds (a song cut short never feeds its last window)."""

@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import Sequence
 
 import uvicorn
 
+from .. import contract
 from .api import CutResponses, create_app
 from .engine import Engine
 from .http_guard import AcceptErrorsOncePerMinute, guarded_protocol
@@ -80,14 +82,16 @@ def fit_open_files(engine: Engine) -> int | None:
     return max(1, soft - ENGINE_FILES)
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
-    """Run the API on uvicorn until interrupted (logging stays as the caller set it up)."""
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO",
+          served_model_names: Sequence[str] = contract.SERVED_MODEL_NAMES) -> None:
+    """Run the API on uvicorn until interrupted (logging stays as the caller set it up); served_model_names: the
+    `model` names requests may give."""
     max_connections = fit_open_files(engine)
     for name, kind in (("uvicorn.error", CutResponses), ("asyncio", AcceptErrorsOncePerMinute)):
         logger = logging.getLogger(name)
         if not any(isinstance(f, kind) for f in logger.filters):
             logger.addFilter(kind())
-    app = create_app(engine, close_engine=True)
+    app = create_app(engine, close_engine=True, served_model_names=served_model_names)
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=guarded_protocol(max_connections))
     # Not uvicorn.run: it swallows the Ctrl-C that stopped the server, which then exited 0 like a clean stop.
