@@ -110,7 +110,7 @@ BAD_BODIES = {
     "lyrics list": (raw(lyrics=["la"]), "lyrics: Input should be a valid string"),
     "lyrics empty": (raw(lyrics=""), "lyrics must be a non-empty string, got an empty string"),
     "sample_rate string": (raw(sample_rate="44100"), "sample_rate: Value error, must be an integer, one of 44100, 32000"),
-    "format null": (raw(format=None), "format: Input should be 'wav' or 'pcm'"),
+    "format null": (raw(format=None), "format: Input should be 'wav', 'mp3', 'flac', 'opus', 'aac' or 'pcm'"),
     "caption lone surrogate": (raw(caption='="pop \\ud800 rock"'),
                                "caption is not valid Unicode: a lone surrogate '\\ud800' at character 4"),
     "lyrics lone surrogate": (raw(lyrics='="\\udfff"'),
