@@ -94,6 +94,16 @@ def serve_http():
 
 
 @pytest.fixture(scope="module")
+def engine(tiny_dir: Path):
+    """An Engine on the tiny checkpoint on the CPU, one per module (modules needing another define their own)."""
+    from music3serve.serving.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_dir, device="cpu")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
 def base_url(engine, serve_http):
     """The HTTP API over the requesting module's `engine` fixture, served by uvicorn."""
     from music3serve.serving.api import create_app

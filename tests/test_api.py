@@ -41,13 +41,6 @@ TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
 def songs(engine: Engine) -> dict[int, np.ndarray]:
     """The song per duration as the engine's own events carry it (float32, 44.1 kHz), checked against the
     offline pipeline. Those two differ by rounding (decode attention vs SDPA in the talker, amplified by the

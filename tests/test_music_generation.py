@@ -5,27 +5,18 @@ back by PyAV, the refusals of what the open weights cannot do, and mp3/opus/aac/
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("av")
 
-from music3serve.serving.engine import Engine
 from decoding import assert_song_audio, decode, expected_samples  # tests/ is on the import path (no package)
 
 FRAMES = 50
 MUSIC = {"model": "MiniMax-Music3", "prompt": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 7,
          "max_new_tokens": FRAMES, "steps": 2}
 SONG = {"caption": MUSIC["prompt"], "lyrics": MUSIC["lyrics"], "seed": 7, "steps": 2, "duration": FRAMES / 25}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.mark.parametrize(("format", "rate"), [("mp3", 44100), ("mp3", 16000), ("wav", 24000), ("pcm", 32000)])

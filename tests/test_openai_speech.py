@@ -8,7 +8,6 @@ import base64
 import io
 import json
 import wave
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,13 +25,6 @@ LYRICS, CAPTION = "[verse]\nla la", "synth pop, 120 bpm"
 FRAMES = 50  # one window: 2 s
 LONG_FRAMES = 250  # two windows
 EXTRA = {"seed": 7, "max_new_tokens": FRAMES, "steps": 2}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ schemas); /docs renders it; `serve --served-model-name` sets the names /v1/model
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -23,13 +22,6 @@ TINY = {"seed": 1, "steps": 1}
 SONG = {"caption": "pop", "lyrics": "[verse]\nla", "duration": 0.04, **TINY}
 SPEECH = {"model": "MiniMax-Music3", "input": "[verse]\nla", "instructions": "pop", "max_new_tokens": 1, **TINY}
 MUSIC = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "[verse]\nla", "max_new_tokens": 1, **TINY}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

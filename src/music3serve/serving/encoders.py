@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import Music3Error
-from .audio_io import CHANNELS, PcmEncoder, to_pcm16, wav_header
+from .audio_io import PcmEncoder, to_pcm16, wav_header
 
 FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm")
 MEDIA_TYPES = {

@@ -41,6 +41,12 @@ REFUSED = {
     "refer_vocal": "reference audio needs the audio-to-code encoder, which was not released with the open weights",
 }
 
+REFUSED_SETTINGS = {
+    "output_format": "'url' needs storage for finished songs, which this server does not keep: use 'hex'",
+    "lyrics_optimizer": "writing lyrics takes another model, not part of the open weights: send lyrics",
+    "aigc_watermark": "this server adds no watermark",
+}
+
 
 class AudioSetting(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -74,27 +80,8 @@ class MusicBody(BaseModel):
     refer_vocal: Any = None
 
     _refuse = field_validator(*REFUSED)(refused(REFUSED))
-
-    @field_validator("output_format")
-    @classmethod
-    def _hex_only(cls, value: str) -> str:
-        if value == "url":
-            raise ValueError("'url' needs storage for finished songs, which this server does not keep: use 'hex'")
-        return value
-
-    @field_validator("lyrics_optimizer")
-    @classmethod
-    def _no_lyrics_writer(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("writing lyrics takes another model, not part of the open weights: send lyrics")
-        return value
-
-    @field_validator("aigc_watermark")
-    @classmethod
-    def _no_watermark(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("this server adds no watermark")
-        return value
+    _hex_only = field_validator("output_format")(refused(REFUSED_SETTINGS, allowed=("hex",)))
+    _refuse_true = field_validator("lyrics_optimizer", "aigc_watermark")(refused(REFUSED_SETTINGS, allowed=(False,)))
 
     @model_validator(mode="after")
     def _lyrics_or_instrumental(self) -> "MusicBody":

@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .. import contract
 from ..prompt import MAX_STEPS, duration_for_frames
 from .encoders import FORMATS, MEDIA_TYPES
-from .error_bodies import MODELS_PATH, SPEECH_PATH, ErrorReply, openai_error
+from .error_bodies import MODELS_PATH, SPEECH_PATH, openai_error
+from .events import SongRequest
 from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODELS_RESPONSES, post_responses
 from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event
-from .events import SongRequest
 
 if TYPE_CHECKING:
     from .api import SongService
@@ -126,26 +126,25 @@ def speech_error(status: int, message: str, headers: dict[str, str] | None = Non
 def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:
     """POST /v1/audio/speech and GET /v1/models on `app`, for the model names `served`."""
     created = int(time.time())
-    reply: ErrorReply = speech_error
 
     @app.post(SPEECH_PATH, operation_id="create_speech", response_model=None, response_class=Response,
               dependencies=[Depends(json_object_of(SpeechBody))],
               responses=post_responses({**AUDIO_CONTENT, **EVENTS_CONTENT}, "openai", (404,)))
     async def create_speech(body: SpeechBody, request: Request) -> Response:
         if body.model not in served:
-            return reply(404, f"model {body.model!r:.80} is not served here; it serves {', '.join(served)} "
-                              f"(GET {MODELS_PATH})", param="model")
+            return speech_error(404, f"model {body.model!r:.80} is not served here; it serves {', '.join(served)} "
+                                     f"(GET {MODELS_PATH})", param="model")
         song = SongRequest(body.instructions, body.input, duration_for_frames(body.max_new_tokens), body.seed)
         if body.steps is not None:
             song.steps = body.steps
         events = body.stream_format == "sse"
         order = SongOrder(song, body.response_format, body.sample_rate, stream=body.stream or events)
-        started = await service.start(order, reply)
+        started = await service.start(order, speech_error)
         if isinstance(started, Response):
             return started
         if order.stream:
             return service.streamed(started, SpeechEvents() if events else None)
-        data = await service.whole(started, request, reply)
+        data = await service.whole(started, request, speech_error)
         if isinstance(data, Response):
             return data
         return Response(data, media_type=MEDIA_TYPES[body.response_format], headers=started.headers)

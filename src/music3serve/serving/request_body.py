@@ -40,11 +40,12 @@ def integer_of(choices: tuple[int, ...]) -> Any:
     return Annotated[Literal[choices], BeforeValidator(integer)]  # type: ignore[valid-type]
 
 
-def refused(reasons: dict[str, str]) -> Callable[[str, Any], Any]:
-    """A validator for fields this model cannot honour: any value but null is refused with the field's reason."""
+def refused(reasons: dict[str, str], allowed: tuple = (None,)) -> Callable[[Any, ValidationInfo], Any]:
+    """A validator for fields this model cannot honour: any value but the `allowed` ones is refused with the field's
+    reason."""
 
     def refuse(value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
+        if value not in allowed:
             raise ValueError(reasons[info.field_name])
         return value
 
