@@ -28,3 +28,4 @@ curl -s -H 'Content-Type: application/json' \
   "$URL/v1/music_generation" | jq -r .data.audio | xxd -r -p > hosted.mp3
 
 curl -s "$URL/v1/models"
+echo

@@ -151,6 +151,26 @@ def test_a_resampler_tail_flushed_at_done_is_counted_as_sent():
     assert song.samples_sent == sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
 
 
+def test_a_window_is_encoded_and_sent_in_slices_equal_to_it_whole():
+    """A window reaches the encoder half a second at a time and each slice's bytes leave once encoded (a song's first
+    audio waits for one slice's encoding, not its window's); the bytes equal the window encoded in one piece."""
+    from music3serve.serving import api
+
+    window = np.random.default_rng(0).uniform(-1, 1, (2, 2 * 44100 + 7)).astype(np.float32)
+
+    async def events():
+        yield AudioChunk("sliced", 0, window, True)
+        yield Done("sliced", 50, "budget", {})
+
+    async def scenario():
+        song, service = api.SongState("sliced", 1, 100, "pcm", 32000), api.SongService(None)  # type: ignore[arg-type]
+        return song, [piece async for piece in service.audio(song, events(), api.PcmEncoder(32000))]
+
+    song, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert len(pieces) == 5 and b"".join(pieces) == api.PcmEncoder(32000).feed(window, True)
+    assert song.samples_sent == sum(len(piece) for piece in pieces) // 4
+
+
 def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "format": "pcm"}) as response:
         assert response.status_code == 200
