@@ -194,10 +194,10 @@ class SongService:
 
     async def create(self, body: SongBody, request: Request) -> Response:
         """POST /v1/songs."""
-        request_ = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
+        song = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
         if body.steps is not None:
-            request_.steps = body.steps
-        started = await self.start(SongOrder(request_, body.format, body.sample_rate, body.stream), error_response)
+            song.steps = body.steps
+        started = await self.start(SongOrder(song, body.format, body.sample_rate, body.stream), error_response)
         if isinstance(started, Response):
             return started
         if body.stream:

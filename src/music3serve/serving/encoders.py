@@ -7,6 +7,7 @@ stream."""
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,8 +107,15 @@ class AvEncoder(PcmEncoder):
         if bitrate is not None and format != "flac":
             self.stream.bit_rate = bitrate
         self.pts = 0
+        # feed runs on a worker thread; close may come from the event loop while it does (a request task cancelled
+        # at shutdown): FFmpeg's contexts are not to be used from two threads at once.
+        self.lock = threading.Lock()
 
     def feed(self, pcm: np.ndarray, last: bool) -> bytes:
+        with self.lock:
+            return self._feed(pcm, last)
+
+    def _feed(self, pcm: np.ndarray, last: bool) -> bytes:
         if self.finished:
             return b""
         samples = self.samples(pcm, last)
@@ -138,7 +146,8 @@ class AvEncoder(PcmEncoder):
             self.container.mux(packet)
 
     def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.container.close()
+        with self.lock:
+            if not self.finished:
+                self.finished = True
+                self.container.close()
 
