@@ -117,7 +117,7 @@ async def endpoint_rows(base: str, seconds: float, steps: int | None,
     return rows, period
 
 
-def serve_in_thread(engine) -> tuple[str, object]:
+def serve_in_thread(engine) -> tuple[str, object, threading.Thread]:
     import uvicorn
 
     from music3serve.serving.api import create_app
@@ -125,10 +125,11 @@ def serve_in_thread(engine) -> tuple[str, object]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", log_config=None))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
 def make_engine(tiny: bool, folder: Path):
@@ -157,9 +158,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         engine = make_engine(args.tiny, Path(folder))
         try:
-            base, server = serve_in_thread(engine)
+            base, server, thread = serve_in_thread(engine)
             rows, period = asyncio.run(endpoint_rows(base, seconds, steps, concurrency))
-            server.should_exit = True
+            server.should_exit = True  # the songs of closed requests end first (cancelled), then the engine closes
+            thread.join(60)
         finally:
             engine.close()
     heads = ["endpoint"] + [f"{what} c={n} (s)" for n in concurrency for what in ("median TTFA", "max")]
