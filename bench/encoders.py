@@ -50,7 +50,8 @@ def music_like(seconds: float, seed: int = 0) -> np.ndarray:
     t = np.arange(int(seconds * contract.SAMPLE_RATE)) / contract.SAMPLE_RATE
     tones = sum(0.1 * np.sin(2 * np.pi * f * t * (1 + 0.01 * np.sin(t)) + p)
                 for f, p in zip(rng.uniform(80, 4000, 8), rng.uniform(0, 6, 8)))
-    return np.stack([tones, np.roll(tones, 300)]).astype(np.float32) + rng.normal(0, 0.1, (2, t.size)).astype(np.float32)
+    noise = rng.normal(0, 0.1, (2, t.size))
+    return (np.stack([tones, np.roll(tones, 300)]) + noise).astype(np.float32)
 
 
 def encode_costs(windows: int) -> list[list]:
@@ -101,7 +102,8 @@ async def endpoint_rows(base: str, seconds: float, steps: int | None,
 
     frames = int(seconds * contract.FRAME_RATE)
     common = {"songs": {"caption": "pop song", "lyrics": LYRICS, "duration": seconds},
-              "speech": {"model": "MiniMax-Music3", "input": LYRICS, "instructions": "pop song", "max_new_tokens": frames},
+              "speech": {"model": "MiniMax-Music3", "input": LYRICS, "instructions": "pop song",
+                         "max_new_tokens": frames},
               "music": {"model": "MiniMax-Music3", "prompt": "pop song", "lyrics": LYRICS, "max_new_tokens": frames}}
     rows = []
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:

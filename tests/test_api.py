@@ -603,7 +603,8 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     av = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
           if re.search(r"^\s*(from|import) av\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     assert av == {"serving/encoders.py"}
-    assert not re.search(r"^(from|import) av\b", (root / "serving/encoders.py").read_text(encoding="utf-8"), re.MULTILINE)
+    encoders = (root / "serving/encoders.py").read_text(encoding="utf-8")
+    assert not re.search(r"^(from|import) av\b", encoders, re.MULTILINE)
 
 
 def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, root_logger):
