@@ -83,6 +83,20 @@ def test_a_song_belongs_to_its_key(client):
     assert client.get("/v1/songs/mine", headers=TWO).json()["state"] == "done"
 
 
+def test_the_songs_of_every_endpoint_belong_to_their_key(client):
+    """/v1/audio/speech and /v1/music_generation songs too: their X-Song-Id is the key's own, unseen by another."""
+    speech = {"model": "MiniMax-Music3", "input": "[verse]\nla", "instructions": "pop", "max_new_tokens": 25,
+              "seed": 0, "steps": 2}
+    music = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "[verse]\nla", "max_new_tokens": 25,
+             "seed": 0, "steps": 2, "audio_setting": {"format": "wav"}}
+    for path, body in (("/v1/audio/speech", speech), ("/v1/music_generation", music)):
+        response = client.post(path, headers=ONE, json=body)
+        assert response.status_code == 200, response.text
+        song = response.headers["x-song-id"]
+        assert "/" not in song and client.get(f"/v1/songs/{song}", headers=ONE).json()["state"] == "done"
+        assert client.get(f"/v1/songs/{song}", headers=TWO).status_code == 404
+
+
 def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
@@ -99,30 +113,26 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
 
 
-def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it():
-    """Access.error_shapes: an endpoint whose clients expect another error body (OpenAI's {"error": {...}}) names
-    its shape by path; the API key and Host checks answer in it there, and in {"error": message} elsewhere."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-    from starlette.testclient import TestClient
-
-    from music3serve.serving.access import Access, HostPolicy, install
-
-    def openai_error(status: int, message: str, headers: dict[str, str] | None) -> JSONResponse:
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
-        return JSONResponse(body, status, headers)
-
-    app = FastAPI()
-    app.get("/v1/audio/speech")(lambda: {"ok": True})
-    app.get("/v1/songs/x")(lambda: {"ok": True})
-    install(app, Access(api_keys=("k",), hosts=HostPolicy.for_bind("127.0.0.1"),
-                        error_shapes={"/v1/audio/speech": openai_error}))
-    with TestClient(app, base_url="http://localhost") as local:
-        assert local.get("/v1/audio/speech").json()["error"]["message"].startswith("this server needs an API key")
-        assert local.get("/v1/songs/x").json()["error"].startswith("this server needs an API key")
-        refused = local.get("/v1/audio/speech", headers={"Host": "rebound.example", "Authorization": "Bearer k"})
-        assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
-        assert local.get("/v1/audio/speech", headers={"Authorization": "Bearer k"}).json() == {"ok": True}
+def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it(client):
+    """serving/error_bodies.py: the API key and Host checks answer in the route's own error body: OpenAI's
+    {"error": {...}} on /v1/audio/speech and /v1/models, MiniMax's base_resp envelope on /v1/music_generation, and
+    {"error": message} elsewhere."""
+    speech = client.post("/v1/audio/speech", json={})
+    assert speech.status_code == 401 and speech.headers["www-authenticate"] == "Bearer"
+    assert speech.json()["error"]["message"].startswith("this server needs an API key")
+    assert speech.json()["error"]["type"] == "authentication_error"
+    models = client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert models.status_code == 401 and models.json()["error"]["message"] == "the API key is not valid"
+    music = client.post("/v1/music_generation", json={})
+    assert music.status_code == 401 and music.json()["base_resp"]["status_code"] == 1004
+    assert music.json()["base_resp"]["status_msg"].startswith("this server needs an API key")
+    assert client.get("/v1/songs/x").json()["error"].startswith("this server needs an API key")
+    rebound = {**ONE, "Host": "rebound.example"}
+    refused = client.post("/v1/audio/speech", headers=rebound, json={})
+    assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
+    refused = client.post("/v1/music_generation", headers=rebound, json={})
+    assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["base_resp"]["status_msg"]
+    assert "--allowed-hosts" in client.get("/v1/songs/x", headers=rebound).json()["error"]
 
 
 # --- Host header (DNS rebinding) ----------------------------------------------------------------------------------
