@@ -27,6 +27,12 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
+def route_path(scope: dict[str, Any]) -> str:
+    """The request's path within the app: without the prefix it is mounted under (root_path, say a Ray Serve
+    route_prefix), so /v1/ routes need a key wherever the app is mounted."""
+    return scope["path"].removeprefix(scope.get("root_path", ""))
+
+
 @dataclass(frozen=True)
 class HostPolicy:
     """The Host header values a server answers. `loopback`: names and addresses of this machine's loopback
@@ -96,21 +102,21 @@ class CheckHost:
             if host is not None and not self.policy.allows(host):
                 message = (f"the Host header {host!r:.80} is not one this server answers to (it protects against DNS "
                            "rebinding; name it with serve --allowed-hosts)")
-                return await error_reply_for(_path(scope))(400, message)(scope, receive, send)
+                return await error_reply_for(route_path(scope))(400, message)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
 class ApiKeys:
     """ASGI middleware: every request under /v1/ needs `Authorization: Bearer KEY` with one of the keys (compared in
-    constant time), else 401 in the route's error body (serving/error_bodies.py). The key's index is left in the scope (OWNER): a song
-    belongs to the key that asked for it."""
+    constant time), else 401 in the route's error body (serving/error_bodies.py). The key's index is left in the
+    scope (OWNER): a song belongs to the key that asked for it."""
 
     def __init__(self, app: ASGIApp, access: Access):
         self.app = app
         self.digests = [_digest(key.encode()) for key in access.api_keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+        if scope["type"] == "http" and route_path(scope).startswith(PROTECTED):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = header.partition(b" ")
             given = _digest(token.strip())
@@ -119,15 +125,10 @@ class ApiKeys:
                 message = ("this server needs an API key: send Authorization: Bearer <key>" if not header else
                            "the API key is not valid" if scheme.lower() == b"bearer" else
                            "the Authorization header must be Bearer <key>")
-                reply = error_reply_for(_path(scope))
+                reply = error_reply_for(route_path(scope))
                 return await reply(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             scope[OWNER] = matches.index(True)
         await self.app(scope, receive, send)
-
-
-def _path(scope: dict[str, Any]) -> str:
-    """The request's path within the app (which may be mounted under a prefix)."""
-    return scope["path"].removeprefix(scope.get("root_path", ""))
 
 
 def install(app: Any, access: Access) -> None:

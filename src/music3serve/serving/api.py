@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 
 from .. import contract
 from ..errors import EngineBusy, InputError, Music3Error
-from .access import OWNER, Access, allowed_methods, install
+from .access import OWNER, Access, allowed_methods, install, route_path
 from .audio_io import CHANNELS, PcmEncoder
 from .encoders import MEDIA_TYPES, make_encoder
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
@@ -364,7 +364,7 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
 
     def reply_for(request: Request) -> ErrorReply:
         """The error body of the request's route (serving/error_bodies.py)."""
-        return error_reply_for(request.url.path.removeprefix(request.scope.get("root_path", "")))
+        return error_reply_for(route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -28,7 +28,8 @@ ERROR_BODIES: dict[str, dict[str, Any]] = {
 }
 ERROR_WHY = {
     400: "an invalid body or field (the message names it), or a Host header this server does not answer to",
-    401: "no API key, or not a valid one (when the server has keys); WWW-Authenticate: Bearer", 404: "unknown path, model or song",
+    401: "no API key, or not a valid one (when the server has keys); WWW-Authenticate: Bearer",
+    404: "unknown path, model or song",
     409: "cancelled before it was accepted or finished", 411: "no Content-Length, or a chunked body",
     413: "a body over 1 MiB", 429: "the engine holds all the songs or unread audio it may; Retry-After: 10",
     500: "the song failed, or could not be taken", 503: "the engine is closed or a stage died, or it did not take "
