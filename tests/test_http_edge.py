@@ -184,11 +184,11 @@ def test_a_content_length_over_20_digits_is_the_documented_json_413(base_url, di
 
 
 # --- whole songs: slow readers, half-closed clients, delivery -----------------------------------------------------
-def post_bytes(body: dict, headers: dict[str, str] = ONE) -> bytes:
+def post_bytes(body: dict, headers: dict[str, str] = ONE, path: str = "/v1/songs") -> bytes:
     data = json.dumps(body).encode()
     head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    return (b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%sContent-Length: %d"
-            b"\r\n\r\n%s" % (head.encode(), len(data), data))
+    return (b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%sContent-Length: %d"
+            b"\r\n\r\n%s" % (path.encode(), head.encode(), len(data), data))
 
 
 def split_response(answer: bytes) -> tuple[bytes, bytes]:
@@ -279,6 +279,27 @@ def test_a_whole_song_whose_client_stops_reading_counts_toward_the_budget_and_is
     assert status["state"] == "done" and 0 < status["samples_sent"] < song["duration"] * 44100
     second = client.post("/v1/songs", headers=ONE, json=song)
     assert second.status_code == 200  # its audio given back to the budget
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/audio/speech", {"model": "MiniMax-Music3", "input": SONG["lyrics"], "instructions": SONG["caption"],
+                          "max_new_tokens": 100, "seed": 0, "steps": 2, "response_format": "pcm"}),
+    ("/v1/music_generation", {"model": "MiniMax-Music3", "prompt": SONG["caption"], "lyrics": SONG["lyrics"],
+                              "max_new_tokens": 100, "seed": 0, "steps": 2, "audio_setting": {"format": "pcm"}}),
+])
+def test_whole_speech_and_music_responses_are_held_and_cut_as_songs_are(base_url, engine, monkeypatch, path, body):
+    """The other endpoints' whole responses (speech's default, music's JSON envelope with its hex audio) count
+    toward the unread-audio budget until sent, and a client that stops reading is cut and its audio given back."""
+    from music3serve.serving import song_stream
+
+    monkeypatch.setattr(song_stream, "WRITE_STALL_S", 3.0)
+    with reader_that_stops(base_url, post_bytes(body, path=path)) as stalled:
+        poll_until(lambda: engine._read_audio_held > 4 * 44100)  # the song's audio, held for the client
+        poll_until(lambda: engine._read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
+        stalled.settimeout(10)
+        with pytest.raises(ConnectionResetError):
+            while stalled.recv(1 << 20):
+                pass
 
 
 def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_url, client, engine, monkeypatch):
