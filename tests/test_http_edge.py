@@ -179,6 +179,9 @@ def test_a_content_length_over_20_digits_is_the_documented_json_413(base_url, di
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413 ") and b"content-type: application/json" in head.lower(), answer[:300]
     assert json.loads(body)["error"].endswith("bytes; the limit is 1048576 bytes")
+    answer = raw(base_url, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Length: %s\r\n\r\n{}"
+                           % (b"9" * digits))  # in the route's error body: OpenAI's here
+    assert json.loads(split_response(answer)[1])["error"]["message"].endswith("the limit is 1048576 bytes"), answer
     answer = raw(base_url, b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Length: %s2\r\n\r\n{}" % (b"0" * 20))
     assert answer.startswith(b"HTTP/1.1 400 ") and b"without leading zeros" in answer, answer
 
