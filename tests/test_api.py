@@ -149,7 +149,29 @@ def test_a_resampler_tail_flushed_at_done_is_sent():
 
     song, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert song.state == "done" and len(pieces) == 2  # the chunk's samples, then the tail
-    assert sum(len(piece) for piece in pieces) // 4 == 3200  # 0.1 s at 32 kHz
+    assert sum(len(data) for data, _ in pieces) // 4 == sum(samples for _, samples in pieces) == 3200  # 0.1 s
+
+
+def test_a_window_is_encoded_and_sent_in_slices_equal_to_it_whole():
+    """A window reaches the encoder half a second at a time and each slice's bytes leave once encoded (a song's first
+    audio waits for one slice's encoding, not its window's); the bytes equal the window encoded in one piece."""
+    from music3serve.serving import api
+
+    window = np.random.default_rng(0).uniform(-1, 1, (2, 2 * 44100 + 7)).astype(np.float32)
+
+    async def events():
+        yield AudioChunk("sliced", 0, window, True)
+        yield Done("sliced", 50, "budget", {})
+
+    async def scenario():
+        engine = SimpleNamespace(progress=lambda song: None)  # the song's progress: not known
+        song, service = api.SongState("sliced", 1, 100, "pcm", 32000), api.SongService(engine)  # type: ignore[arg-type]
+        return song, [piece async for piece in service.audio(song, events(), api.PcmEncoder(32000))]
+
+    _, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
+    data = b"".join(data for data, _ in pieces)
+    assert len(pieces) == 5 and data == api.PcmEncoder(32000).feed(window, True)
+    assert [len(data) // 4 for data, _ in pieces] == [samples for _, samples in pieces]  # each piece's own samples
 
 
 def test_pcm_stream_is_raw_interleaved_s16le(client, songs):
@@ -185,7 +207,7 @@ def test_non_streaming_response_is_a_complete_wav(client, songs):
         ({"duration": 361}, "duration"),
         ({"duration": "ten"}, "duration"),
         ({"lyrics": "[verse]\n" + "la " * 6000}, "5000 tokens"),
-        ({"format": "mp3"}, "format"),
+        ({"format": "ogg"}, "format"),
         ({"sample_rate": 48000}, "sample_rate"),
         ({"seed": "1"}, "seed"),
         ({"seed": -1}, "seed: Input should be greater than or equal to 0"),  # the schema's words, not the engine's
@@ -243,7 +265,7 @@ def test_malformed_json_and_unknown_routes(client):
     response = client.post("/v1/songs", content=huge, headers={"content-type": "application/json"})
     digits = sys.get_int_max_str_digits()
     assert response.status_code == 400 and f"a number has more than {digits} digits" in response.json()["error"]
-    for path in ("/v1/nothing", "/docs", "/redoc"):  # FastAPI's own pages are off too (/openapi.json is served)
+    for path in ("/v1/nothing", "/redoc"):  # /docs and /openapi.json are served (tests/test_openapi.py)
         assert client.get(path).status_code == 404, path
     assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
     assert client.post("/health").status_code == 405
@@ -547,23 +569,26 @@ def test_health_and_metrics(client):
 
 
 def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
-    """The engine core runs without the server's packages (the GPU machine has none of them)."""
+    """The engine core runs without the server's packages (the GPU machine has none of them), and without PyAV."""
     root = Path(cli.__file__).parent
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
     ray = {"serving/ray_app.py", "serving/ray_front.py", "bench/ray_replicas.py"}  # the `ray` extra's modules
+    endpoints = {"serving/openai_speech.py", "serving/music_generation.py"}
     assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
-                     "serving/access.py", "serving/song_stream.py", "serving/web.py", "serving/ray_app.py",
-                     "bench/ray_replicas.py"}
-    for module, readers in (("request_body", {"serving/api.py", "serving/access.py", "serving/http_guard.py",
-                                              "serving/openapi_schema.py"}),
+                     "serving/access.py", "serving/song_stream.py", "serving/web.py", "serving/error_bodies.py",
+                     "serving/openapi_docs.py", "serving/ray_app.py", "bench/ray_replicas.py", *endpoints}
+    for module, readers in (("request_body", {"serving/api.py", "serving/http_guard.py", *endpoints}),
+                            ("error_bodies", {"serving/api.py", "serving/access.py", "serving/http_guard.py",
+                                              "serving/request_body.py", *endpoints}),
                             ("http_guard", {"serving/server.py"}),
-                            ("access", {"serving/api.py", "serving/server.py", "serving/openapi_schema.py",
+                            ("access", {"serving/api.py", "serving/server.py", "serving/openapi_docs.py",
                                         "serving/ray_app.py", "serving/ray_front.py", "cli.py"}),  # cli: in `serve` only
-                            ("openapi_schema", {"serving/api.py"}),
+                            ("openapi_docs", {"serving/api.py", *endpoints}),
                             ("song_stream", {"serving/api.py", "serving/server.py", "serving/http_guard.py"}),
                             ("web", {"serving/api.py"}),
-                            ("api", {"serving/server.py", *ray}),
+                            # the endpoints: SongService, for type checkers only
+                            ("api", {"serving/server.py", *ray, *endpoints}),
                             ("server", {"cli.py", "serving/ray_app.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
@@ -574,6 +599,12 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     assert soundfile == {"serving/audio_io.py"}
     assert not re.search(r"^(from|import) soundfile\b", (root / "serving/audio_io.py").read_text(encoding="utf-8"),
                          re.MULTILINE)
+    # PyAV likewise, in serving/encoders.py, when a song asks for a format it encodes.
+    av = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+          if re.search(r"^\s*(from|import) av\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
+    assert av == {"serving/encoders.py"}
+    encoders = (root / "serving/encoders.py").read_text(encoding="utf-8")
+    assert not re.search(r"^(from|import) av\b", encoders, re.MULTILINE)
 
 
 def test_cli_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tmp_path, root_logger):
@@ -682,7 +713,7 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
     async def body():
         try:
             while True:
-                yield b"x" * 1024
+                yield b"x" * 1024, 256
         finally:
             closed.append(True)
 

@@ -49,13 +49,14 @@ def test_resample_length(n: int):
     assert out.shape == (2, out_len(n))
 
 
-def test_resample_long_input_crosses_blocks_seamlessly():
-    # More output samples than one processing block (1 << 15): the block seams must not show.
+def test_resample_interleaves_its_filter_phases_seamlessly():
+    # Each of the filter's phases (320 at 44.1 -> 32 kHz) computes every 320th output: their interleaving must not
+    # show over a long input.
     n = 3 * SOURCE
     source = tone(440, SOURCE, n)[None].astype(np.float32)
     out = resample(source, SOURCE, TARGET)
     expected = tone(440, TARGET, out.shape[-1])[None]
-    assert out.shape[-1] > 1 << 15
+    assert out.shape[-1] > 100 * 320
     assert np.abs(out - expected)[:, EDGE:-EDGE].max() < 1e-3
 
 
@@ -193,3 +194,19 @@ def test_a_finished_encoder_returns_no_bytes(rate: int) -> None:
         tail = encoder.feed(piece, last)
         assert type(tail) is bytes and tail == b""
     assert state() == before
+
+
+def test_resample_is_the_filter_applied_output_by_output():
+    """Each output is the windowed-sinc filter at its own phase over the 64 source samples around it (zeros past the
+    ends), computed here one output at a time in float64."""
+    up, down, zeros = 320, 441, 32  # 44.1 -> 32 kHz
+    taps = np.arange(-zeros * up, zeros * up + 1)
+    cutoff = 0.97 * up / down
+    kernel = cutoff * np.sinc(cutoff * taps / up) * np.kaiser(taps.size, 8.6)
+    source = np.random.default_rng(3).uniform(-1, 1, (2, 700)).astype(np.float32)
+    got = resample(source, SOURCE, TARGET)
+    for n in range(got.shape[-1]):
+        base, phase = n * down // up, n * down % up
+        want = sum(source[:, base + o].astype(np.float64) * kernel[phase - o * up + zeros * up]
+                   for o in range(1 - zeros, zeros + 1) if 0 <= base + o < source.shape[-1])
+        np.testing.assert_allclose(got[:, n], want, atol=1e-6)

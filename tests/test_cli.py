@@ -782,7 +782,7 @@ def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypa
     monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
                         lambda *a, **k: SimpleNamespace(close=lambda: None))
     monkeypatch.setattr("music3serve.serving.server.serve",
-                        lambda engine, host, port, level, access: served.append(access))
+                        lambda engine, host, port, level, access, names: served.append(access))
     monkeypatch.setenv("MUSIC3_API_KEY", "env-one, env-two")
     serve = ["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
     assert run_cli(serve + ["--allowed-origins", "https://a.example/,http://localhost:3000", "--allowed-origins", "*",

@@ -47,17 +47,18 @@ CASES = {
     "duration": (generate("--duration", "0"), "duration must be in (0, 360] seconds, got 0.0"),
     "duration-nan": (generate("--duration", "nan"), "duration must be a finite number of seconds"),
     "suffix": (generate("-o", "song.mp3"), "output file must be NAME.wav or NAME.flac"),
-    "seed": (generate("--seed", "-1"), "seed must be an integer in [0, 2**63), got -1"),
+    "seed": (generate("--seed", "-1"), "seed must be an integer in [0, 2**64), got -1"),
     "steps": (generate("--steps", "0"), "steps must be an integer in [1, 200], got 0"),
     "sample-rate": (generate("--sample-rate", "8000"), "argument --sample-rate: invalid choice: 8000"),
     "caption-file": (generate("--caption", "@/nonexistent/caption.txt"), "cannot read /nonexistent/caption.txt"),
     "blank-lyrics": (generate("--lyrics", " "), "lyrics must be a non-empty string"),
     "serve-port": (["serve", "--tiny", "--port", "70000"], "70000 is not a TCP port"),
     "serve-config": (["serve", "--tiny", "--config", "/nonexistent/deploy.yaml"], "/nonexistent/deploy.yaml"),
+    "serve-model-name": (["serve", "--tiny", "--served-model-name", " "], "--served-model-name must be a name of 1 to"),
     "serve-ray-only": (["serve", "--tiny", "--replicas", "2"], "--replicas apply to `serve --ray` only"),
     "bench-flags": (["bench", "talker", "--placement", "split"], "apply to `bench e2e` only"),
     "bench-batch": (["bench", "e2e", "--render-batch", "0"], "argument --render-batch: must be at least 1, got 0"),
-    "make-tiny-seed": (["make-tiny", "tiny", "--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
+    "make-tiny-seed": (["make-tiny", "tiny", "--seed", "-1"], "seed must be an integer in [0, 2**64), got -1"),
 }
 
 

@@ -166,7 +166,7 @@ def test_talker_config_mapping():
         [(("stages", 0, "max_model_len"), 1000), (("stages", 1, "max_model_len"), 9),
          (("stages", 1, "default_sampling_params", "max_tokens"), 9)],  # 999 frames: 9 windows
         [(("stages", 0, "max_model_len"), 11)],  # the shortest prompt (10 tokens) and one frame
-        [(("stages", 0, "default_sampling_params", "seed"), 2**63 - 1)],
+        [(("stages", 0, "default_sampling_params", "seed"), 2**64 - 1)],
         [(("stages", 0, "default_sampling_params", "temperature"), 1),
          (("stages", 1, "default_sampling_params", "temperature"), 0)],
         [(("trust_remote_code",), True), (("async_chunk",), False),
@@ -270,7 +270,7 @@ INVALID: list[tuple[tuple, Any]] = [
     (S1 + ("input_connectors", "from_stage_0"), "nope"), (S1 + ("input_connectors", "from_stage_0"), None),
     (P0, None), (P0 + ("temperature",), 0.7), (P0 + ("temperature",), True), (P0 + ("temperature",), "1.0"),
     (P0 + ("max_tokens",), contract.MAX_FRAMES), (P0 + ("max_tokens",), True),
-    (P0 + ("seed",), -1), (P0 + ("seed",), 2**63), (P0 + ("seed",), True), (P0 + ("seed",), 1.5),
+    (P0 + ("seed",), -1), (P0 + ("seed",), 2**64), (P0 + ("seed",), True), (P0 + ("seed",), 1.5),
     (P0 + ("extra_args", "cfg_role"), "uncond"), (P0 + ("extra_args", "cfg_scale"), 2.0),
     (P0 + ("extra_args", "cfg_scale"), True), (P0 + ("extra_args",), "cond"),
     (P1 + ("temperature",), 1.0), (P1 + ("max_tokens",), 88), (P1 + ("seed",), "0"),

@@ -141,7 +141,7 @@ def check_stream(events: list, req: SongRequest, prompt_tokens: int) -> None:
         assert song == req.id
     if req.seed is not None:
         assert accepted.seed == req.seed
-    assert 0 <= accepted.seed < 2**63
+    assert 0 <= accepted.seed < 2**64
     assert accepted.prompt_tokens == prompt_tokens
     assert accepted.budget_frames == min(int(req.duration_s * contract.FRAME_RATE), contract.MAX_FRAMES,
                                          contract.MAX_CONTEXT - prompt_tokens)

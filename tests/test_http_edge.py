@@ -83,6 +83,20 @@ def test_a_song_belongs_to_its_key(client):
     assert client.get("/v1/songs/mine", headers=TWO).json()["state"] == "done"
 
 
+def test_the_songs_of_every_endpoint_belong_to_their_key(client):
+    """/v1/audio/speech and /v1/music_generation songs too: their X-Song-Id is the key's own, unseen by another."""
+    speech = {"model": "MiniMax-Music3", "input": "[verse]\nla", "instructions": "pop", "max_new_tokens": 25,
+              "seed": 0, "steps": 2}
+    music = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "[verse]\nla", "max_new_tokens": 25,
+             "seed": 0, "steps": 2, "audio_setting": {"format": "wav"}}
+    for path, body in (("/v1/audio/speech", speech), ("/v1/music_generation", music)):
+        response = client.post(path, headers=ONE, json=body)
+        assert response.status_code == 200, response.text
+        song = response.headers["x-song-id"]
+        assert "/" not in song and client.get(f"/v1/songs/{song}", headers=ONE).json()["state"] == "done"
+        assert client.get(f"/v1/songs/{song}", headers=TWO).status_code == 404
+
+
 def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
@@ -99,30 +113,26 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
 
 
-def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it():
-    """Access.error_shapes: an endpoint whose clients expect another error body (OpenAI's {"error": {...}}) names
-    its shape by path; the API key and Host checks answer in it there, and in {"error": message} elsewhere."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-    from starlette.testclient import TestClient
-
-    from music3serve.serving.access import Access, HostPolicy, install
-
-    def openai_error(status: int, message: str, headers: dict[str, str] | None) -> JSONResponse:
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
-        return JSONResponse(body, status, headers)
-
-    app = FastAPI()
-    app.get("/v1/audio/speech")(lambda: {"ok": True})
-    app.get("/v1/songs/x")(lambda: {"ok": True})
-    install(app, Access(api_keys=("k",), hosts=HostPolicy.for_bind("127.0.0.1"),
-                        error_shapes={"/v1/audio/speech": openai_error}))
-    with TestClient(app, base_url="http://localhost") as local:
-        assert local.get("/v1/audio/speech").json()["error"]["message"].startswith("this server needs an API key")
-        assert local.get("/v1/songs/x").json()["error"].startswith("this server needs an API key")
-        refused = local.get("/v1/audio/speech", headers={"Host": "rebound.example", "Authorization": "Bearer k"})
-        assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
-        assert local.get("/v1/audio/speech", headers={"Authorization": "Bearer k"}).json() == {"ok": True}
+def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it(client):
+    """serving/error_bodies.py: the API key and Host checks answer in the route's own error body: OpenAI's
+    {"error": {...}} on /v1/audio/speech and /v1/models, MiniMax's base_resp envelope on /v1/music_generation, and
+    {"error": message} elsewhere."""
+    speech = client.post("/v1/audio/speech", json={})
+    assert speech.status_code == 401 and speech.headers["www-authenticate"] == "Bearer"
+    assert speech.json()["error"]["message"].startswith("this server needs an API key")
+    assert speech.json()["error"]["type"] == "authentication_error"
+    models = client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert models.status_code == 401 and models.json()["error"]["message"] == "the API key is not valid"
+    music = client.post("/v1/music_generation", json={})
+    assert music.status_code == 401 and music.json()["base_resp"]["status_code"] == 1004
+    assert music.json()["base_resp"]["status_msg"].startswith("this server needs an API key")
+    assert client.get("/v1/songs/x").json()["error"].startswith("this server needs an API key")
+    rebound = {**ONE, "Host": "rebound.example"}
+    refused = client.post("/v1/audio/speech", headers=rebound, json={})
+    assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
+    refused = client.post("/v1/music_generation", headers=rebound, json={})
+    assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["base_resp"]["status_msg"]
+    assert "--allowed-hosts" in client.get("/v1/songs/x", headers=rebound).json()["error"]
 
 
 # --- Host header (DNS rebinding) ----------------------------------------------------------------------------------
@@ -169,16 +179,19 @@ def test_a_content_length_over_20_digits_is_the_documented_json_413(base_url, di
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413 ") and b"content-type: application/json" in head.lower(), answer[:300]
     assert json.loads(body)["error"].endswith("bytes; the limit is 1048576 bytes")
+    answer = raw(base_url, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Length: %s\r\n\r\n{}"
+                           % (b"9" * digits))  # in the route's error body: OpenAI's here
+    assert json.loads(split_response(answer)[1])["error"]["message"].endswith("the limit is 1048576 bytes"), answer
     answer = raw(base_url, b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Length: %s2\r\n\r\n{}" % (b"0" * 20))
     assert answer.startswith(b"HTTP/1.1 400 ") and b"without leading zeros" in answer, answer
 
 
 # --- whole songs: slow readers, half-closed clients, delivery -----------------------------------------------------
-def post_bytes(body: dict, headers: dict[str, str] = ONE) -> bytes:
+def post_bytes(body: dict, headers: dict[str, str] = ONE, path: str = "/v1/songs") -> bytes:
     data = json.dumps(body).encode()
     head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    return (b"POST /v1/songs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%sContent-Length: %d"
-            b"\r\n\r\n%s" % (head.encode(), len(data), data))
+    return (b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%sContent-Length: %d"
+            b"\r\n\r\n%s" % (path.encode(), head.encode(), len(data), data))
 
 
 def split_response(answer: bytes) -> tuple[bytes, bytes]:
@@ -269,6 +282,27 @@ def test_a_whole_song_whose_client_stops_reading_counts_toward_the_budget_and_is
     assert status["state"] == "done" and 0 < status["samples_sent"] < song["duration"] * 44100
     second = client.post("/v1/songs", headers=ONE, json=song)
     assert second.status_code == 200  # its audio given back to the budget
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/audio/speech", {"model": "MiniMax-Music3", "input": SONG["lyrics"], "instructions": SONG["caption"],
+                          "max_new_tokens": 100, "seed": 0, "steps": 2, "response_format": "pcm"}),
+    ("/v1/music_generation", {"model": "MiniMax-Music3", "prompt": SONG["caption"], "lyrics": SONG["lyrics"],
+                              "max_new_tokens": 100, "seed": 0, "steps": 2, "audio_setting": {"format": "pcm"}}),
+])
+def test_whole_speech_and_music_responses_are_held_and_cut_as_songs_are(base_url, engine, monkeypatch, path, body):
+    """The other endpoints' whole responses (speech's default, music's JSON envelope with its hex audio) count
+    toward the unread-audio budget until sent, and a client that stops reading is cut and its audio given back."""
+    from music3serve.serving import song_stream
+
+    monkeypatch.setattr(song_stream, "WRITE_STALL_S", 3.0)
+    with reader_that_stops(base_url, post_bytes(body, path=path)) as stalled:
+        poll_until(lambda: engine._read_audio_held > 4 * 44100)  # the song's audio, held for the client
+        poll_until(lambda: engine._read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
+        stalled.settimeout(10)
+        with pytest.raises(ConnectionResetError):
+            while stalled.recv(1 << 20):
+                pass
 
 
 def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_url, client, engine, monkeypatch):

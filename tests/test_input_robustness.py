@@ -101,7 +101,7 @@ BAD_BODIES = {
     # Zero is refused by the body's schema (duration > 0), not left for the engine's own check to catch.
     "duration 0": (raw(duration=0), "duration: Input should be greater than 0"),
     "duration -0.0": (raw(duration="=-0.0"), "duration: Input should be greater than 0"),
-    "seed 2**63": (raw(seed=2**63), "seed: Input should be less than 9223372036854775808"),
+    "seed 2**64": (raw(seed=2**64), "seed: Input should be less than 18446744073709551616"),
     "seed 1.5": (raw(seed=1.5), "seed: Input should be a valid integer"),
     "seed of 5000 digits": (raw(seed="=" + "9" * 5000),
                             "the body is not valid JSON: a number has more than 4300 digits"),
@@ -110,7 +110,7 @@ BAD_BODIES = {
     "lyrics list": (raw(lyrics=["la"]), "lyrics: Input should be a valid string"),
     "lyrics empty": (raw(lyrics=""), "lyrics must be a non-empty string, got an empty string"),
     "sample_rate string": (raw(sample_rate="44100"), "sample_rate: Value error, must be an integer, one of 44100, 32000"),
-    "format null": (raw(format=None), "format: Input should be 'wav' or 'pcm'"),
+    "format null": (raw(format=None), "format: Input should be 'wav', 'mp3', 'flac', 'opus', 'aac' or 'pcm'"),
     "caption lone surrogate": (raw(caption='="pop \\ud800 rock"'),
                                "caption is not valid Unicode: a lone surrogate '\\ud800' at character 4"),
     "lyrics lone surrogate": (raw(lyrics='="\\udfff"'),
@@ -141,9 +141,9 @@ def test_bad_bodies_are_400_naming_the_problem(client, engine, case):
     assert requests_total(engine) == before
 
 
-@pytest.mark.parametrize("field, value", [("duration", 360), ("seed", 2**63 - 1), ("steps", 200)])
+@pytest.mark.parametrize("field, value", [("duration", 360), ("seed", 2**64 - 1), ("steps", 200)])
 def test_the_body_schema_takes_its_inclusive_bounds(field: str, value: int) -> None:
-    """docs/api.md's duration (0, 360], seed [0, 2^63) and steps 1 to 200 hold at their closed ends: the body's
+    """docs/api.md's duration (0, 360], seed [0, 2^64) and steps 1 to 200 hold at their closed ends: the body's
     schema takes each (one past it is refused above and in test_api.py)."""
     body = SongBody.model_validate_json(json.dumps({"caption": "pop", "lyrics": "la", field: value}))
     assert getattr(body, field) == value
@@ -480,7 +480,7 @@ def test_the_app_closes_an_engine_it_owns_when_the_server_stops(models):
     [
         ({"caption": "pop", "lyrics": "la"}, "submit takes a SongRequest, got dict"),
         (None, "submit takes a SongRequest, got NoneType"),
-        (SongRequest("pop", "la", seed=10**5000), "seed must be an integer in [0, 2**63), got an integer of 16610 bits"),
+        (SongRequest("pop", "la", seed=10**5000), "seed must be an integer in [0, 2**64), got an integer of 16610 bits"),
         (SongRequest("pop", "la", duration_s=10**400), "duration must be in (0, 360] seconds, got an integer of"),
         (SongRequest("pop", "la", steps=10**5000), "steps must be an integer in [1, 200], got an integer of"),
         (SongRequest("pop \ud83c\udfa7", "la"), "caption is not valid Unicode: a lone surrogate '\\ud83c'"),
@@ -565,7 +565,7 @@ def test_cli_bad_port_is_a_usage_error(port, capsys, root_logger):
         (["--duration", "nan"], "error: duration must be a finite number of seconds, got nan"),
         (["--duration", "400"], "error: duration must be in (0, 360] seconds, got 400.0"),
         (["--duration", "0.001"], "error: duration 0.001 s is shorter than one frame"),
-        (["--seed", str(2**64)], "error: seed must be an integer in [0, 2**63)"),
+        (["--seed", str(2**64)], "error: seed must be an integer in [0, 2**64)"),
         (["--steps", "0"], "error: steps must be an integer in [1, 200], got 0"),
         (["--caption", " "], "error: caption must be a non-empty string, got only whitespace"),
         (["--lyrics", "la " * 7000], "error: lyrics is 21000 characters long; the limit is 20000 characters"),

@@ -12,7 +12,7 @@ from music3serve import contract
 from music3serve.errors import InputError
 from music3serve.contract import frame_budget
 from music3serve.pipeline import Pipeline
-from music3serve.prompt import check_seed, check_steps, frames_for_duration
+from music3serve.prompt import check_seed, check_steps, duration_for_frames, frames_for_duration
 from music3serve.tokenizer import load_tokenizer
 
 
@@ -55,13 +55,13 @@ def test_frame_budget_caps():
     assert frame_budget(100, 5000) == 100
 
 
-@pytest.mark.parametrize("seed", [-1, 2**63, 2**64, 1.0, 0.5, True, False, "1", None])
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**65, 1.0, 0.5, True, False, "1", None])
 def test_bad_seed(seed):
     with pytest.raises(InputError, match="seed"):
         check_seed(seed)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1])
+@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1, 2**63, 2**64 - 1])
 def test_good_seed(seed):
     assert check_seed(seed) == seed
 
@@ -139,3 +139,10 @@ def test_generate_rejects_bad_numbers_before_model_work(text_only_pipeline: Pipe
 def test_generate_rejects_an_overlong_prompt_before_model_work(text_only_pipeline: Pipeline):
     with pytest.raises(InputError, match="limit is 5000 tokens"):
         text_only_pipeline.generate("synth pop", "la " * 6000, 2.0, 0, steps=2)
+
+
+def test_every_frame_count_has_a_duration_that_asks_for_exactly_it():
+    """The frame caps of /v1/audio/speech (max_new_tokens) reach the engine as durations."""
+    for frames in range(1, contract.MAX_FRAMES + 1):
+        duration = duration_for_frames(frames)
+        assert frames_for_duration(duration) == frames and duration <= contract.MAX_DURATION_S

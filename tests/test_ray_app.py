@@ -376,3 +376,19 @@ def test_shutdown_drains_the_songs_and_leaves_no_process_and_no_shared_memory(cl
     poll_until(gone, 60)
     left = {e for e in set(os.listdir("/dev/shm")) - state["shm_before"] if any(str(p) in e for p in ours)}
     assert not left
+
+
+def test_serve_ray_passes_model_names_and_quantization_to_the_application(monkeypatch):
+    """--served-model-name and --quantization reach the application as on the plain server (they were dropped), and
+    a bad name is refused by the application's own arguments too (a Serve config file has no command line)."""
+    from music3serve import cli
+    from music3serve.serving import ray_app
+
+    built = []
+    monkeypatch.setattr(ray_app, "serve_on_ray", lambda args, host, port: built.append(args))
+    argv = ["serve", "--tiny", "--ray", "--port", "0", "--served-model-name", "music", "--quantization", "fp8"]
+    assert cli.main(argv) == 0
+    assert built[0].served_model_names == ["music"] and built[0].quantization == "fp8"
+    assert {s.quantization for s in built[0].deploy().stages} == {"fp8"}
+    with pytest.raises(ValueError, match="--served-model-name must be a name"):
+        RayAppArgs(tiny=True, served_model_names=[" "])

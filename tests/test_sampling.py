@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from music3serve.hashing import MASK32, as_int64, mix32
 from music3serve.talker.sampling import guided_draw, keep_top_k, sample_top_k, uniform_draws
 
 
@@ -41,7 +42,7 @@ def test_guided_draw_widens_bf16_logits_before_any_arithmetic():
 
 
 def test_draws_depend_on_every_bit_of_the_seed():
-    """Seeds are 63-bit: the high 32 bits key the draws too, so seeds 2**32 apart draw different songs."""
+    """Seeds are 64-bit: the high 32 bits key the draws too, so seeds 2**32 apart draw different songs."""
     seeds = torch.tensor([7, 7 + 2**32, 7 + 2**62])
     u = uniform_draws(seeds, torch.full((3,), 5), codebook=2, columns=1000)
     for a in range(3):
@@ -69,3 +70,24 @@ def test_nan_logits_are_never_drawn_and_draw_as_minus_infinity():
     codes = sample_top_k(logits.masked_fill(nan, float("nan")), 50, seeds, frames, 1)
     assert not nan.gather(1, codes[:, None]).any()
     assert torch.equal(codes, sample_top_k(logits.masked_fill(nan, float("-inf")), 50, seeds, frames, 1))
+
+
+def reference_uniforms(seed: int, frame: int, codebook: int, columns: int) -> list[float]:
+    """uniform_draws for one unsigned 64-bit seed in plain Python ints (no int64 tensor to overflow)."""
+    state = mix32((seed & MASK32) ^ mix32(seed >> 32))
+    state = mix32(state ^ mix32(frame))
+    state = mix32(state ^ mix32(codebook + 0x9E37))
+    return [((mix32(state ^ mix32(c + 0x51ED27)) >> 9) + 0.5) / (1 << 23) for c in range(columns)]
+
+
+def test_every_unsigned_64_bit_seed_draws_as_its_plain_integer_key():
+    """Seeds up to 2**64 - 1 sit in the int64 seed tensor as their two's complement twins (hashing.as_int64); the
+    draws equal the keying computed on the unsigned seed itself, so seeds below 2**63 draw what they always drew
+    and a seed s >= 2**63 draws other uniforms than s - 2**63."""
+    seeds = [0, 7, 2**32 + 5, 2**63 - 1, 2**63, 2**63 + 7, 2**64 - 1]
+    tensor = torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64)
+    got = uniform_draws(tensor, torch.full((len(seeds),), 11), codebook=3, columns=64)
+    for row, seed in zip(got, seeds):
+        assert row.tolist() == reference_uniforms(seed, 11, 3, 64)
+    assert not torch.equal(got[seeds.index(2**63 + 7)], got[seeds.index(7)])
+    assert as_int64(2**63 - 1) == 2**63 - 1 and as_int64(2**64 - 1) == -1

@@ -29,6 +29,7 @@ REPO_ID = "MiniMaxAI/MiniMax-Music3"
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 SERVE_PACKAGES = ("fastapi", "starlette", "pydantic", "uvicorn", "h11")  # the serve extra and what fastapi brings
 SERVE_EXTRA = "serving needs fastapi and uvicorn"
+MAX_MODEL_NAME_CHARS = 256
 GET_MODEL = (
     "no MiniMax-Music3 checkpoint found. Download it (57 GB) with\n"
     f"  hf download {REPO_ID}\n"
@@ -268,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-hosts", action="extend", type=comma_list(host_name), default=[],
                        help="Host header names to answer besides loopback ones on a loopback --host, instead of any "
                             "on other addresses (against DNS rebinding; *.example.com, *; repeat or a comma list)")
+    serve.add_argument("--served-model-name", action="append", metavar="NAME",
+                       help="a `model` name requests may give (repeat for several; default: "
+                            f"{' and '.join(contract.SERVED_MODEL_NAMES)})")
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
@@ -313,12 +317,22 @@ def check_serve(args: argparse.Namespace) -> None:
     if args.ray and importlib.util.find_spec("ray") is None:
         raise Music3Error("--ray needs Ray Serve (missing: ray): pip install 'music3serve[ray]'")
     args.api_key = args.api_key or env_api_keys()
+    args.served_model_name = served_model_names(args.served_model_name)
     args.deploy = load_deploy_config(args.config)
     if args.quantization is not None:
         args.deploy = with_quantization(args.deploy, args.quantization)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # else the cluster's proxy listens, not this host
         check_port(args.host, args.port)
     pdl_mode()
+
+
+def served_model_names(names: list[str] | None) -> tuple[str, ...]:
+    """--served-model-name: the names given (each once), else the model's own two."""
+    for name in names or ():
+        if not name.strip() or len(name) > MAX_MODEL_NAME_CHARS:
+            raise Music3Error(f"--served-model-name must be a name of 1 to {MAX_MODEL_NAME_CHARS} characters, "
+                              f"got {name!r:.80}")
+    return tuple(dict.fromkeys(names or contract.SERVED_MODEL_NAMES))
 
 
 def check_bench(args: argparse.Namespace) -> None:
@@ -385,7 +399,7 @@ def run_serve(args: argparse.Namespace) -> None:
                                       "config": args.config or "default"})
     engine = Engine.from_pretrained(root, args.deploy, args.device, progress=show_progress())
     try:
-        serve(engine, args.host, args.port, args.log_level, access)
+        serve(engine, args.host, args.port, args.log_level, access, args.served_model_name)
     finally:
         engine.close()
 
@@ -400,7 +414,8 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
     queue = {} if args.max_queued_songs is None else {"max_queued_songs": args.max_queued_songs}
     app = RayAppArgs(model=args.model, tiny=args.tiny, config=args.config, device=args.device,
                      replicas=args.replicas or 1, autoscale=args.autoscale, api_keys=args.api_key,
-                     allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, host=args.host, **queue)
+                     allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, host=args.host,
+                     served_model_names=list(args.served_model_name), quantization=args.quantization, **queue)
     serve_on_ray(app, args.host, args.port)
 
 

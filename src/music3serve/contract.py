@@ -41,7 +41,9 @@ MIN_PROMPT_TOKENS = 10
 MAX_FRAMES = 9_000
 MAX_CONTEXT = 10_240
 MAX_DURATION_S = 360.0
-SEED_LIMIT = 2**63  # seeds key the sampler's and the DiT noise's counter-based draws modulo this
+# The model names official clients send (OpenAI's `model`): the model's own and its Hugging Face repository's.
+SERVED_MODEL_NAMES = ("MiniMax-Music3", "MiniMaxAI/MiniMax-Music3")
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit: every bit keys the sampler's and the DiT noise's draws
 
 # Stage 0 sampling recipe.
 AR_CFG_SCALE = 1.5

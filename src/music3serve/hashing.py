@@ -10,6 +10,12 @@ MASK32 = 0xFFFFFFFF
 Int = TypeVar("Int", int, torch.Tensor)
 
 
+def as_int64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits (two's complement), to sit in an int64 tensor: the
+    hashes read it back bit for bit (masks and shifts of its two 32-bit halves), so values below 2**63 are unchanged."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def mul32(x: Int, constant: int) -> Int:
     """(x * constant) mod 2**32 for 32-bit values (held in int64 tensors: without int64 overflow)."""
     low = x * (constant & 0xFFFF)

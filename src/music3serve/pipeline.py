@@ -17,6 +17,7 @@ from .acoustic.precision import PrecisionPolicy
 from .acoustic.renderer import Renderer
 from .checkpoint import Music3Models, load_models
 from .errors import InputError
+from .hashing import as_int64
 from .models.language_model import KVCache
 from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration
 from .serving.deploy_schema import describe_precision
@@ -110,7 +111,7 @@ class Pipeline:
         cache = KVCache.allocate(lm.cfg, 2, ids.shape[1] + budget, lm.embed.weight.dtype, self.device)
         hidden = lm(lm.embed(ids), torch.arange(ids.shape[1], device=self.device), cache.at(0))[:, -1]
         position = ids.shape[1]
-        seeds = torch.tensor([seed], device=self.device)
+        seeds = torch.tensor([as_int64(seed)], device=self.device)
         codes, conditioning, ended_by = [], [], "budget"
         # Step 0 only moves past <|audio_start|>: its frame is fed back but not emitted.
         with tqdm(total=budget, desc="frames", unit="frame", disable=not progress) as bar:

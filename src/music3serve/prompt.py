@@ -141,9 +141,18 @@ def frames_for_duration(duration: object) -> int:
     return frames
 
 
+def duration_for_frames(frames: int) -> float:
+    """A duration that frames_for_duration turns into exactly `frames` (1 to MAX_FRAMES): frames / 25, nudged up where
+    it falls a hair short in floating point (29 / 25 * 25 < 29)."""
+    duration = frames / contract.FRAME_RATE
+    while int(duration * contract.FRAME_RATE) < frames:
+        duration = math.nextafter(duration, math.inf)
+    return duration
+
+
 def check_seed(seed: object) -> int:
     if not contract.is_seed(seed):
-        raise InputError(f"seed must be an integer in [0, 2**63), got {_shown(seed)}")
+        raise InputError(f"seed must be an integer in [0, 2**64), got {_shown(seed)}")
     return seed
 
 

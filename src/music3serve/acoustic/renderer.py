@@ -129,7 +129,7 @@ class Renderer:
                 raise ValueError(f"{name}: window {w.index} arrived out of order, window {expected} is next"
                                  + (" (the renderer holds no state for this song)" if state is None else ""))
             if not contract.is_seed(p.seed):
-                raise ValueError(f"{name}: seed must be an integer in [0, 2**63), got {p.seed!r}")
+                raise ValueError(f"{name}: seed must be an integer in [0, 2**64), got {p.seed!r}")
             if state is not None and p.seed != state.seed:
                 raise ValueError(f"{name}: seed {p.seed} differs from the seed {state.seed} of its earlier windows")
             if not is_song_window(w):

@@ -6,20 +6,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable
 
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 
-from .request_body import error_response
+from .error_bodies import error_reply_for
 
 ASGIApp = Callable[..., Awaitable[None]]
-# An endpoint's error body: (status, message, headers) -> the response. Routes with a body of their own (OpenAI's
-# {"error": {...}}, a base_resp envelope) name theirs by path in api.ROUTE_ERRORS (or Access.error_shapes); the rest
-# get error_response's {"error": message}.
-ErrorShape = Callable[[int, str, "dict[str, str] | None"], Response]
 OWNER = "music3serve.api_key"  # the scope key under which ApiKeys leaves the index of the request's key
 PROTECTED = "/v1/"  # every route under it needs a key; /health, /metrics and /openapi.json stay open
 # The response headers a browser app may read (CORS hides all but a few unless they are exposed).
@@ -91,19 +86,15 @@ class Access:
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     hosts: HostPolicy = HostPolicy()
-    error_shapes: Mapping[str, ErrorShape] = field(default_factory=dict)  # by path
-
-    def error_shape(self, path: str) -> ErrorShape:
-        return self.error_shapes.get(path, error_response)
 
 
 class CheckHost:
     """ASGI middleware: a request whose Host header the policy does not allow is refused with 400, so a web page
     cannot reach a server on this machine through a name rebound to 127.0.0.1 (a request without one, HTTP/1.0, is
-    no browser's and passes)."""
+    no browser's and passes). The refusal comes in the route's error body (serving/error_bodies.py)."""
 
-    def __init__(self, app: ASGIApp, policy: HostPolicy, access: Access):
-        self.app, self.policy, self.access = app, policy, access
+    def __init__(self, app: ASGIApp, policy: HostPolicy):
+        self.app, self.policy = app, policy
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -111,17 +102,17 @@ class CheckHost:
             if host is not None and not self.policy.allows(host):
                 message = (f"the Host header {host!r:.80} is not one this server answers to (it protects against DNS "
                            "rebinding; name it with serve --allowed-hosts)")
-                return await self.access.error_shape(route_path(scope))(400, message, None)(scope, receive, send)
+                return await error_reply_for(route_path(scope))(400, message)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
 class ApiKeys:
     """ASGI middleware: every request under /v1/ needs `Authorization: Bearer KEY` with one of the keys (compared in
-    constant time), else 401 in the endpoint's error shape. The key's index is left in the scope (OWNER): a song
-    belongs to the key that asked for it."""
+    constant time), else 401 in the route's error body (serving/error_bodies.py). The key's index is left in the
+    scope (OWNER): a song belongs to the key that asked for it."""
 
     def __init__(self, app: ASGIApp, access: Access):
-        self.app, self.access = app, access
+        self.app = app
         self.digests = [_digest(key.encode()) for key in access.api_keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
@@ -134,8 +125,8 @@ class ApiKeys:
                 message = ("this server needs an API key: send Authorization: Bearer <key>" if not header else
                            "the API key is not valid" if scheme.lower() == b"bearer" else
                            "the Authorization header must be Bearer <key>")
-                shape = self.access.error_shape(route_path(scope))
-                return await shape(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                reply = error_reply_for(route_path(scope))
+                return await reply(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             scope[OWNER] = matches.index(True)
         await self.app(scope, receive, send)
 
@@ -150,7 +141,7 @@ def install(app: Any, access: Access) -> None:
         app.add_middleware(CORSMiddleware, allow_origins=access.allowed_origins, allow_methods=CORS_METHODS,
                            allow_headers=["*"], expose_headers=EXPOSED_HEADERS)
     if access.hosts.loopback or access.hosts.patterns != ("*",):
-        app.add_middleware(CheckHost, policy=access.hosts, access=access)
+        app.add_middleware(CheckHost, policy=access.hosts)
 
 
 def allowed_methods(routes: Iterable[BaseRoute], scope: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
-"""The HTTP API over an Engine: songs stream to the client as WAV or raw PCM while they are being written.
+"""The HTTP API over an Engine: songs stream to the client in the format it asks for while they are being written.
 
-The server's packages (FastAPI, Starlette, pydantic, uvicorn) are imported here, in serving/request_body.py and
-serving/web.py (read by this module only), and in serving/server.py and serving/http_guard.py (the uvicorn server
-that runs the app), and nowhere else, so the engine core runs without them. This module
+POST /v1/songs is served here; POST /v1/audio/speech (serving/openai_speech.py) and POST /v1/music_generation
+(serving/music_generation.py) are thin adapters over the same SongService. The server's packages (FastAPI,
+Starlette, pydantic, uvicorn) and PyAV are imported by the serving/ modules of the HTTP API, the web studio
+(serving/web.py) and the uvicorn server only, so the engine core runs without them. This module
 never touches CUDA: it moves events and float32 PCM that the engine has already copied to the host. Endpoints,
 fields, headers and streaming semantics: docs/api.md.
 """
@@ -14,10 +15,11 @@ import contextlib
 import logging
 import sys
 import uuid
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, fields, replace
+from collections import OrderedDict
+from dataclasses import replace
 from functools import partial
-from typing import Any, AsyncIterator
+from importlib.metadata import version
+from typing import AsyncIterator, Sequence
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -25,24 +27,29 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from .. import contract
 from ..errors import EngineBusy, InputError, Music3Error
-from .access import OWNER, Access, ErrorShape, allowed_methods, install
-from .audio_io import CHANNELS, PcmEncoder, wav_header
+from .access import OWNER, Access, allowed_methods, install, route_path
+from .audio_io import CHANNELS, PcmEncoder
+from .encoders import MEDIA_TYPES, make_encoder
 from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response
 from .heartbeat import TALKER_STEP_LIMIT_S
-from .openapi_schema import METRICS, audio_response, errors, schema_as_served
-from .request_body import SONGS_PATH, BoundedBody, SongBody, describe, error_response, plain_json_object
+from .music_generation import add_music_routes
+from .openai_speech import add_speech_routes
+from .openapi_docs import (
+    AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, openapi_schema, post_responses,
+)
+from .request_body import BoundedBody, SongBody, describe, first_field, json_object_of
+from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
+from .song_types import Framing, SongOrder, SongState, Started
 from .web import mount_studio
-from .song_stream import SEND_PIECE_BYTES, SongFailedMidStream, SongStream, watch_disconnect
 
 log = logging.getLogger(__name__)
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream"}
+SILENCE = np.zeros((CHANNELS, 0), np.float32)
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
-# Routes whose clients expect an error body of their own (say OpenAI's {"error": {...}}), by path: their 401 and Host
-# refusal come in it too (access.Access.error_shapes).
-ROUTE_ERRORS: dict[str, ErrorShape] = {}
 ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
 
 
@@ -52,38 +59,30 @@ ENDING_S = 10.0  # how long a song the engine has just ended takes to send its D
 ACCEPT_TIMEOUT_S = TALKER_STEP_LIMIT_S + 30.0
 
 
-@dataclass
-class SongState:
-    """What the API server knows of one song; GET /v1/songs/{id} returns it (without `stop`)."""
-
-    id: str
-    seed: int
-    frame_budget: int
-    format: str
-    sample_rate: int
-    state: str = "running"  # running | done | failed | cancelled
-    error: str | None = None
-    frames: int | None = None
-    ended_by: str | None = None
-    samples_sent: int = 0  # per channel, at the output rate, in bytes the connection accepted
-    delivered: bool = False  # the song's end reached the client (its TCP acknowledged the last byte)
-    frames_written: int = 0  # by the talker so far (SongService.refresh)
-    windows_rendered: int = 0  # by stage 1 so far
-    timings: dict[str, float] | None = None  # the engine's, once done: first_audio_s and total_s since it was queued
-    stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    name: str = ""  # the engine's id of the song: `id` within its API key's own ids (scoped); default `id`
-
-    def __post_init__(self) -> None:
-        self.name = self.name or self.id
-
-    def public(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stop", "name")}
-
-
 def scoped(song_id: str, owner: int | None) -> str:
     """The engine's id of a song of this API key (None: no keys): each key has ids of its own, so one cannot see,
     cancel or block another's songs ("/" is in no id a client may choose)."""
     return song_id if owner is None else f"{owner}/{song_id}"
+
+
+REQUEST_FIELDS = ("caption", "lyrics", "duration", "seed", "steps")  # SongRequest's, as the engine's messages name them
+
+
+def _field_named(message: str) -> str | None:
+    """The request field an engine InputError is about (its messages begin with the field's name)."""
+    word = message.split(" ", 1)[0]
+    return word if word in REQUEST_FIELDS else None
+
+
+# A window goes to its encoder in slices this long, each sent once encoded: a song's first audio leaves after one
+# slice's encoding, not its whole first window's (MP3 takes ~25 ms of CPU per second of audio).
+FEED_SAMPLES = contract.SAMPLE_RATE // 2
+
+
+def _slices(pcm: np.ndarray, last: bool) -> list[tuple[np.ndarray, bool]]:
+    """A window's PCM as the encoder is fed it: FEED_SAMPLES at a time, `last` on the final slice only."""
+    starts = range(0, pcm.shape[-1], FEED_SAMPLES) or [0]
+    return [(pcm[..., s : s + FEED_SAMPLES], last and s + FEED_SAMPLES >= pcm.shape[-1]) for s in starts]
 
 
 async def _pull(events: AsyncIterator[Event]) -> Event:
@@ -107,34 +106,6 @@ async def _next_event(events: AsyncIterator[Event], stop: asyncio.Event) -> Even
             step.cancel()  # raises CancelledError inside the engine generator: its finally cancels the song
             await asyncio.wait({step})
     return None if step.cancelled() else step.result()
-
-
-class HeldAudio:
-    """A whole song's audio, read from the engine and not yet sent: it counts toward the engine's unread-audio budget
-    (Engine.hold_read_audio) until the client has taken it, so clients that stop reading cannot fill the host's
-    memory with finished songs."""
-
-    def __init__(self, engine: Engine):
-        self.engine, self.pieces, self.bytes = engine, deque[bytes](), 0
-
-    def add(self, piece: bytes) -> None:
-        self.engine.hold_read_audio(len(piece))
-        self.pieces.append(piece)
-        self.bytes += len(piece)
-
-    async def send(self, header: bytes) -> AsyncIterator[bytes]:
-        """The header, then each piece, given back to the budget once the connection has taken it."""
-        yield header
-        while self.pieces:
-            yield self.pieces[0]
-            self.engine.hold_read_audio(-len(self.pieces.popleft()))
-
-    def release(self) -> None:
-        self.engine.hold_read_audio(-sum(map(len, self.pieces)))
-        self.pieces.clear()
-
-    async def closed(self) -> None:
-        self.release()
 
 
 class SongService:
@@ -183,26 +154,45 @@ class SongService:
             stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
 
     async def create(self, body: SongBody, request: Request) -> Response:
-        key = request.scope.get(OWNER)
-        public_id = body.id if body.id is not None or key is None else uuid.uuid4().hex
-        name = None if public_id is None else scoped(public_id, key)
-        song_request = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=name)
+        """POST /v1/songs."""
+        song = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
         if body.steps is not None:
-            song_request.steps = body.steps
+            song.steps = body.steps
+        order = SongOrder(song, body.format, body.sample_rate, body.stream)
+        started = await self.start(order, request, error_response)
+        if isinstance(started, Response):
+            return started
+        if body.stream:
+            return self.streamed(started)
+        return await self.whole(started, request, error_response)
+
+    async def start(self, order: SongOrder, request: Request, reply: ErrorReply) -> Started | Response:
+        """Submit the song, under the request's API key (its ids are the key's own: `scoped`), and wait for the
+        engine to accept it, so input errors are still proper HTTP errors (answered with `reply`, the endpoint's
+        error body)."""
+        key = request.scope.get(OWNER)
+        public_id = order.request.id if order.request.id is not None or key is None else uuid.uuid4().hex
+        name = None if public_id is None else scoped(public_id, key)
+        song_request = replace(order.request, id=name)
+        try:
+            encoder = make_encoder(order.format, order.sample_rate, order.stream, order.bitrate)
+        except Music3Error as exc:  # PyAV missing
+            return reply(500, str(exc), param="format")
         events, stop = self.engine.submit(song_request), asyncio.Event()
         owner = name is not None and self.pending.setdefault(name, stop) is stop
-        try:  # wait for acceptance, so input errors are still proper HTTP errors
+        try:
             first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
         except TimeoutError:
             await events.aclose()
             message = f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later"
-            return error_response(503, message)
+            return reply(503, message)
         except InputError as exc:  # an id taken is named as its client knows it
-            return error_response(400, str(exc) if name == public_id else str(exc).replace(repr(name), repr(public_id)))
+            message = str(exc) if name == public_id else str(exc).replace(repr(name), repr(public_id))
+            return reply(400, message, param=_field_named(message))
         except EngineBusy as exc:
-            return error_response(429, str(exc), {"Retry-After": "10"})
+            return reply(429, str(exc), {"Retry-After": "10"})
         except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
-            return error_response(503, f"the engine cannot take songs: {exc}")
+            return reply(503, f"the engine cannot take songs: {exc}")
         except BaseException:
             await events.aclose()
             raise
@@ -211,44 +201,52 @@ class SongService:
                 del self.pending[name]
         if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
             await events.aclose()
-            log.info("song cancelled before it was accepted", extra={"song": body.id})
-            return error_response(409, f"song {body.id} was cancelled before it was accepted")
+            log.info("song cancelled before it was accepted", extra={"song": name})
+            return reply(409, f"song {public_id} was cancelled before it was accepted")
         if not isinstance(first, Accepted):
             await events.aclose()
             if isinstance(first, Failed) and first.refused:
-                return error_response(400, first.message)
+                return reply(400, first.message)
             why = self.engine.unavailable()
             if why is not None:  # closing, or a stage died: retry elsewhere or later
-                return error_response(503, f"the engine cannot take songs: {why}")
+                return reply(503, f"the engine cannot take songs: {why}")
             message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
-            return error_response(500, message)
-        song = SongState(public_id or first.song, first.seed, first.budget_frames, body.format, body.sample_rate,
-                         stop=stop, name=first.song)
+            return reply(500, message)
+        song = SongState(public_id or first.song, first.seed, first.budget_frames, order.format, encoder.sample_rate,
+                         prompt_tokens=first.prompt_tokens, stop=stop, name=first.song)
         self.running[song.name] = song
         headers = {
             "X-Song-Id": song.id, "X-Seed": str(song.seed), "X-Frame-Budget": str(song.frame_budget),
             "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
             "X-Channels": str(CHANNELS), "Cache-Control": "no-store",
         }
-        if body.stream:
-            headers["X-Accel-Buffering"] = "no"  # ask proxies not to buffer the stream
-            preamble = len(wav_header(song.sample_rate)) if song.format == "wav" else 0
-            return SongStream(self.stream(song, events), song, lambda: self.client_gone(song),
-                              lambda: self.abandon(song, events), preamble, headers=headers,
-                              media_type=MEDIA_TYPES[song.format])
-        return await self.whole(song, events, request, headers)
+        return Started(song, events, encoder, headers)
 
-    async def stream(self, song: SongState, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-        encoder = PcmEncoder(song.sample_rate)
+    def streamed(self, started: Started, framing: Framing | None = None) -> SongStream:
+        """The song's stream response: its audio as it is encoded, or wrapped by `framing` (say in events)."""
+        framing = framing or Framing()
+        headers = {**started.headers, "X-Accel-Buffering": "no"}  # ask proxies not to buffer the stream
+        song, events = started.song, started.events
+        return SongStream(self.stream(started, framing), song, lambda: self.client_gone(song),
+                          lambda: self.abandon(song, events), headers=headers,
+                          media_type=framing.media_type or MEDIA_TYPES[song.format])
+
+    async def stream(self, started: Started, framing: Framing) -> AsyncIterator[Piece]:
+        song, events, encoder = started.song, started.events, started.encoder
         try:
-            if song.format == "wav":
-                yield wav_header(song.sample_rate)
+            if header := encoder.header():
+                yield framing.audio(header), 0
             async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
-                async for data in audio:
-                    yield data
+                async for data, samples in audio:
+                    yield framing.audio(data), samples
             if song.state == "failed":
+                if ending := framing.failed(song):
+                    yield ending, 0
                 raise SongFailedMidStream(f"song {song.id} failed after {song.samples_sent} samples: {song.error}")
+            if song.state == "done" and (ending := framing.done(song)):
+                yield ending, 0
         finally:
+            encoder.close()
             await self.abandon(song, events)
 
     async def abandon(self, song: SongState, events: AsyncIterator[Event]) -> None:
@@ -270,64 +268,79 @@ class SongService:
             self.refresh(song)
             song.frames = song.frames_written = event.frames
             song.ended_by, song.timings = event.ended_by, event.timings
+            song.first_audio_s = event.timings.get("first_audio_s")
             self.finish(song, "done")
         else:
             log.error("song failed", extra={"song": song.name, "error": event.message, "samples": song.samples_sent})
             self.finish(song, "failed", event.message)
 
-    async def whole(self, song: SongState, events: AsyncIterator[Event], request: Request, headers: dict) -> Response:
-        """The song in one response once it is done; its audio counts toward the engine's unread-audio budget until
-        the client has taken it (HeldAudio), and it is sent under the streams' guard against a client that stops
-        reading."""
+    async def whole(self, started: Started, request: Request, reply: ErrorReply,
+                    framing: Framing | None = None) -> Response:
+        """The song in one response once it is done (its file, or wrapped by `framing`, say in a JSON body), or the
+        error reply of a song that did not end done. Its bytes count toward the engine's unread-audio budget until
+        the client has taken them (HeldAudio), and they are sent under the streams' guard against a client that
+        stops reading."""
+        framing = framing or Framing()
+        song, events, encoder, headers = started.song, started.events, started.encoder, started.headers
         watcher = asyncio.ensure_future(watch_disconnect(request, lambda: self.client_gone(song)))
-        held = HeldAudio(self.engine)
+        held, size = HeldAudio(self.engine.hold_read_audio), 0
         try:
-            async with contextlib.aclosing(self.audio(song, events, PcmEncoder(song.sample_rate))) as audio:
-                async for piece in audio:
-                    held.add(piece)
+            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                async for data, samples in audio:
+                    size += len(data)
+                    held.add(framing.audio(data), samples)
         except asyncio.CancelledError:  # only the server's shutdown cancels a request task (grace over, second Ctrl-C)
             asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
             held.release()
-            return error_response(503, f"the server shut down before song {song.id} was finished (songs still running "
-                                       "when its shutdown grace period is over, or at a second Ctrl-C, are cut)",
-                                  headers)
+            return reply(503, f"the server shut down before song {song.id} was finished (songs still running "
+                              "when its shutdown grace period is over, or at a second Ctrl-C, are cut)", headers)
         finally:
             watcher.cancel()
+            encoder.close()
             await self.abandon(song, events)
         if song.state != "done":
             held.release()
             if song.state == "failed":
-                return error_response(500, f"song {song.id} failed: {song.error}", headers)
-            return error_response(409, f"song {song.id} was cancelled before it was finished", headers)
-        header = wav_header(song.sample_rate, held.bytes) if song.format == "wav" else b""
-        headers["Content-Length"] = str(len(header) + held.bytes)
-        return SongStream(held.send(header), song, lambda: None, held.closed, preamble=len(header), headers=headers,
-                          media_type=MEDIA_TYPES[song.format])
+                return reply(500, f"song {song.id} failed: {song.error}", headers)
+            return reply(409, f"song {song.id} was cancelled before it was finished", headers)
+        opening, ending = framing.opening(encoder.whole_header(size)), framing.done(song)
+        headers = {**headers, "Content-Length": str(len(opening) + held.bytes + len(ending))}
+        return SongStream(held.send(opening, ending), song, lambda: None, held.closed, headers=headers,
+                          media_type=framing.media_type or MEDIA_TYPES[song.format])
 
-    async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[bytes]:
-        """PCM bytes of each window as it arrives; sets the song's state when it ends."""
+    async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[Piece]:
+        """The encoded bytes of each window as it arrives, in pieces of at most SEND_PIECE_BYTES, each with the
+        samples it encodes (a whole file's bytes come at the end, with all its samples: pro rata); sets the song's
+        state when it ends."""
+        counted = 0  # of the encoder's output samples, those given to pieces so far
         while song.state == "running":
             event = await _next_event(events, song.stop)
             if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
                 self.finish(song, "cancelled")
-            elif isinstance(event, AudioChunk):
-                self.refresh(song)
-                data = await asyncio.to_thread(encoder.feed, event.pcm, event.last)  # numpy work off the loop
-                for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
-                    yield data[start : start + SEND_PIECE_BYTES]
-            elif isinstance(event, Done):
-                tail = await asyncio.to_thread(encoder.feed, np.zeros((CHANNELS, 0), np.float32), True)
-                if tail:
-                    yield tail
-                self.ended(song, event)
+            elif isinstance(event, (AudioChunk, Done)):
+                if isinstance(event, AudioChunk):
+                    self.refresh(song)
+                feeds = _slices(event.pcm, event.last) if isinstance(event, AudioChunk) else [(SILENCE, True)]
+                for pcm, last in feeds:
+                    data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
+                    if not data:
+                        continue
+                    samples, counted = encoder.samples_out - counted, encoder.samples_out
+                    for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
+                        end = min(start + SEND_PIECE_BYTES, len(data))
+                        yield data[start:end], samples * end // len(data) - samples * start // len(data)
+                if isinstance(event, Done):
+                    self.ended(song, event)
             elif isinstance(event, Failed):
                 self.ended(song, event)
 
 
-def create_app(engine: Engine, close_engine: bool = False, access: Access = Access()) -> FastAPI:
+def create_app(engine: Engine, close_engine: bool = False, access: Access = Access(),
+               served_model_names: Sequence[str] = contract.SERVED_MODEL_NAMES) -> FastAPI:
     """The HTTP API over a running engine; the caller owns the engine. close_engine: the app closes it when the
     server shuts down (uvicorn re-raises SIGTERM after its shutdown: under the default handler the process ends
-    before any code after the server's run). access: API keys, allowed hosts and browser origins (default: open)."""
+    before any code after the server's run). access: API keys, allowed hosts and browser origins (default: open).
+    served_model_names: the `model` names requests may give (and GET /v1/models lists)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -337,44 +350,51 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             if close_engine:
                 await asyncio.to_thread(engine.close)
 
-    # /openapi.json describes the endpoints (docs/api.md tells more); no /docs or /redoc pages.
-    # No redirects of a trailing slash either: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
+    # /openapi.json describes every route (serving/openapi_docs.py), /docs renders it; no /redoc.
+    # No redirects of a trailing slash: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
     # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
+                  version=version("music3serve"), lifespan=lifespan, redoc_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 
     app.add_middleware(BoundedBody)
-    access = replace(access, error_shapes={**ROUTE_ERRORS, **access.error_shapes})
     install(app, access)
-    app.openapi = partial(schema_as_served, app, app.openapi, access)  # type: ignore[method-assign]
+    app.openapi = partial(openapi_schema, app, access)  # type: ignore[method-assign]
+
+    def reply_for(request: Request) -> ErrorReply:
+        """The error body of the request's route (serving/error_bodies.py)."""
+        return error_reply_for(route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, describe(exc))
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return reply_for(request)(400, describe(exc), param=first_field(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
+        reply = reply_for(request)
         if exc.status_code == 405:
             methods = allowed_methods(app.router.routes, request.scope)
-            return error_response(405, f"{request.method} is not allowed here; this path takes {methods}",
-                                  {"Allow": methods})
+            return reply(405, f"{request.method} is not allowed here; this path takes {methods}", {"Allow": methods})
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
             why = str(exc.__cause__)
             if "integer string conversion" in why:  # Python's guard on decoding huge integers
                 why = f"a number has more than {sys.get_int_max_str_digits()} digits"
-            return error_response(400, f"the body is not valid JSON: {why}", exc.headers)
-        return error_response(exc.status_code, str(exc.detail), exc.headers)
+            return reply(400, f"the body is not valid JSON: {why}", exc.headers)
+        return reply(exc.status_code, str(exc.detail), exc.headers)
 
-    @app.post(SONGS_PATH, response_class=Response, dependencies=[Depends(plain_json_object)],
-              responses={200: audio_response(MEDIA_TYPES.values()), **errors(400, 401, 409, 411, 413, 429, 500, 503)})
+    @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(json_object_of(SongBody))],
+              operation_id="create_song", response_class=Response, responses=post_responses(AUDIO_CONTENT, "plain"))
     async def create_song(body: SongBody, request: Request) -> Response:
         return await service.create(body, request)
 
-    @app.get("/v1/songs/{song_id}", operation_id="song_status", responses=errors(401, 404))
+    add_speech_routes(app, service, served_model_names)
+    add_music_routes(app, service, served_model_names)
+
+    @app.get("/v1/songs/{song_id}", operation_id="song_status", response_model=SongStatus,
+             responses=error_responses((401, 404)))
     async def song_status(song_id: str, request: Request) -> JSONResponse:
         song = service.lookup(scoped(song_id, request.scope.get(OWNER)))
         if song is None:  # also another key's song: its id is not told apart from an unknown one
@@ -383,21 +403,24 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         service.refresh(song)
         return JSONResponse(song.public())
 
-    @app.delete("/v1/songs/{song_id}", status_code=204, response_class=Response, operation_id="cancel_song",
-                responses=errors(401))
+    @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None, response_class=Response,
+                operation_id="cancel_song", responses=error_responses((401,)))
     async def cancel_song(song_id: str, request: Request) -> Response:
         service.cancel(scoped(song_id, request.scope.get(OWNER)))
         return Response(status_code=204)
 
-    @app.get("/health", response_model=None, responses={503: {"description": "the engine cannot take songs"}})
-    @app.head("/health", response_model=None, operation_id="health_head")  # load balancers probe with either
     async def health() -> Response:
         why = engine.unavailable()
         if why is not None:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=Response, responses={200: METRICS})
+    for method in ("GET", "HEAD"):  # load balancers probe with either; one operation each
+        app.add_api_route("/health", health, methods=[method], response_model=None, responses=HEALTH_RESPONSES,
+                          operation_id=f"health_{method.lower()}")
+
+    @app.get("/metrics", response_model=None, operation_id="metrics", response_class=Response,
+             responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -20,31 +21,38 @@ OUTPUT_RATES = (44_100, 32_000)
 UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streaming WAV, whose length is not known yet
 FORMATS = (".wav", ".flac")
 FILTER_ZEROS = 32  # the resampling filter's zero crossings per side: source samples each output reads either way
-RESAMPLE_BLOCK = 1 << 15  # outputs per step of the resampler's [outputs, taps] gather (bounds its memory)
 
 
 def resample(waveform: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
     """Band-limited polyphase resampling of [channels, samples] with a Kaiser-windowed sinc filter."""
     if source_rate == target_rate:
         return waveform
-    zeros, block = FILTER_ZEROS, RESAMPLE_BLOCK
+    up, down, bank = _filter_bank(source_rate, target_rate)
+    zeros, length = FILTER_ZEROS, waveform.shape[-1]
+    out_len = math.ceil(length * up / down)
+    # Output n reads source samples n * down // up + (1 - zeros .. zeros), zeros past the ends: with the source
+    # padded by zeros - 1 before, it reads padded window n * down // up.
+    padded = np.pad(waveform, [(0, 0)] * (waveform.ndim - 1) + [(zeros - 1, zeros)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * zeros, axis=-1)
+    out = np.empty(waveform.shape[:-1] + (out_len,), dtype=np.float32)
+    for first in range(min(up, out_len)):  # outputs first, first + up, ...: one filter phase, windows `down` apart
+        position = first * down
+        count = len(range(first, out_len, up))
+        taken = windows[..., position // up :: down, :][..., :count, :]
+        out[..., first::up] = (taken * bank[position % up]).sum(-1)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _filter_bank(source_rate: int, target_rate: int) -> tuple[int, int, np.ndarray]:
+    """(up, down, [up phases, 2 * zeros taps]) of the resampling filter from one rate to the other."""
     ratio = Fraction(target_rate, source_rate)
-    up, down = ratio.numerator, ratio.denominator
+    up, down, zeros = ratio.numerator, ratio.denominator, FILTER_ZEROS
     cutoff = min(1.0, float(ratio)) * 0.97  # of the source Nyquist, with a little room for the transition band
     taps = np.arange(-zeros * up, zeros * up + 1)
     kernel = cutoff * np.sinc(cutoff * taps / up) * np.kaiser(taps.size, 8.6)
-    out_len = math.ceil(waveform.shape[-1] * up / down)
     offsets = np.arange(-zeros + 1, zeros + 1)
-    out = np.empty(waveform.shape[:-1] + (out_len,), dtype=np.float32)
-    for first in range(0, out_len, block):  # blocks bound the [samples, taps] gather
-        positions = np.arange(first, min(first + block, out_len)) * down  # on the upsampled grid
-        base, phase = positions // up, positions % up
-        index = base[:, None] + offsets[None, :]
-        weights = kernel[phase[:, None] - offsets[None, :] * up + zeros * up]
-        valid = (index >= 0) & (index < waveform.shape[-1])
-        gathered = np.where(valid, waveform[..., np.clip(index, 0, waveform.shape[-1] - 1)], 0.0)
-        out[..., first : first + len(positions)] = (gathered * weights).sum(-1)
-    return out
+    return up, down, kernel[np.arange(up)[:, None] - offsets[None, :] * up + zeros * up]
 
 
 def to_pcm16(waveform: np.ndarray) -> np.ndarray:
@@ -214,18 +222,37 @@ class StreamResampler:
 
 
 class PcmEncoder:
-    """Float windows at the model rate -> interleaved s16le bytes at the output rate."""
+    """Float windows at the model rate -> interleaved s16le bytes at the output rate. The base of every streaming
+    encoder (serving/encoders.py): `samples` gives the clamped, resampled float samples the others encode."""
 
     def __init__(self, sample_rate: int):
         same = sample_rate == contract.SAMPLE_RATE
+        self.sample_rate = sample_rate
         self.resampler = None if same else StreamResampler(contract.SAMPLE_RATE, sample_rate)
         self.finished = False
+        self.samples_out = 0  # per channel, at the output rate, encoded so far
 
-    def feed(self, pcm: np.ndarray, last: bool) -> bytes:
+    def samples(self, pcm: np.ndarray, last: bool) -> np.ndarray:
+        """[2, n] float32 at the output rate, ready to encode (none once the last window has been fed)."""
         if self.finished:
-            return b""
+            return np.zeros((CHANNELS, 0), np.float32)
         self.finished = last
         pcm = np.clip(pcm, -1.0, 1.0)  # as the offline waveform is clamped before it is resampled
         if self.resampler is not None:
             pcm = self.resampler.feed(pcm, last)
-        return to_pcm16(pcm).tobytes()
+        self.samples_out += pcm.shape[-1]
+        return pcm
+
+    def feed(self, pcm: np.ndarray, last: bool) -> bytes:
+        return to_pcm16(self.samples(pcm, last)).tobytes()
+
+    def header(self) -> bytes:
+        """What a stream starts with, before the first window's bytes."""
+        return b""
+
+    def whole_header(self, size: int) -> bytes:
+        """What the bytes `feed` returned (`size` of them) follow in a whole (not streamed) response's file."""
+        return b""
+
+    def close(self) -> None:
+        """Free what the encoder holds (a song cut short never feeds its last window)."""

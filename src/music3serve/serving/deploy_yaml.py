@@ -331,7 +331,7 @@ class Section:
     def seed(self, key: str, default: int | None) -> int | None:
         v = self.data.get(key, default)
         if v is not None and not (is_int(v) and 0 <= v < SEED_LIMIT):
-            raise self.bad(key, v, "null or an integer in [0, 2**63)")
+            raise self.bad(key, v, "null or an integer in [0, 2**64)")
         return v
 
 

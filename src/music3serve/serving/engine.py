@@ -372,7 +372,7 @@ class Engine:
         seed = request.seed
         if seed is None:
             seed = self.deploy.stages[0].default_sampling_params.seed
-        seed = check_seed(secrets.randbits(63) if seed is None else seed)
+        seed = check_seed(secrets.randbits(64) if seed is None else seed)
         steps = check_steps(request.steps)
         song = uuid.uuid4().hex if request.id is None else request.id
         if not isinstance(song, str) or not song:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import socket
@@ -32,6 +31,7 @@ from typing import Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .error_bodies import error_reply_for
 from .request_body import MAX_BODY_BYTES, too_large
 from .song_stream import RESET, UNACKNOWLEDGED
 
@@ -115,7 +115,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot read; one whose Content-Length h11 refused for its length (over 20
-        digits) gets the JSON 413 (or 400) the app gives any other body too large (or a length it cannot read)."""
+        digits) gets the JSON 413 (or 400) the app gives any other body too large (or a length it cannot read), in
+        its route's error body (serving/error_bodies.py)."""
         found = LONG_LENGTH.search(self._head.partition(b"\r\n\r\n")[0])  # in the head, not a body after it
         if found is None:
             return super().send_400_response(msg)
@@ -124,7 +125,8 @@ class GuardedH11Protocol(H11Protocol):
         status, message = 413, too_large(digits)
         if len(digits) <= len(str(MAX_BODY_BYTES)):  # leading zeros: a small length, but too long for h11
             status, message = 400, f"Content-Length has {len(written)} digits; write it without leading zeros"
-        body = json.dumps({"error": message}).encode()
+        target = self._head.split(b" ", 2)[1:2] or [b"/"]  # the request line's path: its route's error body
+        body = error_reply_for(target[0].decode("latin-1").partition("?")[0])(status, message).body
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
                    (b"connection", b"close")]
         for event in (h11.Response(status_code=status, headers=headers), h11.Data(body), h11.EndOfMessage()):

@@ -21,11 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from ray import serve
 from ray.serve import Application
 
-from ..cli import api_key, env_api_keys, host_name, origin, replica_range, resolve_model
+from ..cli import api_key, env_api_keys, host_name, origin, replica_range, resolve_model, served_model_names
+from ..contract import SERVED_MODEL_NAMES
 from ..errors import Music3Error
 from .access import Access, HostPolicy
 from .api import create_app
-from .deploy_config import DeployConfig, load_deploy_config
+from .deploy_config import DeployConfig, load_deploy_config, with_quantization
 from .engine import MAX_SONGS, Engine
 from .events import Event, SongRequest
 from .ray_front import Progress, RemoteEngine, ReplicaHeader, with_progress
@@ -49,6 +50,12 @@ class EngineArgs(BaseModel):
     config: str | None = Field(None, description="deploy YAML on every node (default: the built-in one)")
     device: Literal["cpu", "cuda"] | None = Field(None, description="cpu: replicas take no GPU")
     random_weights: bool = Field(False, description="benchmarks: full-size random weights instead of a checkpoint")
+    quantization: Literal["none", "fp8"] | None = Field(None, description="both stages (default: the deploy file's)")
+
+    def deploy(self) -> DeployConfig:
+        """The deploy config, with `quantization` applied to both stages where given."""
+        deploy = load_deploy_config(self.config)
+        return deploy if self.quantization is None else with_quantization(deploy, self.quantization)
 
     @property
     def on_cpu(self) -> bool:
@@ -70,6 +77,7 @@ class RayAppArgs(EngineArgs):
     allowed_hosts: list[str] = Field([], description="Host header names to answer (against DNS rebinding)")
     host: str = Field("0.0.0.0", description="the address Ray's proxy listens on: on a loopback one, loopback Host "
                                              "names are answered besides allowed_hosts")
+    served_model_names: list[str] = Field(list(SERVED_MODEL_NAMES), description="the `model` names requests may give")
     max_unread_audio_gib: PositiveFloat = Field(4.0, description="audio the front holds for clients that have not "
                                                                  "read it; past it: 429")
 
@@ -87,6 +95,14 @@ class RayAppArgs(EngineArgs):
         try:
             return [check(value) for value in values]
         except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("served_model_names")
+    @classmethod
+    def _model_names(cls, values: list[str]) -> list[str]:
+        try:
+            return list(served_model_names(values))
+        except Music3Error as exc:
             raise ValueError(str(exc)) from None
 
     def access(self) -> Access:
@@ -116,7 +132,7 @@ def replica_deploy(deploy: DeployConfig) -> DeployConfig:
 
 def engine_for(args: EngineArgs) -> Engine:
     """The engine one replica runs, on the GPUs Ray gave it (numbered from 0)."""
-    deploy = replica_deploy(load_deploy_config(args.config))
+    deploy = replica_deploy(args.deploy())
     if args.random_weights:
         from ..bench.e2e import random_engine
 
@@ -162,10 +178,11 @@ class Front:
 
     def __init__(self, engines: Any, args: RayAppArgs) -> None:
         self.engine = RemoteEngine(engines, int(args.max_unread_audio_gib * 2**30))
-        self.access = args.access()
+        self.access, self.model_names = args.access(), tuple(args.served_model_names)
 
     def __serve_build_asgi_app__(self) -> Any:
-        app = create_app(self.engine, access=self.access)  # type: ignore[arg-type]  # Engine-shaped (ray_front.py)
+        app = create_app(self.engine, access=self.access,  # type: ignore[arg-type]  # Engine-shaped (ray_front.py)
+                         served_model_names=self.model_names)
         app.add_middleware(ReplicaHeader, engine=self.engine)
         return app
 
@@ -177,7 +194,7 @@ class Front:
 def build(args: RayAppArgs | dict[str, Any]) -> Application:
     """The application (Ray Serve's builder: `import_path: music3serve.serving.ray_app:build`, its `args` a dict)."""
     args = RayAppArgs.model_validate(args) if isinstance(args, dict) else args
-    deploy = load_deploy_config(args.config)  # a bad file fails here, not in every replica
+    deploy = args.deploy()  # a bad file fails here, not in every replica
     songs = deploy.stages[0].max_num_seqs // 2  # every song takes a cond/uncond pair of rows
     if args.autoscale:
         low, high = replica_range(args.autoscale)

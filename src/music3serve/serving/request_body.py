@@ -1,22 +1,21 @@
-"""The song request's body as the HTTP API reads it: its size, its encoding and keys, its fields and types, the error
-messages for each way it can be wrong (docs/api.md), and the API's error body."""
+"""Request bodies as the HTTP API reads them: their size, their encoding and keys, the song request's fields and types,
+and the error messages for each way a body can be wrong (docs/api.md)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable, Literal
+from typing import Annotated, Any, Awaitable, Callable, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 
 from .. import contract
 from ..prompt import MAX_STEPS
 from .audio_io import OUTPUT_RATES
-
-SONGS_PATH = "/v1/songs"  # the one POST route: the only body the server reads
+from .encoders import FORMATS
+from .error_bodies import BODY_PATHS, error_reply_for
 
 # Far above a request at the caption and lyrics limits (25,000 characters, at most 4 UTF-8 bytes each).
 MAX_BODY_BYTES = 1 << 20
@@ -30,15 +29,27 @@ MAX_ERRORS = 5  # an error message names at most this many problems, then says h
 DRAIN_BYTES = 4 * MAX_BODY_BYTES
 
 
-class ErrorBody(BaseModel):
-    """The API's error body (for the schema at /openapi.json)."""
+def integer_of(choices: tuple[int, ...]) -> Any:
+    """A field type taking one of `choices` as a JSON integer only (a Literal alone takes 32000.0 as 32000)."""
 
-    error: str
+    def integer(value: Any) -> Any:
+        if type(value) is not int:
+            raise ValueError(f"must be an integer, one of {', '.join(map(str, choices))}")
+        return value
+
+    return Annotated[Literal[choices], BeforeValidator(integer)]  # type: ignore[valid-type]
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The API's error body: {"error": message}."""
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+def refused(reasons: dict[str, str], allowed: tuple = (None,)) -> Callable[[Any, ValidationInfo], Any]:
+    """A validator for fields this model cannot honour: any value but the `allowed` ones is refused with the field's
+    reason."""
+
+    def refuse(value: Any, info: ValidationInfo) -> Any:
+        if value not in allowed:
+            raise ValueError(reasons[info.field_name])
+        return value
+
+    return refuse
 
 
 class SongBody(BaseModel):
@@ -49,19 +60,12 @@ class SongBody(BaseModel):
     caption: str
     lyrics: str
     duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=contract.SEED_LIMIT)
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
-    format: Literal["wav", "pcm"] = "wav"
-    sample_rate: Literal[OUTPUT_RATES] = contract.SAMPLE_RATE  # type: ignore[valid-type]
+    format: Literal[FORMATS] = "wav"  # type: ignore[valid-type]
+    sample_rate: integer_of(OUTPUT_RATES) = contract.SAMPLE_RATE  # type: ignore[valid-type]
     stream: bool = True
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")  # default: a fresh uuid4 hex
-
-    @field_validator("sample_rate", mode="before")
-    @classmethod
-    def _integer_rate(cls, value: Any) -> Any:
-        if type(value) is not int:  # a Literal takes 32000.0 as equal to 32000
-            raise ValueError(f"must be an integer, one of {', '.join(map(str, OUTPUT_RATES))}")
-        return value
 
     @field_validator("id")
     @classmethod
@@ -108,7 +112,7 @@ async def _drop_body(receive: Callable, limit: int) -> bool:
 
 
 class BoundedBody:
-    """ASGI middleware: a song's POST body is read whole before it is parsed, so it must say its length (else 411),
+    """ASGI middleware: a POST body is read whole before it is parsed, so it must say its length (else 411),
     not come in chunks (a Transfer-Encoding overrides the Content-Length beside it, so the length would bound
     nothing: 411 too) and stay within MAX_BODY_BYTES (else 413); other POSTs without a length go on to the router's
     404 or 405. A refused body is read and dropped before the answer (up to DRAIN_BYTES), unless the client waits
@@ -119,12 +123,13 @@ class BoundedBody:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
+            error_response = error_reply_for(scope["path"].removeprefix(scope.get("root_path", "")))
             headers = dict(scope["headers"])
             length = headers.get(b"content-length", b"").decode("latin-1")
             chunked = b"transfer-encoding" in headers
             if not length or chunked:
                 path = scope["path"].removeprefix(scope.get("root_path", ""))  # the app may be mounted under a prefix
-                if path != SONGS_PATH:  # a body the router refuses (404 / 405) without reading it
+                if path not in BODY_PATHS:  # a body the router refuses (404 / 405) without reading it
                     return await self.app(scope, receive, send)
                 message = "send the body with a Content-Length header"
                 if chunked:
@@ -160,10 +165,19 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def plain_json_object(request: Request) -> None:
-    """The song body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
+def json_object_of(model: type[BaseModel]) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: the body is a plain JSON object as `model` takes it (below)."""
+
+    async def plain_json_object(request: Request) -> None:
+        await check_json_object(request, model)
+
+    return plain_json_object
+
+
+async def check_json_object(request: Request, model: type[BaseModel]) -> None:
+    """The body is UTF-8 with each key once: the JSON parser alone takes UTF-16 and UTF-32 too, and keeps the
     last value of a repeated key. A UTF-8 byte-order mark is ignored, here as by that parser, so these checks see
-    the object it will validate. An object with more keys than a song request has is refused here, in one short
+    the object it will validate. An object with more keys than `model` has is refused here, in one short
     message, before validation would build (and send back) an error per key. (Bodies it cannot parse are its to
     report: it ran first.)"""
     raw = await request.body()
@@ -175,11 +189,19 @@ async def plain_json_object(request: Request) -> None:
         raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
     except ValueError:
         return
-    if isinstance(body, dict) and len(body) > len(SongBody.model_fields):
-        unknown = [key for key in body if key not in SongBody.model_fields]
+    if isinstance(body, dict) and len(body) > len(model.model_fields):
+        unknown = [key for key in body if key not in model.model_fields]
         named = ", ".join([f"{key!r:.40}" for key in unknown[:MAX_ERRORS]] + ["..."] * (len(unknown) > MAX_ERRORS))
-        raise HTTPException(400, f"the body has {len(unknown)} unknown keys ({named}); a song request takes "
-                                 f"{', '.join(SongBody.model_fields)}")
+        raise HTTPException(400, f"the body has {len(unknown)} unknown keys ({named}); the request takes "
+                                 f"{', '.join(model.model_fields)}")
+
+
+def first_field(exc: RequestValidationError) -> str | None:
+    """The field the first validation error is about (dotted for a nested one), None for the body as a whole."""
+    for err in exc.errors()[:1]:
+        where = [str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)]
+        return ".".join(where) or None
+    return None
 
 
 def describe(exc: RequestValidationError) -> str:

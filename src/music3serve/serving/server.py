@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import Sequence
 
 import uvicorn
 
+from .. import contract
 from .access import Access
 from .api import create_app
 from .engine import Engine
@@ -83,15 +85,15 @@ def fit_open_files(engine: Engine) -> int | None:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO",
-          access: Access = Access()) -> None:
+          access: Access = Access(), served_model_names: Sequence[str] = contract.SERVED_MODEL_NAMES) -> None:
     """Run the API on uvicorn until interrupted (logging stays as the caller set it up); access: API keys, browser
-    origins and Host names (docs/api.md)."""
+    origins and Host names (docs/api.md); served_model_names: the `model` names requests may give."""
     max_connections = fit_open_files(engine)
     for name, kind in (("uvicorn.error", CutResponses), ("asyncio", AcceptErrorsOncePerMinute)):
         logger = logging.getLogger(name)
         if not any(isinstance(f, kind) for f in logger.filters):
             logger.addFilter(kind())
-    app = create_app(engine, close_engine=True, access=access)
+    app = create_app(engine, close_engine=True, access=access, served_model_names=served_model_names)
     if access.api_keys:
         log.info("API keys required on /v1/", extra={"keys": len(access.api_keys)})
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level.lower(),

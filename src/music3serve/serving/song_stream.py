@@ -6,13 +6,13 @@ like serving/api.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import deque
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-
-from .audio_io import CHANNELS
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ SEND_PIECE_BYTES = 256 * 1024  # one send at most: each must drain within WRITE_
 # long is gone or stuck, and its response is cut rather than held (a streamed song is cancelled).
 WRITE_STALL_S = 120.0
 ACK_POLL_S = (0.005, 0.5)  # first and longest wait between two looks at the bytes not yet acknowledged
+# A piece of a response: its bytes and the samples (per channel, at the output rate) they complete; a header or a
+# framing event carries none, and a compressed file's piece its share of the samples encoded into it.
+Piece = tuple[bytes, int]
 
 
 class SongFailedMidStream(RuntimeError):
@@ -55,17 +58,22 @@ async def watch_disconnect(request: Request, gone: Callable[[], None]) -> None:
 
 
 class SongStream(StreamingResponse):
-    """A song's response: streamed (chunked) or whole (a Content-Length), sent as `content` yields it. It counts the
-    song's samples the connection accepted, says whether the song's end reached the client, tells `gone` when the
-    client disconnects or stops reading (whatever the ASGI version), and always runs `close` (the body's own cleanup
-    may be in code that never started)."""
+    """A song's response: streamed (chunked) or whole (a Content-Length), sent as `content` yields its pieces. It
+    counts the song's samples the connection accepted (the pieces' samples), says whether the song's end reached the
+    client, tells `gone` when the client disconnects or stops reading (whatever the ASGI version), and always runs
+    `close` (the body's own cleanup may be in code that never started)."""
 
-    def __init__(self, content: AsyncIterator[bytes], song: Sending, gone: Callable[[], None],
-                 close: Callable[[], Awaitable[None]], preamble: int = 0, **kwargs: Any):
-        """preamble: bytes before the samples (a WAV header)."""
-        super().__init__(content, **kwargs)
-        self.song, self.gone, self.close, self.preamble = song, gone, close, preamble
-        self.left, self.accepted = False, 0
+    def __init__(self, content: AsyncIterator[Piece], song: Sending, gone: Callable[[], None],
+                 close: Callable[[], Awaitable[None]], **kwargs: Any):
+        super().__init__(self._bytes(content), **kwargs)
+        self.song, self.gone, self.close = song, gone, close
+        self.left, self.in_flight = False, 0  # in_flight: the samples of the piece being sent
+
+    async def _bytes(self, content: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(content):  # type: ignore[type-var]
+            async for data, samples in content:
+                self.in_flight = samples
+                yield data
 
     def _gone(self) -> None:
         if not self.left:
@@ -86,8 +94,8 @@ class SongStream(StreamingResponse):
             except TimeoutError:
                 self._stalled()
             if body and not self.left and probe() is not None:
-                self.accepted += len(body)
-                self.song.samples_sent = max(0, self.accepted - self.preamble) // (2 * CHANNELS)
+                self.song.samples_sent += self.in_flight
+            self.in_flight = 0
 
         ended = stalled = False
         try:
@@ -123,6 +131,36 @@ class SongStream(StreamingResponse):
         log.warning("client stopped reading", extra={"song": self.song.name, "samples": self.song.samples_sent})
         CutResponses.stalled += 1  # uvicorn will log this response as unfinished
         raise ClientStalled(f"the client read nothing for {WRITE_STALL_S:g} s")
+
+
+class HeldAudio:
+    """A whole song's pieces, read from the engine and not yet sent: they count toward the engine's unread-audio
+    budget (`hold`: Engine.hold_read_audio) until the client has taken them, so clients that stop reading cannot
+    fill the host's memory with finished songs."""
+
+    def __init__(self, hold: Callable[[int], None]):
+        self.hold, self.pieces, self.bytes = hold, deque[Piece](), 0
+
+    def add(self, data: bytes, samples: int) -> None:
+        self.hold(len(data))
+        self.pieces.append((data, samples))
+        self.bytes += len(data)
+
+    async def send(self, opening: bytes, ending: bytes) -> AsyncIterator[Piece]:
+        """`opening`, then each piece, given back to the budget once the connection has taken it, then `ending`."""
+        yield opening, 0
+        while self.pieces:
+            yield self.pieces[0]
+            self.hold(-len(self.pieces.popleft()[0]))
+        if ending:
+            yield ending, 0
+
+    def release(self) -> None:
+        self.hold(-sum(len(data) for data, _ in self.pieces))
+        self.pieces.clear()
+
+    async def closed(self) -> None:
+        self.release()
 
 
 class CutResponses(logging.Filter):

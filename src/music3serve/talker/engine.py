@@ -13,6 +13,7 @@ import torch
 from .. import contract
 from ..acoustic.windows import Window
 from ..errors import InputError, Music3Error
+from ..hashing import as_int64
 from ..kernels.pdl import pdl_mode
 from ..memory import GIB, card_share, host_memory
 from ..models.condition_encoder import ConditionEncoder
@@ -253,7 +254,7 @@ class Talker:
         song.conditioning = torch.empty(song.budget + 1, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
         step.hidden[2 * p : 2 * p + 2] = hidden
         step.positions[2 * p : 2 * p + 2] = song.ids.shape[1]
-        step.seeds[p], step.frames[p] = song.seed, 0
+        step.seeds[p], step.frames[p] = as_int64(song.seed), 0
         self.active.append(song)
 
     def _launch(self) -> _InFlight:

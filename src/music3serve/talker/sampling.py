@@ -16,7 +16,7 @@ from ..models.fusion import hot
 
 def uniform_draws(seeds: torch.Tensor, frames: torch.Tensor, codebook: int, columns: int) -> torch.Tensor:
     """float32 uniforms in (0, 1), shape [rows, columns], keyed by (seed, frame, codebook, column) per row."""
-    seeds, frames = seeds.to(torch.int64), frames.to(torch.int64)
+    seeds, frames = seeds.to(torch.int64), frames.to(torch.int64)  # seeds: hashing.as_int64 of 64-bit seeds
     state = mix32((seeds & MASK32) ^ mix32((seeds >> 32) & MASK32))
     state = mix32(state ^ mix32(frames & MASK32))
     state = mix32(state ^ mix32(torch.full_like(state, codebook + 0x9E37)))

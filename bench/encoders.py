@@ -1,0 +1,176 @@
+"""What the audio formats cost: each streaming encoder's time per 4 s window (serving/encoders.py, on the CPU, as the
+server runs it), and time to first audio through each endpoint at concurrency 1 and 8, against raw PCM.
+
+On the GPU box (full-size random weights): `PYTHONPATH=src python3 bench/encoders.py`
+On a CPU (tiny checkpoint, a smoke run):  `PYTHONPATH=src python3 bench/encoders.py --tiny`
+
+Time to first audio is from sending the request to the first byte of audio (after a WAV header; for events, the
+first delta); each request is closed once its first audio has come, which cancels its song. The window period is
+the time between the first and the second window's audio at concurrency 1: what one window costs the pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from music3serve import contract
+from music3serve.bench.common import table
+from music3serve.serving.encoders import FORMATS, make_encoder
+
+AUDIO_EVENT = re.compile(rb'"audio":"[^"]')  # an event with audio in it (speech's base64, music's hex)
+WINDOW_S = (5.0, 4.0)  # the first window's audio, then each further one's
+LYRICS = "[verse]\nCity lights are fading slow\n[chorus]\nHold on, hold on"
+PATHS = {"songs": "/v1/songs", "speech": "/v1/audio/speech", "music": "/v1/music_generation"}
+ENDPOINTS = {  # name: (endpoint, body fields, how the first audio shows)
+    "songs pcm 44.1k": ("songs", {"format": "pcm"}, "bytes"),
+    "songs wav 44.1k": ("songs", {"format": "wav"}, "wav"),
+    "speech wav 32k": ("speech", {"response_format": "wav", "stream": True}, "wav"),
+    "speech pcm 32k": ("speech", {"response_format": "pcm", "stream": True}, "bytes"),
+    "speech mp3 32k": ("speech", {"response_format": "mp3", "stream": True}, "bytes"),
+    "speech opus 48k": ("speech", {"response_format": "opus", "stream": True}, "bytes"),
+    "speech aac 32k": ("speech", {"response_format": "aac", "stream": True}, "bytes"),
+    "speech flac 32k": ("speech", {"response_format": "flac", "stream": True}, "bytes"),
+    "speech sse mp3 32k": ("speech", {"response_format": "mp3", "stream_format": "sse"}, "event"),
+    "music mp3 44.1k": ("music", {"stream": True}, "event"),
+}
+
+
+def music_like(seconds: float, seed: int = 0) -> np.ndarray:
+    """[2, samples] float32: a few drifting partials and noise at -20 dB, as hard to encode as real music."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * contract.SAMPLE_RATE)) / contract.SAMPLE_RATE
+    tones = sum(0.1 * np.sin(2 * np.pi * f * t * (1 + 0.01 * np.sin(t)) + p)
+                for f, p in zip(rng.uniform(80, 4000, 8), rng.uniform(0, 6, 8)))
+    noise = rng.normal(0, 0.1, (2, t.size))
+    return (np.stack([tones, np.roll(tones, 300)]) + noise).astype(np.float32)
+
+
+def encode_costs(windows: int) -> list[list]:
+    """Per format and rate: median and largest CPU ms per 4 s window, streamed, over `windows` windows."""
+    rows = []
+    for rate in (44_100, 32_000):
+        for fmt in FORMATS:
+            encoder, costs = make_encoder(fmt, rate, streaming=True), []
+            encoder.header()
+            for index in range(windows):
+                pcm = music_like(WINDOW_S[index > 0], seed=index)
+                start = time.thread_time()  # the CPU time of the encoding thread, whatever else runs
+                encoder.feed(pcm, index == windows - 1)
+                costs.append((time.thread_time() - start) * 1000 * 4.0 / WINDOW_S[index > 0])
+            rows.append([fmt, rate, f"{statistics.median(costs):.1f}", f"{max(costs):.1f}"])
+    return rows
+
+
+async def first_audio(client, url: str, body: dict, shows: str) -> float:
+    """Seconds from the request to its first audio; the response is closed then (its song is cancelled)."""
+    start, seen = time.perf_counter(), b""
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for piece in response.aiter_bytes():
+            seen += piece
+            if len(seen) > {"bytes": 0, "wav": 44}.get(shows, 0) and (shows != "event" or AUDIO_EVENT.search(seen)):
+                return time.perf_counter() - start
+    raise RuntimeError(f"{url}: no audio")
+
+
+async def window_period(client, url: str, body: dict) -> float | None:
+    """Seconds between the first window's audio and the second's, for raw PCM at 44.1 kHz (None: one window)."""
+    first_window = int(WINDOW_S[0] * contract.SAMPLE_RATE) * 4
+    got, first = 0, None
+    async with client.stream("POST", url, json=body) as response:
+        async for piece in response.aiter_bytes():
+            got += len(piece)
+            if first is None:
+                first = time.perf_counter()
+            if got > first_window:
+                return time.perf_counter() - first
+    return None
+
+
+async def endpoint_rows(base: str, seconds: float, steps: int | None,
+                        concurrency: tuple[int, ...]) -> tuple[list, float | None]:
+    import httpx
+
+    frames = int(seconds * contract.FRAME_RATE)
+    common = {"songs": {"caption": "pop song", "lyrics": LYRICS, "duration": seconds},
+              "speech": {"model": "MiniMax-Music3", "input": LYRICS, "instructions": "pop song",
+                         "max_new_tokens": frames},
+              "music": {"model": "MiniMax-Music3", "prompt": "pop song", "lyrics": LYRICS, "max_new_tokens": frames}}
+    rows = []
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        songs = {**common["songs"], "format": "pcm", "seed": 0, **({"steps": steps} if steps else {})}
+        period = await window_period(client, "/v1/songs", songs)
+        for name, (kind, extra, shows) in ENDPOINTS.items():
+            row = [name]
+            for n in concurrency:
+                bodies = [{**common[kind], **extra, "seed": i, **({"steps": steps} if steps else {})} for i in range(n)]
+                times = await asyncio.gather(*(first_audio(client, PATHS[kind], b, shows) for b in bodies))
+                row += [f"{statistics.median(times):.3f}", f"{max(times):.3f}"]
+            rows.append(row)
+    return rows, period
+
+
+def serve_in_thread(engine) -> tuple[str, object, threading.Thread]:
+    import uvicorn
+
+    from music3serve.serving.api import create_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+def make_engine(tiny: bool, folder: Path):
+    from music3serve.serving.engine import Engine
+
+    if tiny:
+        from music3serve.tiny import write_tiny_checkpoint
+
+        return Engine.from_pretrained(write_tiny_checkpoint(folder / "tiny", seed=0), device="cpu")
+    from music3serve.bench.e2e import random_models
+    from music3serve.serving.deploy_config import load_deploy_config
+
+    return Engine(random_models("cuda"), load_deploy_config())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU (a smoke run)")
+    parser.add_argument("--windows", type=int, default=8, help="windows per format for the encode cost")
+    parser.add_argument("--seconds", type=float, default=20.0, help="song length asked for (the --tiny default: 10)")
+    args = parser.parse_args()
+    print(table(["format", "rate", "median CPU ms / 4 s window", "max"], encode_costs(args.windows)))
+    seconds = 10.0 if args.tiny and args.seconds == parser.get_default("seconds") else args.seconds
+    steps = 2 if args.tiny else None
+    concurrency = (1, 2) if args.tiny else (1, 8)
+    with tempfile.TemporaryDirectory() as folder:
+        engine = make_engine(args.tiny, Path(folder))
+        try:
+            base, server, thread = serve_in_thread(engine)
+            rows, period = asyncio.run(endpoint_rows(base, seconds, steps, concurrency))
+            server.should_exit = True  # the songs of closed requests end first (cancelled), then the engine closes
+            thread.join(60)
+        finally:
+            engine.close()
+    heads = ["endpoint"] + [f"{what} c={n} (s)" for n in concurrency for what in ("median TTFA", "max")]
+    print(table(heads, rows))
+    if period is not None:
+        print(f"window period at concurrency 1 (first to second window's audio): {period * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""/openapi.json against the live server: a valid OpenAPI document whose every route lists each request field it
+takes, and each status and media type it was seen to answer with here (the error bodies valid against their
+schemas); /docs renders it; `serve --served-model-name` sets the names /v1/models lists."""
+
+from __future__ import annotations
+
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+validator = pytest.importorskip("openapi_spec_validator")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("av")
+
+from music3serve import cli
+from music3serve.serving.engine import Engine
+from music3serve.serving.music_generation import AudioSetting, MusicBody
+from music3serve.serving.openai_speech import SpeechBody
+from music3serve.serving.request_body import MAX_BODY_BYTES, SongBody
+
+TINY = {"seed": 1, "steps": 1}
+SONG = {"caption": "pop", "lyrics": "[verse]\nla", "duration": 0.04, **TINY}
+SPEECH = {"model": "MiniMax-Music3", "input": "[verse]\nla", "instructions": "pop", "max_new_tokens": 1, **TINY}
+MUSIC = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "[verse]\nla", "max_new_tokens": 1, **TINY}
+
+
+@pytest.fixture(scope="module")
+def schema(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/openapi.json").json()
+
+
+def test_the_schema_is_valid_openapi_with_one_operation_id_each(schema):
+    validator.validate(schema)
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)) and "422" not in str(list(schema["paths"].values()))
+
+
+@pytest.mark.parametrize(("path", "model"), [("/v1/songs", SongBody), ("/v1/audio/speech", SpeechBody),
+                                             ("/v1/music_generation", MusicBody)])
+def test_every_request_field_is_in_the_schema(schema, path, model):
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    components = schema["components"]["schemas"]
+    assert set(components[ref.rsplit("/", 1)[1]]["properties"]) == set(model.model_fields)
+    if model is MusicBody:
+        assert set(components["AudioSetting"]["properties"]) == set(AudioSetting.model_fields)
+
+
+def requests_seen(client: httpx.Client, engine: Engine) -> list[tuple[str, str, httpx.Response]]:
+    """(method, path in the schema, response) for each way a route answers that a test can reach."""
+    seen = []
+
+    def send(method: str, path: str, route: str | None = None, **kwargs) -> httpx.Response:
+        response = client.request(method, path, **kwargs)
+        seen.append((method.lower(), route or path, response))
+        return response
+
+    for stream in (False, True):
+        for format in ("wav", "mp3", "flac", "opus", "aac", "pcm"):
+            song = send("POST", "/v1/songs", json={**SONG, "format": format, "stream": stream})
+            send("POST", "/v1/audio/speech", json={**SPEECH, "response_format": format, "stream": stream})
+        for format in ("mp3", "wav", "pcm"):
+            send("POST", "/v1/music_generation", json={**MUSIC, "stream": stream, "audio_setting": {"format": format}})
+    send("POST", "/v1/audio/speech", json={**SPEECH, "stream_format": "sse"})
+    for path, body in (("/v1/songs", SONG), ("/v1/audio/speech", SPEECH), ("/v1/music_generation", MUSIC)):
+        send("POST", path, json={**body, "seed": -1})
+        if path != "/v1/songs":
+            send("POST", path, json={**body, "model": "elsewhere"})
+        send("POST", path, content=iter([b"{}"]), headers={"content-type": "application/json"})  # chunked: 411
+        send("POST", path, content=b" " * (MAX_BODY_BYTES + 1), headers={"content-type": "application/json"})
+        engine.max_songs, held = 0, engine.max_songs
+        try:
+            send("POST", path, json=body)
+        finally:
+            engine.max_songs = held
+    send("GET", f"/v1/songs/{song.headers['x-song-id']}", "/v1/songs/{song_id}")
+    send("GET", "/v1/songs/unknown", "/v1/songs/{song_id}")
+    send("DELETE", "/v1/songs/unknown", "/v1/songs/{song_id}")
+    for method in ("GET", "HEAD"):
+        send(method, "/health")
+    send("GET", "/metrics")
+    send("GET", "/v1/models")
+    return seen
+
+
+def test_every_status_and_media_type_a_route_answers_with_is_in_the_schema(schema, client, engine):
+    statuses = set()
+    for method, path, response in requests_seen(client, engine):
+        documented = schema["paths"][path][method]["responses"]
+        where = f"{method} {path} {response.status_code}"
+        assert str(response.status_code) in documented, where
+        statuses.add(response.status_code)
+        content = documented[str(response.status_code)].get("content", {})
+        media = response.headers.get("content-type", "").split(";")[0]
+        assert media in {key.split(";")[0] for key in content} or (not content and not response.content), where
+        if response.status_code >= 400 and method != "head":
+            jsonschema.validate(response.json(), content["application/json"]["schema"])
+    assert statuses == {200, 204, 400, 404, 411, 413, 429}
+
+
+def test_docs_render_the_schema(client):
+    response = client.get("/docs")
+    assert response.status_code == 200 and "/openapi.json" in response.text
+
+
+def test_serve_takes_the_model_names_to_serve(monkeypatch, tmp_path, root_logger):
+    from fastapi.testclient import TestClient
+
+    from music3serve.serving.server import ForceQuitServer
+
+    class FakeEngine:
+        max_songs = 1024
+
+        def close(self):
+            pass
+
+    calls = {}
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda *args, **kwargs: FakeEngine()))
+    monkeypatch.setattr(ForceQuitServer, "run", lambda self, sockets=None: calls.update(vars(self.config)))
+    argv = ["serve", "--model", str(tmp_path), "--device", "cpu", "--served-model-name", "music-2.6",
+            "--served-model-name", "mine"]
+    assert cli.main(argv) == 0
+    with TestClient(calls["app"], base_url="http://localhost") as client:  # serve --host 127.0.0.1: loopback names
+        assert [model["id"] for model in client.get("/v1/models").json()["data"]] == ["music-2.6", "mine"]
+        response = client.post("/v1/audio/speech", json={**SPEECH, "model": "MiniMax-Music3"})
+        assert response.status_code == 404 and "music-2.6, mine" in response.json()["error"]["message"]
