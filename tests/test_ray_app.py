@@ -70,7 +70,7 @@ def deploy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(tiny_dir: Path, deploy_file: Path):
     """The application on a local Ray; yields its URL and a stop() that shuts Serve and Ray down (also at the end)."""
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before, others = set(os.listdir("/dev/shm")), descendants(os.getpid())  # say a resource tracker of earlier tests
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -85,7 +85,7 @@ def cluster(tiny_dir: Path, deploy_file: Path):
 
     def stop() -> set[int]:
         """Shut down; returns the processes Ray ran under this one just before."""
-        ours = descendants(os.getpid())
+        ours = descendants(os.getpid()) - others
         if not state["stopped"]:
             state["stopped"] = True
             serve.delete(APP_NAME)  # as `serve --ray` stops: the application first, which drains its songs
