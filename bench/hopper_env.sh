@@ -6,11 +6,7 @@
 source bench/gpu_env.sh
 SITE=/tmp/cute_env/lib/python3.12/site-packages
 WHEEL=/tmp/cute/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-if [ ! -d $SITE/quack ]; then
-  cat /tmp/cute/libs_cu13.part_aa .cute_b/libs_cu13.part_ab > $WHEEL
-  echo "50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90  $WHEEL" | sha256sum -c || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEEL .cute_b/*.whl \
-    || exit 1
-fi
+install_split_wheel $SITE quack $WHEEL /tmp/cute/libs_cu13.part_aa .cute_b/libs_cu13.part_ab \
+  50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90 .cute_b || exit 1
 # A --target install runs no .pth file: the DSL's puts its dsl_packages folder on the path.
 export PYTHONPATH=$PYTHONPATH:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages

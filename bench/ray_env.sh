@@ -4,11 +4,7 @@
 source bench/gpu_env.sh
 SITE=/tmp/ray_site
 WHEEL=/tmp/raywheels/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-if [ ! -d $SITE/ray ]; then
-  cat /tmp/raywheels/ray_whl.part_aa .ray_b/ray_whl.part_ab > $WHEEL
-  echo "b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a  $WHEEL" | sha256sum -c || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEEL .ray_b/*.whl \
-    || exit 1
-fi
+install_split_wheel $SITE ray $WHEEL /tmp/raywheels/ray_whl.part_aa .ray_b/ray_whl.part_ab \
+  b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a .ray_b || exit 1
 # Ray's workers (the replicas) start with the driver's environment: the same import path.
 export PYTHONPATH=$PYTHONPATH:$SITE PATH=$SITE/bin:$PATH RAY_USAGE_STATS_ENABLED=0
