@@ -25,7 +25,7 @@ from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event
 
 if TYPE_CHECKING:
-    from .api import SongService
+    from .song_service import SongService
 
 MUSIC_RATES = (16_000, 24_000, 32_000, contract.SAMPLE_RATE)
 BITRATES = (32_000, 64_000, 128_000, 256_000)

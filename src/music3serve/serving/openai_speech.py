@@ -25,7 +25,7 @@ from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event
 
 if TYPE_CHECKING:
-    from .api import SongService
+    from .song_service import SongService
 
 SPEECH_RATES = (32_000, contract.SAMPLE_RATE)
 # Fields of OpenAI's and vLLM's speech APIs that the official server refuses for this model, and why.
