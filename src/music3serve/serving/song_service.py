@@ -12,11 +12,9 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import AsyncIterator
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from .. import contract
 from ..errors import EngineBusy, InputError, Music3Error
 from .access import OWNER
 from .audio_io import CHANNELS, PcmEncoder
@@ -25,12 +23,12 @@ from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongReque
 from .error_bodies import ErrorReply, error_response
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SongBody
+from .song_feed import SILENCE, next_event, window_slices
 from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
 from .song_types import Framing, SongOrder, SongState, Started
 
 log = logging.getLogger(__name__)
 
-SILENCE = np.zeros((CHANNELS, 0), np.float32)
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
 
@@ -54,40 +52,6 @@ def _field_named(message: str) -> str | None:
     """The request field an engine InputError is about (its messages begin with the field's name)."""
     word = message.split(" ", 1)[0]
     return word if word in REQUEST_FIELDS else None
-
-
-# A window goes to its encoder in slices this long, each sent once encoded: a song's first audio leaves after one
-# slice's encoding, not its whole first window's (MP3 takes ~25 ms of CPU per second of audio).
-FEED_SAMPLES = contract.SAMPLE_RATE // 2
-
-
-def _slices(pcm: np.ndarray, last: bool) -> list[tuple[np.ndarray, bool]]:
-    """A window's PCM as the encoder is fed it: FEED_SAMPLES at a time, `last` on the final slice only."""
-    starts = range(0, pcm.shape[-1], FEED_SAMPLES) or [0]
-    return [(pcm[..., s : s + FEED_SAMPLES], last and s + FEED_SAMPLES >= pcm.shape[-1]) for s in starts]
-
-
-async def _pull(events: AsyncIterator[Event]) -> Event:
-    try:
-        return await anext(events)
-    except StopAsyncIteration:  # not an exception a task may carry
-        return Failed("", "the engine ended the song without a Done or Failed event")
-
-
-async def _next_event(events: AsyncIterator[Event], stop: asyncio.Event) -> Event | None:
-    """The song's next event, or None once `stop` is set (DELETE or a client gone); then the engine generator
-    is closed, which cancels the song in the engine."""
-    if stop.is_set():
-        return None
-    step, halt = asyncio.ensure_future(_pull(events)), asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({step, halt}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        halt.cancel()
-        if not step.done():
-            step.cancel()  # raises CancelledError inside the engine generator: its finally cancels the song
-            await asyncio.wait({step})
-    return None if step.cancelled() else step.result()
 
 
 class SongService:
@@ -296,13 +260,13 @@ class SongService:
         state when it ends."""
         counted = 0  # of the encoder's output samples, those given to pieces so far
         while song.state == "running":
-            event = await _next_event(events, song.stop)
+            event = await next_event(events, song.stop)
             if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
                 self.finish(song, "cancelled")
             elif isinstance(event, (AudioChunk, Done)):
                 if isinstance(event, AudioChunk):
                     self.refresh(song)
-                feeds = _slices(event.pcm, event.last) if isinstance(event, AudioChunk) else [(SILENCE, True)]
+                feeds = window_slices(event.pcm, event.last) if isinstance(event, AudioChunk) else [(SILENCE, True)]
                 for pcm, last in feeds:
                     data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
                     if not data:
