@@ -1,5 +1,5 @@
 """POST /v1/audio/speech, as the official server (SGLang-Omni) serves this model in OpenAI's speech shape, and
-GET /v1/models: a thin adapter over the song pipeline of POST /v1/songs (serving/api.py's SongService).
+GET /v1/models: a thin adapter over the song pipeline of POST /v1/songs (serving/song_service.py's SongService).
 
 `input` is the lyrics, `instructions` the caption; beyond the official server, `stream: true` streams the audio as
 it renders and `stream_format: "sse"` sends OpenAI's speech events. Errors come in OpenAI's body shape, so its SDK
