@@ -135,7 +135,7 @@ def test_a_resampler_tail_flushed_at_done_is_sent():
     """A Done after a chunk not marked last (the engine marks its last chunk, which flushes the 32 kHz resampler
     then; the API does not rely on it): the tail the resampler held back is sent at Done (and so counted in
     samples_sent, which counts what the connection takes)."""
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
     async def events():
         yield AudioChunk("tail", 0, np.full((2, 4410), 0.1, np.float32), False)
@@ -143,8 +143,9 @@ def test_a_resampler_tail_flushed_at_done_is_sent():
 
     async def scenario():
         engine = SimpleNamespace(progress=lambda song: None)  # the song's progress: not known
-        song, service = api.SongState("tail", 1, 100, "pcm", 32000), api.SongService(engine)  # type: ignore[arg-type]
-        pieces = [piece async for piece in service.audio(song, events(), api.PcmEncoder(32000))]
+        song = song_service.SongState("tail", 1, 100, "pcm", 32000)
+        service = song_service.SongService(engine)  # type: ignore[arg-type]
+        pieces = [piece async for piece in service.audio(song, events(), song_service.PcmEncoder(32000))]
         return song, pieces
 
     song, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
@@ -155,7 +156,7 @@ def test_a_resampler_tail_flushed_at_done_is_sent():
 def test_a_window_is_encoded_and_sent_in_slices_equal_to_it_whole():
     """A window reaches the encoder half a second at a time and each slice's bytes leave once encoded (a song's first
     audio waits for one slice's encoding, not its window's); the bytes equal the window encoded in one piece."""
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
     window = np.random.default_rng(0).uniform(-1, 1, (2, 2 * 44100 + 7)).astype(np.float32)
 
@@ -165,12 +166,13 @@ def test_a_window_is_encoded_and_sent_in_slices_equal_to_it_whole():
 
     async def scenario():
         engine = SimpleNamespace(progress=lambda song: None)  # the song's progress: not known
-        song, service = api.SongState("sliced", 1, 100, "pcm", 32000), api.SongService(engine)  # type: ignore[arg-type]
-        return song, [piece async for piece in service.audio(song, events(), api.PcmEncoder(32000))]
+        song = song_service.SongState("sliced", 1, 100, "pcm", 32000)
+        service = song_service.SongService(engine)  # type: ignore[arg-type]
+        return song, [piece async for piece in service.audio(song, events(), song_service.PcmEncoder(32000))]
 
     _, pieces = asyncio.run(asyncio.wait_for(scenario(), 30))
     data = b"".join(data for data, _ in pieces)
-    assert len(pieces) == 5 and data == api.PcmEncoder(32000).feed(window, True)
+    assert len(pieces) == 5 and data == song_service.PcmEncoder(32000).feed(window, True)
     assert [len(data) // 4 for data, _ in pieces] == [samples for _, samples in pieces]  # each piece's own samples
 
 
@@ -325,12 +327,13 @@ def test_a_delete_after_the_engine_finished_the_song_changes_nothing(client, eng
     """A DELETE that lands while the song's last audio is still on its way to the client (the engine has finished
     it and its Done waits to be read) stopped nothing in the engine, yet counted as a cancel and cut the stream short
     of its end ('cancelled'): the song counted as finished and as cancelled."""
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
     def finished() -> float:
         return engine.metrics.registry.get_sample_value("music3_song_seconds_count")
 
-    busy, release = hold(monkeypatch, api.PcmEncoder, "feed")  # the server busy with the last window at the DELETE
+    # the server busy with the last window at the DELETE
+    busy, release = hold(monkeypatch, song_service.PcmEncoder, "feed")
     before, cancels = finished(), metric(client, "music3_cancels")
     with client.stream("POST", "/v1/songs", json={**SONG, "duration": SHORT, "id": "late-delete"}) as response:
         poll_until(lambda: busy.is_set() and finished() == before + 1)  # one window: the engine is done with it
@@ -544,9 +547,9 @@ def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch, cap
 
 
 def test_a_song_not_accepted_in_time_answers_503_and_leaves_nothing_behind(client, engine, monkeypatch):
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
-    monkeypatch.setattr(api, "ACCEPT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(song_service, "ACCEPT_TIMEOUT_S", 0.5)
     real_submit = engine.talker.submit
 
     def stuck_submit(*args, **kwargs):  # a talker stuck for longer than the acceptance wait
@@ -573,22 +576,24 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     root = Path(cli.__file__).parent
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if re.search(
         r"^\s*(from|import) (fastapi|starlette|uvicorn|pydantic)\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
-    ray = {"serving/ray_app.py", "serving/ray_front.py", "bench/ray_replicas.py"}  # the `ray` extra's modules
     endpoints = {"serving/openai_speech.py", "serving/music_generation.py"}
-    assert users == {"serving/api.py", "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
+    service = "serving/song_service.py"
+    assert users == {"serving/api.py", service, "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
                      "serving/access.py", "serving/song_stream.py", "serving/web.py", "serving/error_bodies.py",
                      "serving/openapi_docs.py", "serving/ray_app.py", "bench/ray_replicas.py", *endpoints}
-    for module, readers in (("request_body", {"serving/api.py", "serving/http_guard.py", *endpoints}),
-                            ("error_bodies", {"serving/api.py", "serving/access.py", "serving/http_guard.py",
+    for module, readers in (("request_body", {"serving/api.py", service, "serving/http_guard.py", *endpoints}),
+                            ("error_bodies", {"serving/api.py", service, "serving/access.py", "serving/http_guard.py",
                                               "serving/request_body.py", *endpoints}),
                             ("http_guard", {"serving/server.py"}),
-                            ("access", {"serving/api.py", "serving/server.py", "serving/openapi_docs.py",
-                                        "serving/ray_app.py", "serving/ray_front.py", "cli.py"}),  # cli: in `serve` only
+                            ("access", {"serving/api.py", service, "serving/server.py", "serving/openapi_docs.py",
+                                        "serving/ray_app.py", "serving/ray_front.py",
+                                        "cli.py"}),  # cli: in `serve` only
                             ("openapi_docs", {"serving/api.py", *endpoints}),
-                            ("song_stream", {"serving/api.py", "serving/server.py", "serving/http_guard.py"}),
+                            ("song_stream", {service, "serving/server.py", "serving/http_guard.py"}),
                             ("web", {"serving/api.py"}),
+                            ("api", {"serving/server.py", "serving/ray_app.py", "bench/ray_replicas.py"}),
                             # the endpoints: SongService, for type checkers only
-                            ("api", {"serving/server.py", *ray, *endpoints}),
+                            ("song_service", {"serving/api.py", "serving/ray_front.py", *endpoints}),
                             ("server", {"cli.py", "serving/ray_app.py"})):  # cli: inside `serve` only
         importers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(rf"^\s*(from|import) \S*\b{module}\b", p.read_text(encoding="utf-8"), re.MULTILINE)}
@@ -704,7 +709,7 @@ def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, roo
 def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
     """A send that does not complete within WRITE_STALL_S (the client's socket is full: it reads nothing) stops the
     song and closes the body generator, instead of holding the song forever."""
-    from music3serve.serving import api, song_stream
+    from music3serve.serving import song_service, song_stream
 
     monkeypatch.setattr(song_stream, "WRITE_STALL_S", 0.2)
     monkeypatch.setattr(song_stream.CutResponses, "stalled", 0)
@@ -718,7 +723,7 @@ def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
             closed.append(True)
 
     async def scenario():
-        song = api.SongState("stalled", 1, 100, "pcm", 44100)
+        song = song_service.SongState("stalled", 1, 100, "pcm", 44100)
         sends = []
 
         async def send(message):
@@ -813,14 +818,14 @@ class HeldSong:
 def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
     """An ASGI server raising on the first send (a client gone before the headers; ASGI 2.4 servers raise): the
     body never starts, so its cleanup never ran and the song stayed 'running' with its engine stream open."""
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
     async def scenario():
         engine = HeldSong()
-        service = api.SongService(engine)  # type: ignore[arg-type]
-        request = api.Request({"type": "http", "headers": []})
-        response = await service.create(api.SongBody(caption="pop", lyrics="la", id="gone"), request)
-        assert isinstance(response, api.SongStream) and response.headers["x-song-id"] == "gone"
+        service = song_service.SongService(engine)  # type: ignore[arg-type]
+        request = song_service.Request({"type": "http", "headers": []})
+        response = await service.create(song_service.SongBody(caption="pop", lyrics="la", id="gone"), request)
+        assert isinstance(response, song_service.SongStream) and response.headers["x-song-id"] == "gone"
 
         async def send(message):
             raise OSError("client disconnected")
@@ -837,12 +842,12 @@ def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
 
 
 def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
-    monkeypatch.setattr(api, "KEEP_FINISHED", 2)
-    service = api.SongService(None)  # type: ignore[arg-type]
+    monkeypatch.setattr(song_service, "KEEP_FINISHED", 2)
+    service = song_service.SongService(None)  # type: ignore[arg-type]
     for song_id in ("a", "b", "a", "c"):  # "a" runs again after "b", then "c"
-        song = api.SongState(song_id, 1, 100, "wav", 44100)
+        song = song_service.SongState(song_id, 1, 100, "wav", 44100)
         service.running[song_id] = song
         service.finish(song, "done")
     assert service.lookup("a") is not None and service.lookup("c") is not None

@@ -309,12 +309,13 @@ def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_
     """A client that leaves while the song's last window is on its way: the engine finished the song (counted in
     music3_song_seconds), so the state is done, not cancelled, and `delivered` says its end never reached the
     client; music3_cancels does not move."""
-    from music3serve.serving import api
+    from music3serve.serving import song_service
 
     def sample(name: str) -> float:
         return engine.metrics.registry.get_sample_value(name)
 
-    busy, release = hold(monkeypatch, api.PcmEncoder, "feed")  # the server busy with the last window as it leaves
+    # the server busy with the last window as it leaves
+    busy, release = hold(monkeypatch, song_service.PcmEncoder, "feed")
     finished, cancels = sample("music3_song_seconds_count"), sample("music3_cancels_total")
     conn = reader_that_stops(base_url, post_bytes({**SONG, "id": "left"}))
     poll_until(lambda: busy.is_set() and sample("music3_song_seconds_count") == finished + 1)

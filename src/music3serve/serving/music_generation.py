@@ -1,5 +1,5 @@
 """POST /v1/music_generation in the shape of MiniMax's hosted music API, so code written for the hosted product can
-self-host: a thin adapter over the song pipeline of POST /v1/songs (serving/api.py's SongService).
+self-host: a thin adapter over the song pipeline of POST /v1/songs (serving/song_service.py's SongService).
 
 The audio comes hex-encoded in the hosted envelope (`data.audio`, `extra_info`, `base_resp`), whole or, with
 `stream: true`, in server-sent events; errors come in the envelope too, under an HTTP 4xx/5xx status. Hosted fields
@@ -25,7 +25,7 @@ from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event
 
 if TYPE_CHECKING:
-    from .api import SongService
+    from .song_service import SongService
 
 MUSIC_RATES = (16_000, 24_000, 32_000, contract.SAMPLE_RATE)
 BITRATES = (32_000, 64_000, 128_000, 256_000)

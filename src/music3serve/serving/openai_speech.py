@@ -1,5 +1,5 @@
 """POST /v1/audio/speech, as the official server (SGLang-Omni) serves this model in OpenAI's speech shape, and
-GET /v1/models: a thin adapter over the song pipeline of POST /v1/songs (serving/api.py's SongService).
+GET /v1/models: a thin adapter over the song pipeline of POST /v1/songs (serving/song_service.py's SongService).
 
 `input` is the lyrics, `instructions` the caption; beyond the official server, `stream: true` streams the audio as
 it renders and `stream_format: "sse"` sends OpenAI's speech events. Errors come in OpenAI's body shape, so its SDK
@@ -25,7 +25,7 @@ from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event
 
 if TYPE_CHECKING:
-    from .api import SongService
+    from .song_service import SongService
 
 SPEECH_RATES = (32_000, contract.SAMPLE_RATE)
 # Fields of OpenAI's and vLLM's speech APIs that the official server refuses for this model, and why.

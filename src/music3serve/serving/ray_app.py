@@ -21,9 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from ray import serve
 from ray.serve import Application
 
-from ..cli import api_key, env_api_keys, host_name, origin, replica_range, resolve_model, served_model_names
+from ..cli_args import api_key, env_api_keys, host_name, origin, replica_range, served_model_names
 from ..contract import SERVED_MODEL_NAMES
 from ..errors import Music3Error
+from ..model_location import resolve_model
 from .access import Access, HostPolicy
 from .api import create_app
 from .deploy_config import DeployConfig, load_deploy_config, with_quantization

@@ -1,7 +1,7 @@
 """A song's HTTP response on its way to the client: sent in pieces, each of which must leave within WRITE_STALL_S;
 what the connection accepted (samples_sent) and whether the song's end reached the client (delivered); a client
-that goes away or stops reading ends it. Streamed and whole songs alike (serving/api.py builds them). Server-only,
-like serving/api.py."""
+that goes away or stops reading ends it. Streamed and whole songs alike (serving/song_service.py builds them).
+Server-only, like serving/api.py."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ class SongState:
     prompt_tokens: int = 0
     first_audio_s: float | None = None  # from the POST to the first audio, once done (timings' first_audio_s)
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    name: str = ""  # the engine's id of the song: `id` within its API key's own ids (api.scoped); default `id`
+    name: str = ""  # the engine's id of the song: `id` within its API key's own ids (song_service.scoped); default `id`
 
     def __post_init__(self) -> None:
         self.name = self.name or self.id

@@ -1,0 +1,281 @@
+"""The songs of the HTTP API: submit one to the engine under its API key, wait for it to be accepted, and send its
+audio as it is encoded (a stream) or once it is done (one response); keeps each song's state for GET /v1/songs/{id}.
+POST /v1/songs, /v1/audio/speech and /v1/music_generation all serve their songs through SongService."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import OrderedDict
+from dataclasses import replace
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..errors import EngineBusy, InputError, Music3Error
+from .access import OWNER
+from .audio_io import CHANNELS, PcmEncoder
+from .encoders import MEDIA_TYPES, make_encoder
+from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+from .error_bodies import ErrorReply, error_response
+from .heartbeat import TALKER_STEP_LIMIT_S
+from .request_body import SongBody
+from .song_feed import SILENCE, next_event, window_slices
+from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
+from .song_types import Framing, SongOrder, SongState, Started
+
+log = logging.getLogger(__name__)
+
+KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
+ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
+
+
+# A song is accepted within one talker step of its POST (tokenizing and a prefill at most). On a GPU the engine's
+# watch fails a step past TALKER_STEP_LIMIT_S (the client then gets its 503 with the reason); waiting 30 s longer
+# than that, the client gets 503 instead of an open connection where no watch applies (the CPU).
+ACCEPT_TIMEOUT_S = TALKER_STEP_LIMIT_S + 30.0
+
+
+def scoped(song_id: str, owner: int | None) -> str:
+    """The engine's id of a song of this API key (None: no keys): each key has ids of its own, so one cannot see,
+    cancel or block another's songs ("/" is in no id a client may choose)."""
+    return song_id if owner is None else f"{owner}/{song_id}"
+
+
+REQUEST_FIELDS = ("caption", "lyrics", "duration", "seed", "steps")  # SongRequest's, as the engine's messages name them
+
+
+def _field_named(message: str) -> str | None:
+    """The request field an engine InputError is about (its messages begin with the field's name)."""
+    word = message.split(" ", 1)[0]
+    return word if word in REQUEST_FIELDS else None
+
+
+class SongService:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.running: dict[str, SongState] = {}
+        self.pending: dict[str, asyncio.Event] = {}  # client-given ids still waiting for acceptance
+        self.finished: OrderedDict[str, SongState] = OrderedDict()
+
+    def lookup(self, name: str) -> SongState | None:
+        """A running or recently finished song by its engine id (`scoped`)."""
+        return self.running.get(name) or self.finished.get(name)
+
+    def finish(self, song: SongState, state: str, error: str | None = None) -> None:
+        if song.state == "running":
+            song.state, song.error = state, error
+            log.info("song ended", extra={"song": song.name, "state": song.state, "seed": song.seed,
+                                          "frames": song.frames, "ended_by": song.ended_by,
+                                          "samples": song.samples_sent, "error": song.error})
+        if self.running.get(song.name) is song:  # not a newer song that reused the id after this one ended
+            del self.running[song.name]
+        if self.finished.get(song.name) is not song:  # a reused id's newest result goes to the back of the line
+            self.finished.pop(song.name, None)
+            self.finished[song.name] = song
+        while len(self.finished) > KEEP_FINISHED:
+            self.finished.popitem(last=False)
+
+    def refresh(self, song: SongState) -> None:
+        """A running song's frames written and windows rendered, brought up to the engine's counts."""
+        progress = self.engine.progress(song.name) if song.state == "running" else None
+        if progress is not None:
+            song.frames_written, song.windows_rendered = max(song.frames_written, progress[0]), progress[1]
+
+    def client_gone(self, song: SongState) -> None:
+        """The client left: its song is cancelled as by a DELETE; a song the engine has already ended keeps that
+        end (done or failed, as the metrics count it), not delivered."""
+        if song.state == "running" and not song.stop.is_set() and self.engine.cancel(song.name):
+            song.stop.set()
+
+    def cancel(self, name: str) -> None:
+        """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
+        to its end (its last audio, or its failure, is on its way to the client)."""
+        song, cancelled = self.running.get(name), self.engine.cancel(name)
+        stop = self.pending.get(name) if song is None else song.stop if cancelled else None
+        if stop is not None:
+            stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
+
+    async def create(self, body: SongBody, request: Request) -> Response:
+        """POST /v1/songs."""
+        song = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
+        if body.steps is not None:
+            song.steps = body.steps
+        order = SongOrder(song, body.format, body.sample_rate, body.stream)
+        started = await self.start(order, request, error_response)
+        if isinstance(started, Response):
+            return started
+        if body.stream:
+            return self.streamed(started)
+        return await self.whole(started, request, error_response)
+
+    async def start(self, order: SongOrder, request: Request, reply: ErrorReply) -> Started | Response:
+        """Submit the song, under the request's API key (its ids are the key's own: `scoped`), and wait for the
+        engine to accept it, so input errors are still proper HTTP errors (answered with `reply`, the endpoint's
+        error body)."""
+        key = request.scope.get(OWNER)
+        public_id = order.request.id if order.request.id is not None or key is None else uuid.uuid4().hex
+        name = None if public_id is None else scoped(public_id, key)
+        song_request = replace(order.request, id=name)
+        try:
+            encoder = make_encoder(order.format, order.sample_rate, order.stream, order.bitrate)
+        except Music3Error as exc:  # PyAV missing
+            return reply(500, str(exc), param="format")
+        events, stop = self.engine.submit(song_request), asyncio.Event()
+        owner = name is not None and self.pending.setdefault(name, stop) is stop
+        try:
+            first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
+        except TimeoutError:
+            await events.aclose()
+            message = f"the engine did not take the song within {ACCEPT_TIMEOUT_S:g} s; try again later"
+            return reply(503, message)
+        except InputError as exc:  # an id taken is named as its client knows it
+            message = str(exc) if name == public_id else str(exc).replace(repr(name), repr(public_id))
+            return reply(400, message, param=_field_named(message))
+        except EngineBusy as exc:
+            return reply(429, str(exc), {"Retry-After": "10"})
+        except Music3Error as exc:  # the engine is closed or a stage died: no request can be served now
+            return reply(503, f"the engine cannot take songs: {exc}")
+        except BaseException:
+            await events.aclose()
+            raise
+        finally:
+            if owner:
+                del self.pending[name]
+        if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
+            await events.aclose()
+            log.info("song cancelled before it was accepted", extra={"song": name})
+            return reply(409, f"song {public_id} was cancelled before it was accepted")
+        if not isinstance(first, Accepted):
+            await events.aclose()
+            if isinstance(first, Failed) and first.refused:
+                return reply(400, first.message)
+            why = self.engine.unavailable()
+            if why is not None:  # closing, or a stage died: retry elsewhere or later
+                return reply(503, f"the engine cannot take songs: {why}")
+            message = first.message if isinstance(first, Failed) else f"unexpected first event {first!r}"
+            return reply(500, message)
+        song = SongState(public_id or first.song, first.seed, first.budget_frames, order.format, encoder.sample_rate,
+                         prompt_tokens=first.prompt_tokens, stop=stop, name=first.song)
+        self.running[song.name] = song
+        headers = {
+            "X-Song-Id": song.id, "X-Seed": str(song.seed), "X-Frame-Budget": str(song.frame_budget),
+            "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
+            "X-Channels": str(CHANNELS), "Cache-Control": "no-store",
+        }
+        return Started(song, events, encoder, headers)
+
+    def streamed(self, started: Started, framing: Framing | None = None) -> SongStream:
+        """The song's stream response: its audio as it is encoded, or wrapped by `framing` (say in events)."""
+        framing = framing or Framing()
+        headers = {**started.headers, "X-Accel-Buffering": "no"}  # ask proxies not to buffer the stream
+        song, events = started.song, started.events
+        return SongStream(self.stream(started, framing), song, lambda: self.client_gone(song),
+                          lambda: self.abandon(song, events), headers=headers,
+                          media_type=framing.media_type or MEDIA_TYPES[song.format])
+
+    async def stream(self, started: Started, framing: Framing) -> AsyncIterator[Piece]:
+        song, events, encoder = started.song, started.events, started.encoder
+        try:
+            if header := encoder.header():
+                yield framing.audio(header), 0
+            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                async for data, samples in audio:
+                    yield framing.audio(data), samples
+            if song.state == "failed":
+                if ending := framing.failed(song):
+                    yield ending, 0
+                raise SongFailedMidStream(f"song {song.id} failed after {song.samples_sent} samples: {song.error}")
+            if song.state == "done" and (ending := framing.done(song)):
+                yield ending, 0
+        finally:
+            encoder.close()
+            await self.abandon(song, events)
+
+    async def abandon(self, song: SongState, events: AsyncIterator[Event]) -> None:
+        """Close the engine stream of a song whose response has ended and record the song's end. A song still running
+        in the engine is cancelled there; one the engine has just ended (its client left meanwhile) gets that end,
+        done or failed, so the state and the metrics agree."""
+        if song.state == "running" and not song.stop.is_set() and not self.engine.cancel(song.name):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ENDING_S):
+                    async for event in events:  # its Done or Failed is on its way
+                        if isinstance(event, (Done, Failed)):
+                            self.ended(song, event)
+                            break
+        await events.aclose()  # type: ignore[attr-defined]
+        self.finish(song, "cancelled")
+
+    def ended(self, song: SongState, event: Done | Failed) -> None:
+        if isinstance(event, Done):
+            self.refresh(song)
+            song.frames = song.frames_written = event.frames
+            song.ended_by, song.timings = event.ended_by, event.timings
+            song.first_audio_s = event.timings.get("first_audio_s")
+            self.finish(song, "done")
+        else:
+            log.error("song failed", extra={"song": song.name, "error": event.message, "samples": song.samples_sent})
+            self.finish(song, "failed", event.message)
+
+    async def whole(self, started: Started, request: Request, reply: ErrorReply,
+                    framing: Framing | None = None) -> Response:
+        """The song in one response once it is done (its file, or wrapped by `framing`, say in a JSON body), or the
+        error reply of a song that did not end done. Its bytes count toward the engine's unread-audio budget until
+        the client has taken them (HeldAudio), and they are sent under the streams' guard against a client that
+        stops reading."""
+        framing = framing or Framing()
+        song, events, encoder, headers = started.song, started.events, started.encoder, started.headers
+        watcher = asyncio.ensure_future(watch_disconnect(request, lambda: self.client_gone(song)))
+        held, size = HeldAudio(self.engine.hold_read_audio), 0
+        try:
+            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                async for data, samples in audio:
+                    size += len(data)
+                    held.add(framing.audio(data), samples)
+        except asyncio.CancelledError:  # only the server's shutdown cancels a request task (grace over, second Ctrl-C)
+            asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
+            held.release()
+            return reply(503, f"the server shut down before song {song.id} was finished (songs still running "
+                              "when its shutdown grace period is over, or at a second Ctrl-C, are cut)", headers)
+        finally:
+            watcher.cancel()
+            encoder.close()
+            await self.abandon(song, events)
+        if song.state != "done":
+            held.release()
+            if song.state == "failed":
+                return reply(500, f"song {song.id} failed: {song.error}", headers)
+            return reply(409, f"song {song.id} was cancelled before it was finished", headers)
+        opening, ending = framing.opening(encoder.whole_header(size)), framing.done(song)
+        headers = {**headers, "Content-Length": str(len(opening) + held.bytes + len(ending))}
+        return SongStream(held.send(opening, ending), song, lambda: None, held.closed, headers=headers,
+                          media_type=framing.media_type or MEDIA_TYPES[song.format])
+
+    async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[Piece]:
+        """The encoded bytes of each window as it arrives, in pieces of at most SEND_PIECE_BYTES, each with the
+        samples it encodes (a whole file's bytes come at the end, with all its samples: pro rata); sets the song's
+        state when it ends."""
+        counted = 0  # of the encoder's output samples, those given to pieces so far
+        while song.state == "running":
+            event = await next_event(events, song.stop)
+            if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
+                self.finish(song, "cancelled")
+            elif isinstance(event, (AudioChunk, Done)):
+                if isinstance(event, AudioChunk):
+                    self.refresh(song)
+                feeds = window_slices(event.pcm, event.last) if isinstance(event, AudioChunk) else [(SILENCE, True)]
+                for pcm, last in feeds:
+                    data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
+                    if not data:
+                        continue
+                    samples, counted = encoder.samples_out - counted, encoder.samples_out
+                    for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
+                        end = min(start + SEND_PIECE_BYTES, len(data))
+                        yield data[start:end], samples * end // len(data) - samples * start // len(data)
+                if isinstance(event, Done):
+                    self.ended(song, event)
+            elif isinstance(event, Failed):
+                self.ended(song, event)
