@@ -68,3 +68,19 @@ def test_private_attributes_other_libraries_add_to_records_stay_out_of_the_line(
     field of every line. Names with a leading underscore are no extra field of ours."""
     record = logging.makeLogRecord({"msg": "song ended", "song": "s1", "_ray_timestamp_ns": 1796414858876678354})
     assert KeyValueFormatter("%(message)s").format(record) == "song ended song=s1"
+
+
+def test_the_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
+    """A server thread logging after stderr was swapped and the old stream closed (pytest's capture between tests)
+    raised 'I/O operation on closed file' in logging; the handler follows sys.stderr instead."""
+    import io
+
+    setup_logging()
+    handler = logging.getLogger().handlers[0]
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    logging.getLogger("music3serve.test").info("one")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("music3serve.test").info("two")
+    assert handler.stream is second and second.getvalue().rstrip().endswith("two")

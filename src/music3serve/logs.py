@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import unicodedata
 
@@ -48,11 +49,24 @@ def _value(value: object) -> str:
     return '"' + _one_line(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when a record comes, not when it was made: a server thread that logs
+    after stderr was swapped (a test's captured stream closed, a redirect) writes to the current one."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: object) -> None:
+        pass
+
+
 def setup_logging(level: str = "INFO") -> None:
     """Every logger's records to stderr as key=value lines stamped like 2026-12-02T14:33:04.814Z."""
     formatter = KeyValueFormatter("%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s %(message)s", "%Y-%m-%dT%H:%M:%S")
     formatter.converter = time.gmtime
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
