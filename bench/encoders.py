@@ -141,10 +141,14 @@ def make_engine(tiny: bool, folder: Path):
         from music3serve.tiny import write_tiny_checkpoint
 
         return Engine.from_pretrained(write_tiny_checkpoint(folder / "tiny", seed=0), device="cpu")
+    import dataclasses
+
     from music3serve.bench.e2e import random_models
     from music3serve.serving.deploy_config import load_deploy_config
 
-    return Engine(random_models("cuda"), load_deploy_config())
+    deploy = load_deploy_config()  # stage 1 in bf16, as `music3serve bench e2e` measures it
+    stage1 = dataclasses.replace(deploy.stages[1], dtype="bfloat16")
+    return Engine(random_models("cuda"), dataclasses.replace(deploy, stages=(deploy.stages[0], stage1)))
 
 
 def main() -> None:
