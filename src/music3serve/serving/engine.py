@@ -33,6 +33,7 @@ from ..talker.engine import SongFinished, Talker
 from ..talker.quantize import quantize_talker
 from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
+from .deploy_schema import precision_log_level
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import (
     PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
@@ -113,7 +114,8 @@ class Engine:
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
-        log.info("stage precision", extra=deploy.precisions())
+        log.log(precision_log_level(deploy.stages[1].precision, self.device.type), "stage precision",
+                extra=deploy.precisions())
         started = time.perf_counter()
         if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
             apply_policy(models.condition_encoder, models.dit, models.vocoder,
