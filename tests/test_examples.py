@@ -29,7 +29,7 @@ from music3serve.serving.api import create_app
 from decoding import assert_song_audio, expected_samples  # tests/ is on the import path (no package)
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-SCRIPT_FRAMES = 500  # the scripts' max_new_tokens and curl.sh's 20 s: each song runs to its cap on the tiny model
+SCRIPT_FRAMES = 250  # the scripts' max_new_tokens and curl.sh's 10 s: each song runs to its cap on the tiny model
 PAGE_SECONDS, PAGE_SEED = 12, 7  # 300 frames: the first window's audio leaves at frame 201, the last at 300
 SPEECH_RATE = 32000  # /v1/audio/speech's default rate
 BATCH_LSB = 6  # 16-bit steps between runs of one song in different batches (as tests/test_studio.py)
