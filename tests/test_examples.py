@@ -1,7 +1,7 @@
 """The clients in examples/ against a live server on the tiny checkpoint, run as their own instructions say:
 play_stream.html in headless Chromium, served from an origin of its own that the server allows, plays the song while
-it is written; curl.sh, openai_sdk.py and hosted_api.py run at once (three users of one server) and write the
-songs they say they write."""
+it is written, and its Stop cancels the song on the server; curl.sh, openai_sdk.py and hosted_api.py run at once
+(three users of one server) and write the songs they say they write."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ pytest.importorskip("av")
 from music3serve.serving.access import Access, HostPolicy
 from music3serve.serving.api import create_app
 from decoding import assert_song_audio, expected_samples  # tests/ is on the import path (no package)
+from polling import poll_until
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 SCRIPT_FRAMES = 250  # the scripts' max_new_tokens and curl.sh's 10 s: each song runs to its cap on the tiny model
@@ -105,6 +106,23 @@ def test_play_stream_html_plays_the_song_while_it_is_written(page, api_url):
     page.wait_for_function("() => document.getElementById('player').currentTime > 1", timeout=10_000)
     played = page.evaluate("(() => { const p = document.getElementById('player'); return [p.paused, p.error]; })()")
     assert played == [False, None]
+
+
+def test_play_stream_html_stop_cancels_the_song_on_the_server(page, api_url, engine):
+    page.fill("#seconds", "60")
+    page.evaluate(RECORD_PLAYBACK)
+    with page.expect_response("**/v1/audio/speech") as answer:
+        page.click("#play")
+    song = answer.value.headers["x-song-id"]
+    page.wait_for_function("() => window.heard.playing !== undefined", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_function("() => !document.getElementById('play').disabled")
+    assert page.inner_text("#status") == "stopped" and page.is_disabled("#stop")
+    poll_until(lambda: httpx.get(f"{api_url}/v1/songs/{song}").json()["state"] == "cancelled", 10)
+    status = httpx.get(f"{api_url}/v1/songs/{song}").json()
+    assert status["frames_written"] < status["frame_budget"] == 60 * 25, status
+    poll_until(lambda: not engine.talker.songs, 10)  # the engine let the song go
+    assert page.evaluate("document.getElementById('player').paused")
 
 
 def test_play_stream_html_shows_the_servers_refusal(page):
