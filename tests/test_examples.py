@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -131,6 +132,16 @@ def test_play_stream_html_shows_the_servers_refusal(page):
     page.wait_for_function("() => document.getElementById('status').textContent !== ''")
     assert "max_new_tokens" in page.inner_text("#status") and "9000" in page.inner_text("#status")
     assert not page.is_disabled("#play")
+
+
+def test_play_stream_html_says_how_to_let_it_reach_a_server_that_does_not_answer(page, page_origin):
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        page.fill("#server", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        page.click("#play")
+        page.wait_for_function("() => !document.getElementById('play').disabled")
+    assert page.inner_text("#status") == (f"no answer from {page.input_value('#server')}: is it running, with "
+                                          f"--allowed-origins {page_origin}?")
 
 
 @dataclass
