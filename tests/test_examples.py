@@ -1,7 +1,7 @@
 """The clients in examples/ against a live server on the tiny checkpoint, run as their own instructions say:
 play_stream.html in headless Chromium, served from an origin of its own that the server allows, plays the song while
-it is written, and its Stop cancels the song on the server; curl.sh, openai_sdk.py and hosted_api.py run at once
-(three users of one server) and write the songs they say they write."""
+it is written, its Stop cancels the song on the server, and it shows the server's refusals; curl.sh, openai_sdk.py
+and hosted_api.py run at once (three users of one server) and write the songs they say they write."""
 
 from __future__ import annotations
 
@@ -142,6 +142,19 @@ def test_play_stream_html_says_how_to_let_it_reach_a_server_that_does_not_answer
         page.wait_for_function("() => !document.getElementById('play').disabled")
     assert page.inner_text("#status") == (f"no answer from {page.input_value('#server')}: is it running, with "
                                           f"--allowed-origins {page_origin}?")
+
+
+def test_play_stream_html_sends_its_api_key(page, engine, serve_http, page_origin):
+    access = Access(api_keys=("k3y",), allowed_origins=(page_origin,), hosts=HostPolicy.for_bind("127.0.0.1"))
+    with serve_http(create_app(engine, access=access)) as url:
+        page.fill("#server", url)
+        page.fill("#seconds", "400")  # refused, once the key is taken: no song is written
+        for key, message in (("", "this server needs an API key: send Authorization: Bearer <key>"),
+                             ("k3y", "max_new_tokens: Input should be less than or equal to 9000")):
+            page.fill("#key", key)
+            page.click("#play")
+            page.wait_for_function("() => !document.getElementById('play').disabled")
+            assert page.inner_text("#status") == message
 
 
 @dataclass
