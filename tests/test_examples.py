@@ -144,6 +144,15 @@ def test_play_stream_html_says_how_to_let_it_reach_a_server_that_does_not_answer
                                           f"--allowed-origins {page_origin}?")
 
 
+def test_play_stream_html_opened_as_a_file_says_to_serve_it(page, api_url):
+    page.goto((EXAMPLES / "play_stream.html").as_uri())  # its origin is "null", which no server should allow
+    page.fill("#server", api_url)
+    page.click("#play")
+    page.wait_for_function("() => !document.getElementById('play').disabled")
+    assert page.inner_text("#status") == (f"no answer from {api_url}: open this page from a web server (see its "
+                                          "first lines), not as a file")
+
+
 def test_play_stream_html_sends_its_api_key(page, engine, serve_http, page_origin):
     access = Access(api_keys=("k3y",), allowed_origins=(page_origin,), hosts=HostPolicy.for_bind("127.0.0.1"))
     with serve_http(create_app(engine, access=access)) as url:
