@@ -1,6 +1,6 @@
-"""POST /v1/audio/speech and GET /v1/models through the OpenAI Python SDK against a real server on the tiny
-checkpoint: the official contract (32 kHz WAV by default, seed 0), every format decoded back by PyAV, streamed
-bytes and SSE events, the SDK's typed errors, and the same song as POST /v1/songs bit for bit."""
+"""POST /v1/audio/speech, GET /v1/models and GET /v1/models/{model} through the OpenAI Python SDK against a real
+server on the tiny checkpoint: the official contract (32 kHz WAV by default, seed 0), every format decoded back by
+PyAV, streamed bytes and SSE events, the SDK's typed errors, and the same song as POST /v1/songs bit for bit."""
 
 from __future__ import annotations
 
@@ -139,6 +139,16 @@ def test_a_seed_past_2_63_is_its_own_song(sdk):
 
 def test_models_lists_the_served_names(sdk):
     assert [model.id for model in sdk.models.list()] == list(contract.SERVED_MODEL_NAMES)
+
+
+def test_the_sdk_retrieves_each_served_model_and_no_other(sdk, client):
+    listed = client.get("/v1/models").json()["data"]
+    assert [sdk.models.retrieve(card["id"]).model_dump() for card in listed] == listed  # a name with a slash too
+    with pytest.raises(openai.NotFoundError) as error:
+        sdk.models.retrieve("tts-1")
+    assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
+    assert error.value.body["message"] == "model 'tts-1' is not served here; it serves " + ", ".join(
+        contract.SERVED_MODEL_NAMES)
 
 
 def test_the_sdk_raises_its_typed_errors(sdk):
