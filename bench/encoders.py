@@ -97,12 +97,12 @@ async def window_period(client, url: str, body: dict) -> float | None:
     return None
 
 
-async def idle(client) -> None:
+async def idle(client, timeout: float = 60.0) -> None:
     """Until the engine holds no song (the songs of closed requests are cancelled, not gone at once)."""
-    while True:
-        metrics = (await client.get("/metrics")).text
-        if re.search(r"^music3_songs_held 0(\.0)?$", metrics, re.MULTILINE):
-            return
+    deadline = time.perf_counter() + timeout
+    while not re.search(r"^music3_songs_held 0(\.0)?$", (await client.get("/metrics")).text, re.MULTILINE):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the engine still holds songs {timeout:g} s after their requests were closed")
         await asyncio.sleep(0.02)
 
 
@@ -155,14 +155,11 @@ def make_engine(tiny: bool, folder: Path):
         from music3serve.tiny import write_tiny_checkpoint
 
         return Engine.from_pretrained(write_tiny_checkpoint(folder / "tiny", seed=0), device="cpu")
-    import dataclasses
-
     from music3serve.bench.e2e import random_models
-    from music3serve.serving.deploy_config import load_deploy_config
+    from music3serve.serving.deploy_config import load_deploy_config, with_stage1_dtype
 
-    deploy = load_deploy_config()  # stage 1 in bf16, as `music3serve bench e2e` measures it
-    stage1 = dataclasses.replace(deploy.stages[1], dtype="bfloat16")
-    return Engine(random_models("cuda"), dataclasses.replace(deploy, stages=(deploy.stages[0], stage1)))
+    # stage 1 in bf16, as `music3serve bench e2e` measures it
+    return Engine(random_models("cuda"), with_stage1_dtype(load_deploy_config(), "bfloat16"))
 
 
 def main() -> None:

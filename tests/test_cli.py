@@ -794,8 +794,9 @@ def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypa
     assert env.allowed_origins == ("https://a.example", "http://localhost:3000", "*")
     # As browsers send them: lower case, no default port (CORS compares strings).
     assert [origin(o) for o in ("HTTP://LocalHost:80", "https://App.Example:443/", "http://[::1]:8080",
-                                "https://a.example:4430", "app://X")] == [
-        "http://localhost", "https://app.example", "http://[::1]:8080", "https://a.example:4430", "app://x"]
+                                "https://a.example:4430", "app://X", "http://example.com:")] == [
+        "http://localhost", "https://app.example", "http://[::1]:8080", "https://a.example:4430", "app://x",
+        "http://example.com"]
     assert env.hosts.allows("localhost:8000") and env.hosts.allows("a.example.org") and not env.hosts.allows("b.example")
     assert flags.hosts.allows("anything.example")  # all interfaces, no --allowed-hosts: any Host
     for bad, needle in ((["--api-key", "has space"], "API key"), (["--allowed-origins", "https://a.example/app"],

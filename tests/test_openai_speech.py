@@ -194,3 +194,21 @@ def test_the_engines_refusals_name_the_fields_as_this_endpoint_calls_them(client
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "instructions"
     assert response.json()["error"]["message"].startswith("instructions must be a non-empty string")
+
+
+def test_a_songs_first_window_goes_to_the_encoder_with_a_short_first_slice(sdk, monkeypatch):
+    from music3serve.serving import song_service
+    from music3serve.serving.song_feed import FEED_SAMPLES, FIRST_FEED_SAMPLES
+
+    fed: list[list[int]] = []  # per window: its slices' lengths
+    slices_of = song_service.window_slices
+
+    def recorded(pcm, last, first=False):
+        slices = slices_of(pcm, last, first)
+        fed.append([piece.shape[-1] for piece, _ in slices])
+        return slices
+
+    monkeypatch.setattr(song_service, "window_slices", recorded)
+    body = speak(sdk, response_format="mp3", extra_body={"max_new_tokens": LONG_FRAMES, "stream": True}).content
+    assert body and len(fed) == 2  # two windows
+    assert fed[0][0] == FIRST_FEED_SAMPLES and fed[0][1] == FEED_SAMPLES and fed[1][0] == FEED_SAMPLES

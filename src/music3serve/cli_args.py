@@ -125,7 +125,7 @@ DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 def origin(value: str) -> str:
     """A browser origin (scheme://host[:port], no path), or * for any; written as browsers send it (CORS compares the
     strings): lower case, without the scheme's default port."""
-    value = value.rstrip("/")
+    value = value.rstrip("/").removesuffix(":")  # an empty port is no port
     scheme, sep, rest = value.partition("://")
     if value != "*" and not (sep and scheme.isascii() and scheme.isalpha() and rest
                              and not any(c in rest for c in "/?# ")):

@@ -18,14 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import Music3Error
 from ..logs import setup_logging
-from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization
+from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
 from .common import table
 
 # precision: (stage 1 dtype, quantization of both stages)
@@ -39,8 +38,7 @@ def deploy_for(precision: str) -> DeployConfig:
     if precision not in PRECISIONS:
         raise Music3Error(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype, quantization = PRECISIONS[precision]
-    deploy = with_quantization(load_deploy_config(), quantization)
-    return replace(deploy, stages=(deploy.stages[0], replace(deploy.stages[1], dtype=dtype)))
+    return with_stage1_dtype(with_quantization(load_deploy_config(), quantization), dtype)
 
 
 def measure(precision: str, checkpoint: Path | None = None) -> dict[str, float]:

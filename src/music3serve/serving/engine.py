@@ -120,6 +120,7 @@ class Engine:
         if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
             apply_policy(models.condition_encoder, models.dit, models.vocoder,
                          PrecisionPolicy.named(deploy.stages[1].precision))
+        policy_s, started = time.perf_counter() - started, time.perf_counter()  # stage 1's part, before the talker's
         if deploy.stages[0].quantization == "fp8":
             quantize_talker(models.language_model, models.depth_decoder)
         self.talker = Talker(
@@ -132,7 +133,7 @@ class Engine:
         # Seconds from loaded weights to ready, per stage in this process (a worker's renderer gets ready in its own).
         self.ready_s = {"talker": talker_ready - started}
         if worker is None:
-            self.ready_s["renderer"] = time.perf_counter() - talker_ready
+            self.ready_s["renderer"] = policy_s + time.perf_counter() - talker_ready
         log.info("engine ready", extra={f"{part}_s": s for part, s in self.ready_s.items()})
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting), self.unread_audio)
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES

@@ -16,9 +16,8 @@ SILENCE = np.zeros((CHANNELS, 0), np.float32)  # what a Done feeds the encoder: 
 
 
 # A window goes to its encoder in slices this long, each sent once encoded: a song's first audio leaves after one
-# slice's encoding, not its whole first window's (MP3 takes ~25 ms of CPU per second of audio). The song's very first
-# slice is shorter still: when many songs' first windows come at once, their first slices are encoded one after the
-# other (Python's one interpreter lock), and the last song's first audio waits for all of them.
+# slice's encoding, not its whole first window's (MP3 takes ~25-45 ms of CPU per second of audio). The song's very first
+# slice is shorter still, the shortest after which every format has decodable audio out (tests/test_encoders.py).
 FEED_SAMPLES = contract.SAMPLE_RATE // 2
 FIRST_FEED_SAMPLES = contract.SAMPLE_RATE // 4
 
