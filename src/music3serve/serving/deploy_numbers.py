@@ -78,7 +78,6 @@ def yaml_float(x: float) -> str:
     return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
 
 
-
 def int_text_hint(text: str) -> str:
     """Why an integer in a notation YAML 1.1 does not read was read as text: 0o10 (YAML 1.2's octal) and 08 (a
     leading zero, but not octal)."""
