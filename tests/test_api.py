@@ -703,7 +703,7 @@ def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, roo
         monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert cli.main(["serve", "--tiny"]) == 2
-    assert "pip install 'music3serve[serve]'" in capsys.readouterr().err
+    assert "pip install -e '.[serve]'" in capsys.readouterr().err
 
 
 def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
