@@ -31,7 +31,9 @@ from music3serve import cli, contract
 from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine_limits import MAX_SONGS
+from music3serve.serving.held_songs import caller_id
 from polling import hold, poll_until  # tests/ is on the import path (no package)
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}

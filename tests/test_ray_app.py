@@ -28,7 +28,8 @@ from music3serve.serving.access import HostPolicy  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
 from music3serve.prompt import frames_for_duration  # noqa: E402
-from music3serve.serving.engine import Engine, audio_bytes  # noqa: E402
+from music3serve.serving.engine import Engine  # noqa: E402
+from music3serve.serving.engine_limits import audio_bytes  # noqa: E402
 from music3serve.serving.ray_app import APP_NAME, RayAppArgs, build  # noqa: E402
 from polling import poll_until  # noqa: E402
 from test_engine import PCM_MAX_ABS  # noqa: E402

@@ -85,7 +85,7 @@ def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, c
 
 
 def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir, caplog):
-    caplog.set_level("ERROR", logger="music3serve.serving.engine")
+    caplog.set_level("ERROR", logger="music3serve.serving.stage_guard")
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     connector = engine.worker.connector
     try:
@@ -106,7 +106,7 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
     finally:
         engine.close()
     assert not connector.segments()
-    stopped = [r for r in caplog.records if r.name == "music3serve.serving.engine"]
+    stopped = [r for r in caplog.records if r.name == "music3serve.serving.stage_guard"]
     assert stopped and all(r.getMessage() == "engine stage stopped" and not r.exc_info for r in stopped), [
         (r.getMessage(), r.exc_info) for r in stopped]  # the death is one line, not a traceback
     assert "worker died" in stopped[0].error

@@ -26,7 +26,8 @@ from ray.serve.exceptions import BackPressureError, RayServeException, RequestCa
 from ..errors import EngineBusy, InputError, Music3Error
 from ..prompt import frames_for_duration
 from .access import OWNER
-from .engine import MAX_UNREAD_BYTES, Engine, audio_bytes, too_long, unread_refusal
+from .engine import Engine
+from .engine_limits import MAX_UNREAD_BYTES, audio_bytes, too_long, unread_refusal
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
 from .song_service import KEEP_FINISHED, scoped
