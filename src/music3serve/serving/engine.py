@@ -40,7 +40,8 @@ from .stage1 import LocalStage1, Stage1, WorkerStage1
 from .stage_devices import stage_devices
 from .stage_guard import StageGuard
 from .talker_loop import Callers, TalkerLoop
-from .worker import RenderWorker, load_acoustic
+from .worker import RenderWorker
+from .worker_process import load_acoustic
 
 log = logging.getLogger(__name__)
 
