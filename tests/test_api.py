@@ -844,9 +844,9 @@ def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
 
 
 def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
-    from music3serve.serving import song_service
+    from music3serve.serving import song_registry, song_service
 
-    monkeypatch.setattr(song_service, "KEEP_FINISHED", 2)
+    monkeypatch.setattr(song_registry, "KEEP_FINISHED", 2)
     service = song_service.SongService(None)  # type: ignore[arg-type]
     for song_id in ("a", "b", "a", "c"):  # "a" runs again after "b", then "c"
         song = song_service.SongState(song_id, 1, 100, "wav", 44100)
