@@ -33,7 +33,9 @@ from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_captio
 from music3serve.serving import http_guard
 from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine_limits import MAX_SONGS
+from music3serve.serving.held_songs import caller_id
 from music3serve.serving.request_body import DRAIN_BYTES, MAX_BODY_BYTES, BoundedBody, SongBody
 from polling import poll_until  # tests/ is on the import path (no package)
 

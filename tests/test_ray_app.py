@@ -28,7 +28,8 @@ from music3serve.serving.access import HostPolicy  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
 from music3serve.prompt import frames_for_duration  # noqa: E402
-from music3serve.serving.engine import Engine, audio_bytes  # noqa: E402
+from music3serve.serving.engine import Engine  # noqa: E402
+from music3serve.serving.engine_limits import audio_bytes  # noqa: E402
 from music3serve.serving.ray_app import APP_NAME, RayAppArgs, build  # noqa: E402
 from polling import poll_until  # noqa: E402
 from test_engine import PCM_MAX_ABS  # noqa: E402
@@ -349,9 +350,15 @@ def test_the_front_has_everything_the_app_asks_of_an_engine():
     from music3serve.serving import api
     from music3serve.serving.ray_front import RemoteEngine
 
-    app = Path(api.__file__)  # api.py and the serving modules it imports (the uvicorn runner, server.py, is not used)
-    modules = [app, *(app.with_name(f"{name}.py") for name in re.findall(r"^from \.(\w+) import", app.read_text(),
-                                                                         re.MULTILINE) if name != "engine")]
+    # api.py and the serving modules it imports, and theirs (the uvicorn runner, server.py, is not used).
+    app = Path(api.__file__)
+    modules, todo = set(), [app]
+    while todo:
+        module = todo.pop()
+        if module not in modules:
+            modules.add(module)
+            todo += [app.with_name(f"{name}.py") for name in re.findall(r"^from \.(\w+) import", module.read_text(),
+                                                                        re.MULTILINE) if name != "engine"]
     used = set()
     for module in modules:
         used |= set(re.findall(r"\bengine\.([a-z_]\w*)", module.read_text())) - {"py"}  # not serving/engine.py

@@ -28,7 +28,8 @@ from ..model_location import resolve_model
 from .access import Access, HostPolicy
 from .api import create_app
 from .deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
-from .engine import MAX_SONGS, Engine
+from .engine import Engine
+from .engine_limits import MAX_SONGS
 from .events import Event, SongRequest
 from .ray_front import Progress, RemoteEngine, ReplicaHeader, with_progress
 from .ray_metrics import RayMetricsCopy
