@@ -1260,3 +1260,10 @@ def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(e
     invalid = 'music3_refusals_total{reason="invalid"}'
     assert after[invalid] == before[invalid]
     assert "untakeable" not in engine._keys
+
+
+def test_the_engine_says_the_precision_its_talker_really_runs_in(engine, deploy):
+    """The deploy file's bf16 talker runs in float32 on the CPU: the start-up line says so, not the file's dtype."""
+    assert deploy.stages[0].dtype == "bfloat16" and engine.models.language_model.embed.weight.dtype == torch.float32
+    assert engine.precisions()["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
+    assert engine.precisions()["stage 1"] == deploy.precisions()["stage 1"]

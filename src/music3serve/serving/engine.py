@@ -57,7 +57,7 @@ class Engine(StageGuard):
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
         log.log(precision_log_level(deploy.stages[1].precision, self.device.type), "stage precision",
-                extra=deploy.precisions())
+                extra=self.precisions())
         started = time.perf_counter()
         if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
             apply_policy(models.condition_encoder, models.dit, models.vocoder,
@@ -111,6 +111,15 @@ class Engine(StageGuard):
             torch.cuda.synchronize(self.device)  # start-up work on the default stream is done before the stages run
         for thread in self._threads:
             thread.start()
+
+    def precisions(self) -> dict[str, str]:
+        """What each stage runs in: the deploy file's words, the talker's corrected where its weights differ (the CPU
+        runs it in float32)."""
+        precisions, s0 = self.deploy.precisions(), self.deploy.stages[0]
+        held = str(self.models.language_model.embed.weight.dtype).removeprefix("torch.")
+        if s0.quantization == "none" and held != s0.dtype:
+            precisions["stage 0"] = f"{held} (its weights here; the deploy file's {s0.dtype} is for GPUs)"
+        return precisions
 
     @classmethod
     def from_pretrained(
