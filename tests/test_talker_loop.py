@@ -17,7 +17,7 @@ from music3serve.serving.heartbeat import StageWatch
 from music3serve.serving.metrics import EngineMetrics
 from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP
 from music3serve.serving.talker_loop import Callers, TalkerLoop
-from music3serve.talker.engine import Event, SongFinished, WindowReady
+from music3serve.talker.events import Event, SongFinished, WindowReady
 
 
 class ScriptedTalker:
