@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 import torch
 
-from music3serve.acoustic.renderer import WindowPayload
+from music3serve.acoustic.payloads import WindowPayload
 from music3serve.acoustic.windows import Window
 from music3serve.errors import InputError, Music3Error
 from music3serve.serving.heartbeat import StageWatch

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..acoustic.renderer import WindowPayload
+from ..acoustic.payloads import WindowPayload
 from ..errors import InputError, Music3Error, error_text
 from ..talker.engine import Talker
 from ..talker.events import Event, SongFailed, SongFinished, WindowReady
