@@ -1,5 +1,5 @@
-"""The talker's records: each song it holds, from the queue to its last frame, and the frame step queued on the
-device whose results the host has not read yet."""
+"""The talker's records: each song it holds, from the checks at submission to its last frame, and the frame step
+queued on the device whose results the host has not read yet."""
 
 from __future__ import annotations
 
