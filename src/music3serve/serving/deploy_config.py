@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .deploy_compilation import CUDAGRAPH_MODES
 from .deploy_errors import ConfigError, bad, quote
 from .deploy_schema import (
     CONNECTOR,
@@ -37,7 +38,6 @@ from .deploy_schema import (
     Stage1Config,
     Stage1Sampling,
 )
-from .deploy_compilation import CUDAGRAPH_MODES
 from .deploy_section import Section, is_int
 from .deploy_stages import STAGE0_DTYPES, STAGE1_DTYPES, STAGE_EXTRA, STAGE_KEYS, parse_stage0, parse_stage1
 from .deploy_yaml import read_deploy_yaml
