@@ -1268,3 +1268,14 @@ def test_the_engine_says_the_precision_its_talker_really_runs_in(engine, deploy)
     assert deploy.stages[0].dtype == "bfloat16" and engine.models.language_model.embed.weight.dtype == torch.float32
     assert engine.precisions()["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
     assert engine.precisions()["stage 1"] == deploy.precisions()["stage 1"]
+
+
+def test_a_song_whose_lyrics_lose_text_after_a_tag_is_logged_by_id(engine, caplog):
+    """The reference drops text after a [tag] on its line; the engine serves the song and logs the lines by number
+    with the song's id (no lyrics in the log)."""
+    req = request(0, lyrics="[verse] neon skies\nhold on\n[chorus]\nhey", duration_s=1.0, id="tagline")
+    with caplog.at_level("WARNING", logger="music3serve.prompt"):
+        events = run(collect(engine, req))
+    assert isinstance(events[-1], Done)
+    warned = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert [(r.lines, r.song) for r in warned] == [([1], "tagline")]

@@ -20,7 +20,7 @@ import torch
 from ..acoustic.precision import PrecisionPolicy, apply_policy
 from ..checkpoint import Music3Models, load_models
 from ..errors import InputError, Music3Error
-from ..prompt import encode_prompt
+from ..prompt import encode_prompt, warn_dropped_lyrics
 from ..talker.engine import Talker
 from ..talker.quantize import quantize_talker
 from .deploy_config import DeployConfig, load_deploy_config
@@ -159,6 +159,7 @@ class Engine:
             self.held.forget(key)
             raise Music3Error(self.guard.broken or "the engine is closed; it takes no more songs")
         self.talker_loop.submit(key, cond, uncond, seed, budget_request, steps)
+        warn_dropped_lyrics(request.lyrics, song=song)
         ended = False
         try:
             while not ended:
