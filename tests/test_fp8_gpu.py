@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from music3serve.kernels.skinny_linear import MAX_CHUNKED_ROWS, MAX_ROWS, skinny_gated_silu, skinny_linear
+from music3serve.kernels.skinny_linear import MAX_CHUNKED_ROWS, skinny_gated_silu, skinny_linear
+from music3serve.kernels.skinny_linear_kernel import MAX_ROWS
 from music3serve.models.fp8 import (
     dequantize, quantize, scaled_linear, scaled_reference, uses_scaled_mm, weight_only_reference,
 )

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from music3serve.kernels.skinny_linear import (
-    MAX_ROWS,
     gated_silu_reference,
     skinny_gated_silu,
     skinny_linear,
     uses_kernel,
 )
+from music3serve.kernels.skinny_linear_kernel import MAX_ROWS
 from music3serve.kernels.pdl import uses_pdl
 from music3serve.models.layers import linear, swiglu
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import contract
-from ..kernels.skinny_linear import MAX_ROWS
+from ..kernels.skinny_linear_kernel import MAX_ROWS
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import hot
 from .frame import both_rows, embed_codes
