@@ -11,7 +11,7 @@ from torch import nn
 
 from ..kernels.decode_attention import decode_attention
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, linear, residual_mlp, rms_norm, swiglu
+from .layers import GatedMLP, RMSNorm, Weight, linear, residual_mlp, rms_norm, swiglu
 from .weights import Source, require
 
 
@@ -75,7 +75,10 @@ class DepthBlock(nn.Module):
 
 
 @hot
-def depth_block(x, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: float, heads: int):
+def depth_block(
+    x: torch.Tensor, attn_norm_w: torch.Tensor, qkv_w: Weight, o_w: Weight, mlp_norm_w: torch.Tensor,
+    gate_up_w: Weight, down_w: Weight, eps: float, heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One causal depth-decoder block over positions x [rows, t, hidden]. Returns x and the keys and values [rows,
     heads, t, head_dim]."""
     b, t, h = x.shape
@@ -87,7 +90,7 @@ def depth_block(x, attn_norm_w, qkv_w, o_w, mlp_norm_w, gate_up_w, down_w, eps: 
 
 
 @hot
-def depth_qkv(x, attn_norm_w, qkv_w, eps: float) -> torch.Tensor:
+def depth_qkv(x: torch.Tensor, attn_norm_w: torch.Tensor, qkv_w: Weight, eps: float) -> torch.Tensor:
     """q | k | v [rows, 3 * hidden] of one new position x [rows, 1, hidden]."""
     return linear(rms_norm(x, attn_norm_w, eps), qkv_w).view(x.shape[0], -1)
 
