@@ -65,7 +65,8 @@ def _fix_interpreter() -> None:
     for name in ("exp", "rsqrt"):  # 3: resolved per call, when tl.math holds the interpreter's ops
         setattr(libdevice, name, lambda *args, _name=name: getattr(tl.math, _name)(*args))
 
-    create_dot, cast_impl, binary_op = InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl, InterpreterBuilder.binary_op
+    create_dot, cast_impl, binary_op = (InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl,
+                                        InterpreterBuilder.binary_op)
 
     def widen(handle):
         return TensorHandle(_bf16_to_float32(handle.data), tl.float32) if handle.dtype.scalar == tl.bfloat16 else handle

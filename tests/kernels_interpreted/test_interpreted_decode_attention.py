@@ -106,3 +106,14 @@ def test_rotation_gives_the_torch_ops_bits(splits):
                                    append=(k_new, v_new, positions), rotation=rotation)
     assert torch.equal(k, k_torch) and torch.equal(v, v_torch)
     assert torch.equal(out, expected)
+
+
+def test_with_the_split_count_fixed_a_rows_bits_do_not_depend_on_the_rows_beside_it():
+    """Each program reads one row only; a row's result changes with its company only through the split count."""
+    k, v = caches(len(LENGTHS))
+    q = torch.randn(len(LENGTHS), Q_HEADS, HEAD_DIM).to(torch.bfloat16)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    full = _decode_attention_triton(q, k, v, lengths, num_splits=3, block_n=BLOCK_N)
+    for rows in (slice(6, 7), slice(2, 5)):
+        alone = _decode_attention_triton(q[rows], k[rows], v[rows], lengths[rows], num_splits=3, block_n=BLOCK_N)
+        assert torch.equal(alone, full[rows])
