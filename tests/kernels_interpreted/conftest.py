@@ -15,7 +15,10 @@ kernel is built (the kernels modules build theirs lazily), to this process only,
 4. bf16 is held as its uint16 bit pattern, and ``tl.dot`` multiplied those integers (triton-lang/triton#11584): bf16
    operands are widened to float32 first, which is exact, as the GPU's tensor cores multiply them.
 5. float32 -> bf16 casts truncated the mantissa; the GPU (``cvt.rn.bf16.f32``) and torch round to nearest even.
-6. Any other arithmetic or comparison on bf16 bit patterns raises, instead of computing on the integers.
+6. Elementwise arithmetic and comparisons on bf16 bit patterns raise, instead of computing on the integers.
+
+What stays on the GPU: launches with programmatic dependent launch (``gdc_wait``, the inline-PTX L2 prefetch have no
+interpreter form; CPU tensors never take PDL), and the quack GEMM of kernels/glu_linear.py, which is not Triton.
 """
 
 from __future__ import annotations
