@@ -5,7 +5,7 @@ without that variable the folder is not collected, so the interpreter and Triton
 suite. By hand: ``TRITON_INTERPRET=1 PYTHONPATH=.venv/triton-interpret:src python -m pytest tests/kernels_interpreted``.
 
 Triton 3.6's interpreter needs six fixes to run these kernels as the GPU does. They are applied here, once, before any
-kernel is built (the kernels modules build theirs lazily), to this process only, and never change a kernel:
+kernel is built (the kernel modules build theirs lazily), to this process only, and never change a kernel:
 
 1. A scalar loaded from memory is a one-element array, and ``__index__`` (``range(lo, hi, step)`` on such scalars)
    converts it with ``int()``, which numpy 2.4 refuses for arrays (triton-lang/triton#9171): ``.item()`` instead.
