@@ -141,7 +141,7 @@ def test_without_async_chunk_no_window_of_a_song_that_ended_is_sent_to_stage_1(h
     script = [lambda: [window(0)], lambda: (ending(), [window(1)])[1], lambda: [window(2, last=True), finished()]]
     loop = run_loop(script, stage1, songs)
     assert stage1.sent == SENT[how]
-    assert not loop.held and not loop.steps
+    assert not loop.held_windows and not loop.steps
 
 
 class RefusingTalker(ScriptedTalker):

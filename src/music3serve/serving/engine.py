@@ -185,8 +185,9 @@ class Engine:
 
     def progress(self, song: str) -> tuple[int, int] | None:
         """(frames written, windows rendered) of the song held under the caller's id `song`, or None. Read from
-        the caller's thread while the stages run: each count may be a step behind, and frames read 0 once the
-        talker has let the song go (its Done carries the final count)."""
+        the caller's thread while the stages run: each count may be a step behind. A song whose last frame is
+        written reports its final count; a failed one 0 frames once the talker has dropped it, and a cancelled one
+        None (its id is free at once); the HTTP API keeps the count it read last."""
         key = self.held.key_of(song)
         client = self.held.client(key) if key is not None else None
         if client is None:
