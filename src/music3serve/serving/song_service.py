@@ -21,13 +21,13 @@ from .audio_io import CHANNELS, PcmEncoder
 from .encoders import MEDIA_TYPES, make_encoder
 from .engine import Engine
 from .error_bodies import ErrorReply, error_response
-from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
+from .events import Accepted, AudioChunk, Done, Event, Failed
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SongBody
 from .song_feed import SILENCE, next_event, window_slices
 from .song_registry import SongRegistry
 from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
-from .song_types import Framing, SongOrder, SongState, Started
+from .song_types import Framing, SongOrder, SongState, Started, song_request
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ class SongService:
 
     async def create(self, body: SongBody, request: Request) -> Response:
         """POST /v1/songs."""
-        song = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
-        if body.steps is not None:
-            song.steps = body.steps
+        song = song_request(body.caption, body.lyrics, body.duration, body.seed, body.steps, body.id)
         order = SongOrder(song, body.format, body.sample_rate, body.stream)
         started = await self.start(order, request, error_response)
         if isinstance(started, Response):
