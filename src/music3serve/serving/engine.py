@@ -183,6 +183,17 @@ class Engine:
         self._cancel(key)
         return True
 
+    def fail(self, song: str, message: str) -> bool:
+        """End a song as failed for a reason of the caller's (say the server could not encode its audio): counted as
+        a failure, not a cancel; its stream ends with Failed(message), its work stops in both stages and its id is
+        free at once. Whether it did, as for cancel."""
+        key = self.held.key_of(song)
+        if key is None or not self.reports.fail(key, message):
+            return False
+        self.held.release_id(song, key)
+        self._cancel(key)
+        return True
+
     def progress(self, song: str) -> tuple[int, int] | None:
         """(frames written, windows rendered) of the song held under the caller's id `song`, or None. Read from
         the caller's thread while the stages run: each count may be a step behind. A song whose last frame is
