@@ -635,6 +635,31 @@ def test_audio_whose_segment_vanished_fails_its_song_alone(tiny_dir, monkeypatch
         engine.close()
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "colocated"])
+def test_a_window_that_cannot_be_delivered_fails_its_song_alone_in_either_placement(tiny_dir, monkeypatch, split):
+    """The engine's hand-over of a rendered window raises (here its first one's): that song fails saying so, and the
+    engine serves on. Split, the receiver thread died of it and the engine stopped."""
+    from music3serve.serving.stage_reports import StageReports
+
+    real, calls = StageReports.on_chunk, []
+
+    def first_one_fails(self, out):
+        calls.append(out.song)
+        if len(calls) == 1:
+            raise RuntimeError("the chunk could not be queued")
+        return real(self, out)
+
+    monkeypatch.setattr(StageReports, "on_chunk", first_one_fails)  # before the engine binds it
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=split)
+    try:
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
+        assert result == "stage 1 could not deliver window 0: the chunk could not be queued"
+        assert engine.unavailable() is None and (not split or engine.worker.alive())
+        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
+    finally:
+        engine.close()
+
+
 def test_a_song_with_more_euler_steps_gets_proportionally_longer_connector_waits():
     """Its render takes that much longer: with the contract's 30 steps the first-chunk wait is as configured, with
     300 steps ten times as long, and so are the waits of songs with windows out beside it (they may be batched
