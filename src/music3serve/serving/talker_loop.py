@@ -134,6 +134,8 @@ class TalkerLoop:
                 return
 
     def _take(self, song: str, cond: list[int], uncond: list[int], seed: int, requested: int, steps: int) -> None:
+        if not self.callers.live(song):  # its caller is gone: cancelled (that cancel may have come first) or left
+            return
         try:
             self.watch.busy(1.0)  # taking a song copies its prompt to the device, behind the step in flight
             budget = self.talker.submit(song, cond, uncond, seed, requested)
