@@ -34,8 +34,8 @@ from music3serve.serving.audio_io import resample, to_pcm16
 from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import MAX_SONGS
 from music3serve.serving.events import Accepted, AudioChunk, Done, SongRequest
-from music3serve.serving.held_songs import caller_id
 from polling import hold, poll_until  # tests/ is on the import path (no package)
+from song_keys import caller_id
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
 LONG = 10  # seconds: two windows, so streaming and 32 kHz resampling cross a window boundary

@@ -34,10 +34,11 @@ from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import PCM_BYTES_PER_SAMPLE
 from music3serve.serving.events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from music3serve.serving.heartbeat import StageWatch
-from music3serve.serving.held_songs import caller_id, callers_ids
+from music3serve.serving.held_songs import callers_ids
 from music3serve.serving.stage1 import LocalStage1
 from failing_prefill import FailingPrefill  # tests/ is on the import path (no package)
 from polling import poll_until
+from song_keys import caller_id
 
 
 def callers(keys) -> set[str]:

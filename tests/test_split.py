@@ -38,6 +38,7 @@ from music3serve.serving.worker import ChunkDeadlines, RenderWorker, windows_in_
 from music3serve.serving.worker_messages import PCM, WINDOWS, window_message
 from music3serve.serving.worker_process import load_acoustic
 from polling import poll_until  # tests/ is on the import path (no package)
+from shm_names import segments
 from test_engine import wait_until  # the engine tests' helper
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
@@ -82,7 +83,7 @@ def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, c
     for a, b in zip(split, colocated):
         assert isinstance(a, np.ndarray) and a.dtype == b.dtype == np.float32 and a.shape == b.shape, a
         assert np.abs(a - b).max() < SPLIT_PCM_MAX_ABS  # float32 batching differences only
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir, caplog):
@@ -106,7 +107,7 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
             asyncio.run(song_pcm(engine, 5, 2.0))
     finally:
         engine.close()
-    assert not connector.segments()
+    assert not segments(connector)
     stopped = [r for r in caplog.records if r.name == "music3serve.serving.engine"]
     assert stopped and all(r.getMessage() == "engine stage stopped" and not r.exc_info for r in stopped), [
         (r.getMessage(), r.exc_info) for r in stopped]  # the death is one line, not a traceback
@@ -188,7 +189,7 @@ def test_a_frozen_worker_is_stopped_as_hung_and_the_engine_says_so(tiny_dir):
         started = time.monotonic()
         engine.close()
         assert time.monotonic() - started < 20
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def test_an_idle_worker_is_not_taken_for_hung(tiny_dir):
@@ -373,7 +374,7 @@ def test_a_render_call_that_never_ends_is_stopped_as_hung(tiny_dir, tmp_path):
     finally:
         flag.unlink()
         engine.close()
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def test_a_long_render_call_does_not_time_out_the_songs_waiting_on_it(tiny_dir, tmp_path):
@@ -589,7 +590,7 @@ def test_one_window_slot_still_gives_the_colocated_songs_and_every_slot_back(tin
         assert slots.get_value() == 1
     finally:
         engine.close()
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def first_segment_gone(read):
@@ -824,7 +825,7 @@ def test_a_worker_whose_server_was_killed_stops_and_removes_the_segments(tiny_di
         while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower():
             assert time.monotonic() < deadline, "the orphaned worker is still running"
             time.sleep(0.1)
-        assert not shm_segments.list_segments(prefix, None)
+        assert not shm_segments.list_segments(prefix)
     finally:
         parent.kill()
 
