@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from prometheus_client import Counter
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException, RequestCancelledError
 
@@ -216,7 +217,7 @@ class RemoteEngine:
         cancel, and its stream ends as a cancelled one: the caller has recorded the failure)."""
         return self._end(song, self.metrics.failures)
 
-    def _end(self, song: str, counter: Any) -> bool:
+    def _end(self, song: str, counter: Counter) -> bool:
         stream = self._streams.pop(song, None)
         if stream is None:
             return False

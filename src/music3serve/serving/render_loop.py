@@ -46,6 +46,7 @@ def check_weights_fit(renderer: Renderer, share: float) -> None:
         raise Music3Error(f"stage 1 needs {weights / GIB:.1f} GiB of {renderer.policy.name} weights, more than "
                           f"{where}" + (f": {' or '.join(advice)}" if advice else ""))
 
+
 def delivery_failed(out: RenderedWindow, exc: Exception) -> str:
     """Log why a rendered window could not be handed on, with the traceback; the failure message of its song (that
     song alone fails, in either placement)."""

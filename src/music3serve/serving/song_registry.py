@@ -67,7 +67,7 @@ class SongRegistry:
     def failed(self, song: SongState, exc: Exception) -> None:
         """The server could not go on with a running song (say its encoder raised): the song fails here and in the
         engine, counted as a failure (not a cancel), and the traceback is logged."""
-        log.exception("song failed in the server", extra={"song": song.name})
+        log.error("song failed in the server", exc_info=exc, extra={"song": song.name})
         message = f"the server failed: {error_text(exc)}"
         if song.state == "running":
             self.engine.fail(song.name, message)
