@@ -826,3 +826,24 @@ def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypa
     monkeypatch.setenv("MUSIC3_API_KEY", "good,bad key")
     code, err = run_cli(serve, capsys)
     assert code == 2 and "MUSIC3_API_KEY: an API key is printable ASCII" in err
+    for empty in ("", " , ,", ","):  # a secret that did not arrive: refused, not an open server
+        monkeypatch.setenv("MUSIC3_API_KEY", empty)
+        code, err = run_cli(serve, capsys)
+        assert code == 2 and "MUSIC3_API_KEY is set but holds no key" in err, repr(empty)
+    assert len(served) == 2
+
+
+def test_serve_warns_when_it_listens_beyond_loopback_without_keys(tmp_path: Path, capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
+                        lambda *a, **k: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr("music3serve.serving.server.serve", lambda *args: None)
+    monkeypatch.delenv("MUSIC3_API_KEY", raising=False)
+    serve = ["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
+    for host, keys, warned in (("0.0.0.0", [], True), ("0.0.0.0", ["--api-key", "k"], False),
+                               ("127.0.0.1", [], False), ("localhost", [], False)):
+        code, err = run_cli(serve + ["--host", host] + keys, capsys)
+        assert code == 0 and ("listens beyond this machine without API keys" in err) is warned, (host, keys, err)

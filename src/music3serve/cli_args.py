@@ -147,8 +147,14 @@ def host_name(value: str) -> str:
 
 
 def env_api_keys() -> list[str]:
-    """MUSIC3_API_KEY: one or more comma-separated keys (an empty value: none)."""
-    value = os.environ.get("MUSIC3_API_KEY", "")
+    """MUSIC3_API_KEY: one or more comma-separated keys; unset: none. Set but holding no key (empty, or only commas
+    and blanks) is refused: that is almost always a secret that did not arrive, and would leave the server open."""
+    value = os.environ.get("MUSIC3_API_KEY")
+    if value is None:
+        return []
+    if not value.replace(",", "").strip():
+        raise Music3Error("MUSIC3_API_KEY is set but holds no key (did its secret arrive?): give it one or more "
+                          "comma-separated keys, or unset it to serve without keys")
     try:
         return [api_key(key.strip()) for key in value.split(",") if key.strip()]
     except argparse.ArgumentTypeError as exc:
