@@ -14,6 +14,7 @@ pytest.importorskip("av")
 
 from music3serve import cli
 from music3serve.serving.engine import Engine
+from music3serve.serving import music_generation, openai_speech
 from music3serve.serving.music_generation import AudioSetting, MusicBody
 from music3serve.serving.openai_speech import SpeechBody
 from music3serve.serving.request_body import MAX_BODY_BYTES, SongBody
@@ -22,6 +23,7 @@ TINY = {"seed": 1, "steps": 1}
 SONG = {"caption": "pop", "lyrics": "[verse]\nla", "duration": 0.04, **TINY}
 SPEECH = {"model": "MiniMax-Music3", "input": "[verse]\nla", "instructions": "pop", "max_new_tokens": 1, **TINY}
 MUSIC = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "[verse]\nla", "max_new_tokens": 1, **TINY}
+REFUSED_FIELDS = {SpeechBody: openai_speech.REFUSED, MusicBody: music_generation.REFUSED}
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,38 @@ def test_the_schema_is_valid_openapi_with_one_operation_id_each(schema):
 def test_every_request_field_is_in_the_schema(schema, path, model):
     ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     components = schema["components"]["schemas"]
-    assert set(components[ref.rsplit("/", 1)[1]]["properties"]) == set(model.model_fields)
+    body = components[ref.rsplit("/", 1)[1]]
+    refused = set(REFUSED_FIELDS.get(model, {}))  # taken only to be refused: left out, named in the description
+    assert set(body["properties"]) == set(model.model_fields) - refused and body["additionalProperties"] is False
+    assert all(name in body["description"] for name in refused)
     if model is MusicBody:
         assert set(components["AudioSetting"]["properties"]) == set(AudioSetting.model_fields)
+
+
+SEEDS = (0, 2**64 - 1, 2**64, -1)
+# (path, body) pairs: the schema must take those the server takes and refuse those it refuses.
+BODIES = [(path, {**body, "seed": seed}) for path, body in (("/v1/songs", SONG), ("/v1/audio/speech", SPEECH),
+                                                            ("/v1/music_generation", MUSIC)) for seed in SEEDS]
+BODIES += [("/v1/audio/speech", {**SPEECH, field: value}) for field, value in (
+    ("temperature", 0.7), ("top_p", 0.9), ("top_k", 50), ("repetition_penalty", 1.1), ("ref_audio", "a.wav"),
+    ("speed", 1.0), ("speed", 1.5), ("speed", 0.5))]
+BODIES += [("/v1/music_generation", {**MUSIC, field: value}) for field, value in (
+    ("audio_url", "https://a.example/a.mp3"), ("refer_voice", "v"), ("output_format", "url"),
+    ("output_format", "hex"), ("lyrics_optimizer", True), ("lyrics_optimizer", False), ("aigc_watermark", True))]
+BODIES += [("/v1/songs", {**SONG, "steps": 0}), ("/v1/songs", {**SONG, "temperature": 1.0})]
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES, ids=[f"{p}-{sorted(set(b) - set(SONG) - set(SPEECH) - set(MUSIC))}-"
+                                                        f"{b.get('seed')}" for p, b in BODIES])
+def test_the_schema_takes_what_the_server_takes(schema, client, path, body):
+    """A validator (or an SDK generated from the schema) accepts a body exactly when the server does: refused fields
+    and values are not in it, and the seed's bound is the integer 2**64 - 1."""
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    valid = jsonschema.Draft202012Validator({"$ref": ref, "components": schema["components"]}).is_valid(body)
+    response = client.post(path, json={**body, "stream": False})
+    assert (response.status_code == 200) is valid, response.text[:200]
+    if not valid:
+        assert response.status_code == 400
 
 
 def requests_seen(client: httpx.Client, engine: Engine) -> list[tuple[str, str, httpx.Response]]:

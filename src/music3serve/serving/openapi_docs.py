@@ -104,12 +104,33 @@ MODEL_RESPONSES = {200: {"description": "a served model (OpenAI's model object)"
     "application/json": {"schema": MODEL_CARD}}}, **error_responses((401, 404), "openai")}
 
 
+def integer_bounds(node: Any) -> None:
+    """An integer field's bounds as integers, in place: FastAPI writes every bound as a float (a seed's 2**64 became
+    1.8446744073709552e+19, exact for a power of two but read as a float by validators and SDK generators), and an
+    exclusive bound on an integer as the inclusive one next to it."""
+    if isinstance(node, list):
+        for item in node:
+            integer_bounds(item)
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "integer":
+        for key, step in (("exclusiveMinimum", 1), ("exclusiveMaximum", -1)):
+            if key in node:
+                node[key.removeprefix("exclusive").lower()] = int(node.pop(key)) + step
+        for key in ("minimum", "maximum"):
+            if key in node:
+                node[key] = int(node[key])
+    for value in node.values():
+        integer_bounds(value)
+
+
 def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
     """FastAPI's schema, built once, without the 422 it adds to every route with a body (this API answers 400), with
-    the 500 of an unexpected error on every route, and with the API keys' bearer scheme on /v1/ routes where keys
-    are required."""
+    the 500 of an unexpected error on every route, integer bounds as integers, and with the API keys' bearer scheme
+    on /v1/ routes where keys are required."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        integer_bounds(schema)
         for path, operations in schema["paths"].items():
             for operation in operations.values():
                 responses = operation.setdefault("responses", {})
