@@ -137,6 +137,20 @@ def test_missing_keys_take_defaults_and_stage_order_is_free():
     assert s0.default_sampling_params.max_tokens == contract.MAX_FRAMES + 1
 
 
+def test_a_file_lists_only_the_stages_it_changes():
+    """A stage left out takes its defaults, reading from (or writing to) the connector the listed stage names."""
+    assert parse_deploy_config({"stages": []}, SOURCE) == DeployConfig(source=SOURCE)
+    s0, s1 = parse_deploy_config({"stages": [{"stage_id": 0, "max_num_seqs": 6, "devices": "1"}]}, SOURCE).stages
+    assert (s0.max_num_seqs, s0.devices) == (6, (1,)) and s1 == DeployConfig().stages[1]
+    s0, s1 = parse_deploy_config({"stages": [{"stage_id": 1, "max_num_seqs": 3}]}, SOURCE).stages
+    assert s0 == DeployConfig().stages[0] and s1.max_num_seqs == 3
+    connectors = {"mine": {"name": "SharedMemoryConnector"}}
+    for listed in ({"stage_id": 0, "output_connectors": {"to_stage_1": "mine"}},
+                   {"stage_id": 1, "input_connectors": {"from_stage_0": "mine"}}):
+        s0, s1 = parse_deploy_config({"connectors": connectors, "stages": [listed]}, SOURCE).stages
+        assert s0.output_connectors == {"to_stage_1": "mine"} and s1.input_connectors == {"from_stage_0": "mine"}
+
+
 def test_talker_config_mapping():
     cfg = parse_deploy_config(mutated(
         (("stages", 0, "max_num_seqs"), 12),
@@ -306,8 +320,11 @@ def test_unknown_key_at_every_level(where):
         ([(P1 + ("extra_args",), {})], "stages[1].default_sampling_params.extra_args", "only stage 0"),
         ([(P0 + ("top_k",), 50)], "stages[0].default_sampling_params.top_k", "unknown key"),
         ([(S0 + ("stage_id",), DELETE)], "stages[0].stage_id", "missing"),
-        ([(("stages",), [BASE["stages"][0]])], "stages", "stage_id 1 is missing"),
-        ([(("stages",), [])], "stages", "stage_id 0 is missing"),
+        ([(("stages",), [{"stage_id": 0, "max_num_seqs": 15}])], "stages[0].max_num_seqs", "an even integer"),
+        ([(("stages",), [{"stage_id": 0, "gpu_memory_utilization": 0.9}])], "stages[0].gpu_memory_utilization",
+         "sum over the stages on GPU 0 <= 1 (it is 1.1)"),
+        ([(("stages",), [{"stage_id": 1, "input_connectors": {"from_stage_0": "elsewhere"}}])],
+         "stages[0].input_connectors.from_stage_0", "a connector defined under connectors"),
         ([(("stages",), BASE["stages"] + [{"stage_id": 1}])], "stages[2].stage_id", "exactly once"),
         ([(("connectors", "other"), {}), (S1 + ("input_connectors", "from_stage_0"), "other")],
          "stages[1].input_connectors.from_stage_0", "the connector stage 0 writes to (stages[0].output_connectors"),
