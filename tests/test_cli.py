@@ -196,7 +196,23 @@ def test_missing_at_file_is_an_argparse_error(tmp_path: Path, capsys, recorder, 
         cli.main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}" in err and f"cannot read {missing}" in err
+    assert f"argument {flag}" in err and f"cannot read {missing}: No such file or directory" in err
+    assert recorder.calls == []
+
+
+@pytest.mark.parametrize("flag", ["--caption", "--lyrics"])
+def test_an_at_without_a_file_name_or_with_a_file_not_utf8_is_explained(tmp_path: Path, capsys, recorder, flag):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9".encode("latin-1"))
+    field = flag.removeprefix("--")
+    for given, says in (("@", f"@ needs a file name after it: @{field}.txt reads the {field} from {field}.txt"),
+                        (f"@{latin1}", f"{latin1} is not UTF-8 text (it holds the byte 0xe9): save it as UTF-8")):
+        argv = generate_args(tmp_path / "out.wav", "--model", "m")
+        argv[argv.index(flag) + 1] = given
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"argument {flag}: {says}" in err, err
     assert recorder.calls == []
 
 
@@ -255,7 +271,7 @@ def test_music3_model_not_a_checkpoint(tmp_path: Path, capsys, monkeypatch):
     monkeypatch.setenv("MUSIC3_MODEL", str(folder))
     code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
     assert code == 2
-    assert f"error: missing file {folder / 'modular_model_index.json'}" in err  # CheckpointError, with the path
+    assert f"error: {folder} is not a MiniMax-Music3 checkpoint folder: it has no modular_model_index.json" in err
 
     monkeypatch.setenv("MUSIC3_MODEL", str(tmp_path / "absent"))
     code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)

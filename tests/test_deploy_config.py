@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -302,7 +303,23 @@ def test_invalid_value(path, value):
         parse_deploy_config(mutated((path, value)), SOURCE)
     message = str(info.value)
     assert message.startswith(f"{SOURCE}: {path_text(path)}: "), message
-    assert f"got {value!r}" in message and "allowed: " in message, message
+    assert f"got {yaml_spelled(value)}" in message and "allowed: " in message, message
+
+
+def yaml_spelled(value: object) -> str:
+    """A value as the message quotes it: YAML's words for true, false, null and not-a-number, else its repr."""
+    if isinstance(value, list):
+        return f"[{', '.join(map(yaml_spelled, value))}]"
+    if isinstance(value, float) and math.isnan(value):
+        return ".nan"
+    return next((word for word, v in (("true", True), ("false", False), ("null", None)) if value is v), repr(value))
+
+
+def test_values_are_quoted_as_yaml_spells_them():
+    for value, said in ((True, "got true"), (None, "got null"), ([False, None], "got [false, null]"),
+                        (float("inf"), "got .inf"), (float("-inf"), "got -.inf"), (float("nan"), "got .nan")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            parse_deploy_config(mutated((S0 + ("gpu_memory_utilization",), value)), SOURCE)
 
 
 @pytest.mark.parametrize("where", UNKNOWN, ids=[path_text(p) or "<top>" for p in UNKNOWN])
@@ -376,7 +393,7 @@ def test_cross_checks_and_hints(changes, path, says):
         ("stages:\n  - {stage_id: 0, stage_id: 1}\n", "duplicate key 'stage_id'"),
         ("- stage_id: 0\n", "<top level>: got [{'stage_id': 0}]; allowed: a mapping"),
         ("just text\n", "<top level>: got 'just text'"),
-        ("", "<top level>: got None"),
+        ("", "<top level>: got null"),
         ("pipeline: !!python/object:os.system x\n", "not valid YAML"),
         ("stages: [{stage_id: 0, max_num_seqs: 1" + "0" * 5000 + "}]\n", "as !!int (Exceeds the limit (4300 digits)"),
         ("pipeline: a\x01b\n", "unacceptable character #x0001"),
@@ -624,7 +641,7 @@ NOT_DECIMAL = [
     ("gpu_memory_utilization", "00.5", "'00.5' has a leading zero: write numbers in decimal, as 0.5"),
     ("gpu_memory_utilization", "1_0.0e+300", "as 1.0e+301"),  # a float YAML 1.1 reads back (repr: 1e+301)
     ("gpu_memory_utilization", "!!float Infinity", "'Infinity' is not written in plain decimal (YAML 1.1 reads "
-     "it as inf): write numbers in decimal\n"),
+     "it as .inf): write numbers in decimal\n"),
 ]
 
 

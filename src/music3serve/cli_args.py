@@ -31,14 +31,20 @@ def text_argument(field: str, limit: int) -> Callable[[str], str]:
                 raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. "
                                                  "Latin-1); use UTF-8, or @FILE with UTF-8 text")
             return value
+        if value == "@":  # Path("") is the current folder: "cannot read ." would not say what went wrong
+            raise argparse.ArgumentTypeError(f"@ needs a file name after it: @{field}.txt reads the {field} from "
+                                             f"{field}.txt")
         path = Path(value[1:])
         try:
             # utf-8-sig: a byte-order mark (Windows editors write one) is no part of the text; bounded: past the
             # longest allowed text the rest is not needed.
             with open(path, encoding="utf-8-sig") as file:
                 text = file.read(limit + 1)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text (it holds the byte "
+                                             f"{exc.object[exc.start]:#04x}): save it as UTF-8") from exc
         if len(text) > limit:
             raise argparse.ArgumentTypeError(f"{path} holds more than {limit} characters, the longest {field} allowed")
         return text
