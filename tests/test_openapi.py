@@ -4,6 +4,7 @@ schemas); /docs renders it; `serve --served-model-name` sets the names /v1/model
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -130,9 +131,29 @@ def test_every_status_and_media_type_a_route_answers_with_is_in_the_schema(schem
     assert statuses == {200, 204, 400, 404, 411, 413, 429}
 
 
-def test_docs_render_the_schema(client):
+def test_docs_render_the_schema_from_files_served_here(client):
+    """Swagger UI's script, style sheet and icon come from the fastapi-offline package, served under /docs/assets."""
     response = client.get("/docs")
-    assert response.status_code == 200 and "/openapi.json" in response.text
+    assert response.status_code == 200 and "url: '/openapi.json'" in response.text
+    assets = re.findall(r'(?:src|href)="([^"]+)"', response.text)
+    assert sorted(assets) == [f"/docs/assets/{name}" for name in ("favicon.png", "swagger-ui-bundle.js", "swagger-ui.css")]
+    for asset in assets:
+        assert client.get(asset).status_code == 200 and len(client.get(asset).content) > 1000, asset
+
+
+def test_docs_load_swagger_ui_from_a_cdn_without_fastapi_offline(monkeypatch):
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from music3serve.serving import openapi_docs
+    from music3serve.serving.api import create_app
+
+    monkeypatch.setattr(openapi_docs, "swagger_ui_files", lambda: None)
+    client = TestClient(create_app(SimpleNamespace(max_songs=1)), base_url="http://localhost")
+    page = client.get("/docs").text
+    assert "url: '/openapi.json'" in page and re.search(r'src="https://[^"]+/swagger-ui-bundle\.js"', page)
+    assert client.get("/docs/assets/swagger-ui.css").status_code == 404
 
 
 def test_serve_takes_the_model_names_to_serve(monkeypatch, tmp_path, root_logger):
@@ -156,3 +177,16 @@ def test_serve_takes_the_model_names_to_serve(monkeypatch, tmp_path, root_logger
         assert [model["id"] for model in client.get("/v1/models").json()["data"]] == ["music-2.6", "mine"]
         response = client.post("/v1/audio/speech", json={**SPEECH, "model": "MiniMax-Music3"})
         assert response.status_code == 404 and "music-2.6, mine" in response.json()["error"]["message"]
+
+
+def test_the_docs_page_lists_every_operation_offline(browser, base_url, schema):
+    """In Chromium with every request off this server refused: the page renders, one block per operation."""
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(base_url) else route.abort())
+    page.goto(f"{base_url}/docs")
+    operations = sum(len(methods) for methods in schema["paths"].values())
+    page.wait_for_function(f"() => document.querySelectorAll('.opblock').length === {operations}", timeout=30_000)
+    assert "music3serve" in page.inner_text(".info .title") and errors == [], errors
+    page.close()

@@ -29,7 +29,8 @@ from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_respons
 from .music_generation import add_music_routes
 from .openai_speech import add_speech_routes
 from .openapi_docs import (
-    AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, openapi_schema, post_responses,
+    AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, mount_docs, openapi_schema,
+    post_responses,
 )
 from .request_body import BoundedBody, SongBody, body_model, describe, first_field, json_object_of, not_utf8
 from .song_service import SongService, scoped
@@ -53,11 +54,11 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             if close_engine:
                 await asyncio.to_thread(engine.close)
 
-    # /openapi.json describes every route (serving/openapi_docs.py), /docs renders it; no /redoc.
+    # /openapi.json describes every route (serving/openapi_docs.py), /docs renders it (mount_docs); no /redoc.
     # No redirects of a trailing slash: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
     # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  version=__version__, lifespan=lifespan, redoc_url=None, redirect_slashes=False)
+                  version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 
@@ -136,5 +137,6 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
+    mount_docs(app)
     mount_studio(app)  # the web studio at `/` (serving/web.py)
     return app

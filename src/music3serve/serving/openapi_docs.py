@@ -6,11 +6,16 @@ every route lists the 500 of an unexpected error."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
+from starlette.staticfiles import StaticFiles
 
 from .access import PROTECTED, Access
 from .encoders import MEDIA_TYPES
@@ -147,3 +152,32 @@ def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon.png")
+DOCS_ASSETS = "/docs/assets"
+
+
+def swagger_ui_files() -> Path | None:
+    """The folder of Swagger UI's script, style sheet and icon that the fastapi-offline package ships (the serve
+    extra installs it), found without importing it; None where it is not installed."""
+    spec = importlib.util.find_spec("fastapi_offline")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if all((Path(folder) / "static" / name).is_file() for name in SWAGGER_FILES):
+            return Path(folder) / "static"
+    return None
+
+
+def mount_docs(app: FastAPI) -> None:
+    """`GET /docs`: Swagger UI over /openapi.json, its files served from here (DOCS_ASSETS) where fastapi-offline is
+    installed, so the page works offline; else the browser loads them from FastAPI's default CDN."""
+    files = swagger_ui_files()
+    if files is not None:
+        app.mount(DOCS_ASSETS, StaticFiles(directory=files), name="docs_assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")  # mounted under a prefix (a Ray route_prefix)
+        assets = {} if files is None else {f"swagger_{kind}_url": f"{root}{DOCS_ASSETS}/{name}" for kind, name in
+                                           zip(("js", "css", "favicon"), SWAGGER_FILES)}
+        return get_swagger_ui_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - API", **assets)
