@@ -421,7 +421,8 @@ def tiny_with_json(tiny_dir: Path, tmp_path: Path, relative: str, **changes) -> 
 
 
 @pytest.mark.parametrize("key,value,fragment", [
-    ("_class_name", "DDIMScheduler", '_class_name is "DDIMScheduler", we support only "FlowMatchEulerDiscreteScheduler"'),
+    ("_class_name", "DDIMScheduler",
+     '_class_name is "DDIMScheduler", we support only "FlowMatchEulerDiscreteScheduler"'),
     ("shift", 3.0, "shift is 3.0, we support only 1.0"),
     ("num_train_timesteps", 1000, "num_train_timesteps is 1000, we support only 1"),
     ("num_train_timesteps", True, "num_train_timesteps is true"),
@@ -800,7 +801,8 @@ def test_components_that_do_not_fit_together(tiny_dir: Path, tmp_path: Path, nam
 
 def test_a_pipeline_index_naming_another_pipeline_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
     root = tiny_with_json(tiny_dir, tmp_path, "modular_model_index.json", _class_name="QwenImageModularPipeline")
-    with pytest.raises(CheckpointError, match='is not a MiniMaxMusic3ModularPipeline.s .its _class_name is "QwenImageModularPipeline"'):
+    says = 'is not a MiniMaxMusic3ModularPipeline.s .its _class_name is "QwenImageModularPipeline"'
+    with pytest.raises(CheckpointError, match=says):
         checkpoint_checks.check_layout(root)
 
 

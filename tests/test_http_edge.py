@@ -110,7 +110,8 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
                                        f"{ORIGIN} (serve --allowed-origins)")
     refused = client.options("/v1/songs", headers={**preflight, "Access-Control-Request-Method": "PUT"})
     assert refused.status_code == 400
-    assert refused.json()["error"] == "a browser may not send 'PUT' here; the methods allowed are GET, HEAD, POST, DELETE"
+    assert refused.json()["error"] == ("a browser may not send 'PUT' here; the methods allowed are GET, HEAD, POST, "
+                                       "DELETE")
     refused = client.options("/v1/audio/speech", headers={**preflight, "Origin": "https://evil.example"})
     assert refused.status_code == 400 and "--allowed-origins" in refused.json()["error"]["message"]  # OpenAI's body
     unknown = client.options("/v1/nowhere", headers=preflight)

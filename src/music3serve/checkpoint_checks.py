@@ -79,7 +79,8 @@ def check_fit(root: Path) -> None:
     ]
     for name, key, found, fits, expected in checks:
         if not fits:
-            raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {as_json(found)}, expected {expected}")
+            raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {as_json(found)}, "
+                                  f"expected {expected}")
 
 
 def check_nonempty(module: nn.Module, path: Path) -> None:
