@@ -104,7 +104,18 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in response.headers["access-control-allow-methods"]
     assert "authorization" in response.headers["access-control-allow-headers"].lower()
-    assert client.options("/v1/songs", headers={**preflight, "Origin": "https://evil.example"}).status_code == 400
+    refused = client.options("/v1/songs", headers={**preflight, "Origin": "https://evil.example"})
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
+    assert refused.json()["error"] == ("browser pages from 'https://evil.example' may not call this server; it allows "
+                                       f"{ORIGIN} (serve --allowed-origins)")
+    refused = client.options("/v1/songs", headers={**preflight, "Access-Control-Request-Method": "PUT"})
+    assert refused.status_code == 400
+    assert refused.json()["error"] == ("a browser may not send 'PUT' here; the methods allowed are GET, HEAD, POST, "
+                                       "DELETE")
+    refused = client.options("/v1/audio/speech", headers={**preflight, "Origin": "https://evil.example"})
+    assert refused.status_code == 400 and "--allowed-origins" in refused.json()["error"]["message"]  # OpenAI's body
+    unknown = client.options("/v1/nowhere", headers=preflight)
+    assert unknown.status_code == 404 and unknown.json() == {"error": "Not Found"}
     response = client.post("/v1/songs", headers={**ONE, "Origin": ORIGIN}, json={**SONG, "stream": False})
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
     exposed = response.headers["access-control-expose-headers"].lower()
@@ -144,10 +155,18 @@ def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it(cli
     ("rebound.attacker.example", False), ("music.example.attacker.example", False), ("10.0.0.5:8000", False),
 ])
 def test_a_server_on_loopback_answers_loopback_names_and_the_allowed_hosts_only(client, host, allowed):
-    response = client.get("/health", headers={"Host": host})
+    response = client.get("/openapi.json", headers={"Host": host})
     assert response.status_code == (200 if allowed else 400), host
     if not allowed:
         assert "--allowed-hosts" in response.json()["error"]
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5:8000", "rebound.attacker.example", "[fd00::1]:80"])
+def test_health_and_metrics_answer_any_host(client, host):
+    """Probes and scrapers send the pod's address as Host; these two change nothing and show no song."""
+    for method, path in (("GET", "/health"), ("HEAD", "/health"), ("GET", "/metrics")):
+        assert client.request(method, path, headers={"Host": host}).status_code == 200, (method, path)
+    assert client.get("/v1/songs/x", headers={**ONE, "Host": host}).status_code == 400
 
 
 def test_a_server_on_all_interfaces_answers_any_host_unless_told_which():

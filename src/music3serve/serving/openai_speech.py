@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from .. import contract
 from ..prompt import MAX_STEPS, duration_for_frames
@@ -45,7 +46,9 @@ FIELD_NAMES = {"caption": "instructions", "lyrics": "input", "duration": "max_ne
 
 
 class SpeechBody(BaseModel):
-    """POST /v1/audio/speech. Types are strict; unknown keys are refused."""
+    """POST /v1/audio/speech. Types are strict; unknown keys are refused, and so are OpenAI's and vLLM's sampling and
+    reference-audio fields (temperature, top_p, top_k, repetition_penalty, ref_audio, ref_text, language,
+    task_type), each with the reason."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -60,16 +63,18 @@ class SpeechBody(BaseModel):
     sample_rate: integer_of(SPEECH_RATES) = 32_000  # type: ignore[valid-type]
     stream: bool = False
     stream_format: Literal["audio", "sse"] = "audio"
-    speed: float = 1.0
+    speed: float = Field(1.0, description="only 1.0: the caption sets the tempo",
+                         json_schema_extra={"minimum": 1.0, "maximum": 1.0})  # checked below, in words of ours
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Euler steps per window; null: 30")
-    temperature: Any = None
-    top_p: Any = None
-    top_k: Any = None
-    repetition_penalty: Any = None
-    ref_audio: Any = None
-    ref_text: Any = None
-    language: Any = None
-    task_type: Any = None
+    # REFUSED: taken only to be refused with a reason; left out of /openapi.json, which lists what is accepted.
+    temperature: SkipJsonSchema[Any] = None
+    top_p: SkipJsonSchema[Any] = None
+    top_k: SkipJsonSchema[Any] = None
+    repetition_penalty: SkipJsonSchema[Any] = None
+    ref_audio: SkipJsonSchema[Any] = None
+    ref_text: SkipJsonSchema[Any] = None
+    language: SkipJsonSchema[Any] = None
+    task_type: SkipJsonSchema[Any] = None
 
     _refuse = field_validator(*REFUSED)(refused(REFUSED))
 
