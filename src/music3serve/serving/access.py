@@ -19,7 +19,7 @@ OWNER = "music3serve.api_key"  # the scope key under which ApiKeys leaves the in
 PROTECTED = "/v1/"  # every route under it needs a key; /health, /metrics and /openapi.json stay open
 # The response headers a browser app may read (CORS hides all but a few unless they are exposed).
 EXPOSED_HEADERS = ("X-Song-Id", "X-Seed", "X-Frame-Budget", "X-Prompt-Tokens", "X-Sample-Rate", "X-Channels",
-                   "Retry-After")
+                   "X-Dropped-Lyrics-Lines", "Retry-After")
 CORS_METHODS = ("GET", "HEAD", "POST", "DELETE")
 
 
