@@ -156,3 +156,33 @@ def test_lyrics_dropped_after_a_tag_are_named_in_a_header(client, path, body):
         assert response.status_code == 200, response.text
         assert response.headers["x-dropped-lyrics-lines"] == dropped
         assert "x-dropped-lyrics-lines" in response.headers["access-control-expose-headers"].lower()
+
+
+def test_an_event_stream_cut_at_shutdown_ends_with_an_error_event(engine, serve_http, monkeypatch):
+    """At shutdown an event stream still open when the grace period is over was cut after its deltas; now its last
+    event says the server shut down (speech's error shape, code "server_shutdown")."""
+    import threading
+
+    from music3serve.serving.api import create_app
+
+    started, release = hold(monkeypatch, engine.renderer, "render")
+    lines: list[str] = []
+    try:
+        with serve_http(create_app(engine), timeout_graceful_shutdown=1) as url:
+
+            def read() -> None:
+                with httpx.stream("POST", f"{url}/v1/audio/speech", json={**SPEECH, "stream_format": "sse"},
+                                  timeout=30) as response:
+                    try:
+                        lines.extend(response.iter_lines())
+                    except httpx.HTTPError:
+                        pass  # the connection is cut after the last event
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            assert started.wait(30)
+        reader.join(30)
+    finally:
+        release.set()
+    last = sse_events("\n".join(lines))[-1]
+    assert last["type"] == "error" and last["error"]["code"] == "server_shutdown", last

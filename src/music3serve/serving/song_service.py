@@ -146,9 +146,16 @@ class SongService:
         try:
             if header := encoder.header():
                 yield framing.audio(header), 0
-            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
-                async for data, samples in audio:
-                    yield framing.audio(data), samples
+            try:
+                async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                    async for data, samples in audio:
+                        yield framing.audio(data), samples
+            except asyncio.CancelledError:  # only the server's shutdown cancels a request task (its grace is over)
+                message = f"the server shut down before song {song.id} was finished"
+                if ending := framing.ended_early(503, message, "server_shutdown"):
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the event is sent, then the cut
+                    yield ending, 0
+                raise
             if song.state == "failed":
                 if ending := framing.ended_early(500, f"song {song.id} failed: {song.error}", None):
                     yield ending, 0
