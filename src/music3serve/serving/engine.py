@@ -26,7 +26,7 @@ from ..talker.quantize import quantize_talker
 from .deploy_config import DeployConfig, load_deploy_config
 from .deploy_schema import precision_log_level
 from .engine_limits import MAX_SONGS, MAX_UNREAD_BYTES, audio_bytes, checked_request, too_long
-from .events import Done, Event, Failed, SongProgress, SongRequest
+from .events import Event, Failed, SongProgress, SongRequest
 from .heartbeat import (
     RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
 )
@@ -150,14 +150,12 @@ class Engine:
             self.held.forget(key)
             raise Music3Error(self.guard.broken or "the engine is closed; it takes no more songs")
         self.talker_loop.submit(key, cond, uncond, seed, budget_request, steps)
-        ended = False
         try:
             warn_dropped_lyrics(request.lyrics, song=song)
             async for event in client.read(audio):
-                ended = isinstance(event, (Done, Failed))
                 yield event
         finally:
-            if not ended:  # the caller stopped reading before the end
+            if not client.read_to_end:  # the caller stopped reading before the end
                 self.held.count_cancel(key)
             if self.held.forget(key):
                 self._cancel(key)
@@ -218,7 +216,8 @@ class Engine:
         """HeldSongs.hold_read_audio: audio a caller has read but still holds counts toward max_unread_bytes."""
         self.held.hold_read_audio(nbytes)
 
-    def unread_audio(self) -> int:  # HeldSongs.unread_audio: bytes of audio held for callers
+    def unread_audio(self) -> int:
+        """Bytes of audio held for callers (HeldSongs.unread_audio)."""
         return self.held.unread_audio()
 
     def unavailable(self) -> str | None:

@@ -45,6 +45,7 @@ class SongClient:
     # less the chunks read
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     windows: int = 0  # windows stage 1 has rendered
+    read_to_end: bool = False  # the caller has been given the song's Done or Failed
 
     async def read(self, audio: int) -> AsyncIterator[Event]:
         """The song's events as the stages deliver them, to its Done or Failed, each read taken off its audio owed
@@ -57,8 +58,9 @@ class SongClient:
                 self.unread_bytes -= event.pcm.nbytes
             elif isinstance(event, Accepted):  # the budget may be short of the request (the context's room)
                 self.unread_bytes -= audio - audio_bytes(event.budget_frames)
+            self.read_to_end = isinstance(event, (Done, Failed))
             yield event
-            if isinstance(event, (Done, Failed)):
+            if self.read_to_end:
                 return
 
 
