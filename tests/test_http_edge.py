@@ -1,6 +1,6 @@
 """The HTTP API's edge on the CPU (serving/access.py, serving/http_guard.py, serving/api.py): API keys and song
 ownership, CORS, Host checks against DNS rebinding, the Allow header of a 405, an oversized Content-Length, slow and
-half-closed readers of whole songs, and whether a song's end reached its client. One server over the tiny
+slow readers of whole songs, and whether a song's end reached its client. One server over the tiny
 checkpoint, with two keys, one browser origin and a loopback host policy, behind the guarded h11 protocol."""
 
 from __future__ import annotations
@@ -35,15 +35,12 @@ def base_url(engine, serve_http):
         yield url
 
 
-def raw(base_url: str, request: bytes, half_close: bool = False, timeout: float = 60) -> bytes:
-    """Sends `request` on a socket of its own (then shuts the write side, with half_close) and reads the answer to its
-    end."""
+def raw(base_url: str, request: bytes, timeout: float = 60) -> bytes:
+    """Sends `request` on a socket of its own and reads the answer to its end."""
     host, port = base_url.removeprefix("http://").split(":")
     answer = b""
     with socket.create_connection((host, int(port)), timeout=timeout) as conn:
         conn.sendall(request)
-        if half_close:
-            conn.shutdown(socket.SHUT_WR)
         try:
             while data := conn.recv(65536):
                 answer += data
@@ -207,7 +204,7 @@ def test_a_content_length_over_20_digits_is_the_documented_json_413(base_url, di
     assert answer.startswith(b"HTTP/1.1 400 ") and b"without leading zeros" in answer, answer
 
 
-# --- whole songs: slow readers, half-closed clients, delivery -----------------------------------------------------
+# --- whole songs: slow readers, clients that close, delivery -----------------------------------------------------
 def post_bytes(body: dict, headers: dict[str, str] = ONE, path: str = "/v1/songs") -> bytes:
     data = json.dumps(body).encode()
     head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
@@ -220,36 +217,11 @@ def split_response(answer: bytes) -> tuple[bytes, bytes]:
     return head, body
 
 
-def dechunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size, _, rest = body.partition(b"\r\n")
-        n = int(size, 16)
-        out, body = out + rest[:n], rest[n + 2:]
-        if n == 0:
-            break
-    return out
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_half_closed_client_gets_its_whole_song(base_url, client, stream):
-    """A client that sends its request and shuts its write side (nc -N) still reads: it gets the whole response, and
-    the song is delivered, not cancelled."""
-    answer = raw(base_url, post_bytes({**SONG, "stream": stream, "format": "pcm", "id": f"half-{stream}"}),
-                 half_close=True)
-    head, body = split_response(answer)
-    assert head.startswith(b"HTTP/1.1 200"), answer[:300]
-    audio = dechunk(body) if stream else body
-    status = client.get(f"/v1/songs/half-{stream}", headers=ONE).json()
-    assert status["state"] == "done" and status["delivered"] is True
-    assert len(audio) == 4 * status["samples_sent"] > 0
-
-
 def test_a_client_that_closes_after_its_request_is_noticed_before_its_song_makes_audio(base_url, client, engine,
                                                                                       monkeypatch):
-    """An end of input is not a disconnect any more (half-close), so a client that closed its connection altogether
-    right after its request is told apart by the reset its system answers the response's first bytes with: noticed
-    within a second, while the song's first window is still being written (held here), not at its first audio."""
+    """A client that closed its connection right after its request is noticed at once, while the song's first
+    window is still being written (held here), not at its first audio (tests/test_song_lifecycle.py: wherever the
+    song is)."""
     _, release = hold(monkeypatch, engine.renderer, "render")
     host, port = base_url.removeprefix("http://").split(":")
     try:

@@ -23,7 +23,7 @@ PROTECTED = "/v1/"  # every route under it needs a key; /health, /metrics and /o
 ANY_HOST = ("/health", "/metrics")
 # The response headers a browser app may read (CORS hides all but a few unless they are exposed).
 EXPOSED_HEADERS = ("X-Song-Id", "X-Seed", "X-Frame-Budget", "X-Prompt-Tokens", "X-Sample-Rate", "X-Channels",
-                   "Retry-After")
+                   "X-Dropped-Lyrics-Lines", "Retry-After")
 CORS_METHODS = ("GET", "HEAD", "POST", "DELETE")
 
 

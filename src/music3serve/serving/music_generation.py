@@ -19,7 +19,7 @@ from pydantic.json_schema import SkipJsonSchema
 from .. import contract
 from ..prompt import MAX_STEPS, duration_for_frames
 from .audio_io import CHANNELS, PcmEncoder
-from .error_bodies import MUSIC_PATH, minimax_error, model_not_served, renaming
+from .error_bodies import MINIMAX_CODES, MUSIC_PATH, minimax_error, model_not_served, renaming
 from .openapi_docs import EVENTS_CONTENT, post_responses
 from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
@@ -104,7 +104,8 @@ def extra_info(song: SongState, setting: AudioSetting, size: int, samples: int) 
 
 class HexEvents(Framing):
     """The hosted stream: a `data:` event per chunk with the audio in hex (status 1), then one with status 2, no
-    audio and the extra_info; a failed song's last event carries its base_resp before the cut."""
+    audio and the extra_info; a failed song's last event carries its base_resp before the cut, and a cancelled
+    song's too."""
 
     media_type = "text/event-stream"
 
@@ -120,9 +121,9 @@ class HexEvents(Framing):
         return server_sent_event({"data": {"audio": "", "status": COMPLETED}, "trace_id": song.id,
                                   "extra_info": info, "base_resp": OK})
 
-    def failed(self, song: SongState) -> bytes:
-        message = f"song {song.id} failed: {song.error}"
-        return server_sent_event({"data": None, "base_resp": {"status_code": 1000, "status_msg": message}})
+    def ended_early(self, status: int, message: str, code: str | None) -> bytes:
+        base_resp = {"status_code": MINIMAX_CODES.get(status, 1000), "status_msg": message}
+        return server_sent_event({"data": None, "base_resp": base_resp})
 
 
 class HexEnvelope(Framing):

@@ -21,7 +21,7 @@ from .. import contract
 from ..prompt import MAX_STEPS, duration_for_frames
 from .encoders import FORMATS
 from .engine_limits import audio_bytes
-from .error_bodies import MODELS_PATH, SPEECH_PATH, model_not_served, openai_error, renaming
+from .error_bodies import MODELS_PATH, OPENAI_TYPES, SPEECH_PATH, model_not_served, openai_error, renaming
 from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODEL_RESPONSES, MODELS_RESPONSES, post_responses
 from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
@@ -95,7 +95,8 @@ class SpeechBody(BaseModel):
 
 class SpeechEvents(Framing):
     """OpenAI's speech streaming events: `speech.audio.delta` with base64 audio per chunk, then `speech.audio.done`
-    with usage (prompt tokens in, frames out) and ours beside it; an `error` event before a failed song's cut."""
+    with usage (prompt tokens in, frames out) and ours beside it; an `error` event before a failed song's cut, or
+    at the end of one cancelled."""
 
     media_type = "text/event-stream"
 
@@ -111,9 +112,8 @@ class SpeechEvents(Framing):
                 "seconds": song.samples_sent / song.sample_rate, "first_audio_s": song.first_audio_s}
         return server_sent_event(done, "speech.audio.done")
 
-    def failed(self, song: SongState) -> bytes:
-        error = {"message": f"song {song.id} failed: {song.error}", "type": "server_error", "param": None,
-                 "code": None}
+    def ended_early(self, status: int, message: str, code: str | None) -> bytes:
+        error = {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None, "code": code}
         return server_sent_event({"type": "error", "error": error}, "error")
 
 

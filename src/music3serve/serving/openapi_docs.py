@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.staticfiles import StaticFiles
 
 from .access import PROTECTED, Access
@@ -54,6 +54,8 @@ SONG_HEADERS = {
         ("X-Prompt-Tokens", "tokens of the conditional prompt", {"type": "integer"}),
         ("X-Sample-Rate", "the audio's sample rate", {"type": "integer"}),
         ("X-Channels", "the audio's channels (2)", {"type": "integer"}),
+        ("X-Dropped-Lyrics-Lines", "only when lyrics were dropped: the lines (from 1, comma-separated) whose text "
+                                   "after a [tag] was dropped", TEXT),
     )
 }
 SONG_LINKS = {name: {"operationId": operation, "parameters": {"song_id": "$response.header.X-Song-Id"}}
@@ -82,7 +84,8 @@ class SongStatus(BaseModel):
     frame_budget: int
     format: str
     sample_rate: int
-    state: str
+    state: Literal["queued", "running", "done", "failed", "cancelled"] = Field(
+        description="queued: waiting for the talker's rows; running: being written or sent")
     error: str | None
     frames: int | None
     ended_by: str | None
