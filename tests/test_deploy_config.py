@@ -139,10 +139,11 @@ def test_missing_keys_take_defaults_and_stage_order_is_free():
 
 
 def test_a_file_lists_only_the_stages_it_changes():
-    """A stage left out takes its defaults, reading from (or writing to) the connector the listed stage names."""
+    """A stage left out takes its defaults, on the listed stage's devices, reading from (or writing to) the connector
+    the listed stage names."""
     assert parse_deploy_config({"stages": []}, SOURCE) == DeployConfig(source=SOURCE)
     s0, s1 = parse_deploy_config({"stages": [{"stage_id": 0, "max_num_seqs": 6, "devices": "1"}]}, SOURCE).stages
-    assert (s0.max_num_seqs, s0.devices) == (6, (1,)) and s1 == DeployConfig().stages[1]
+    assert (s0.max_num_seqs, s0.devices) == (6, (1,)) and s1 == dataclasses.replace(DeployConfig().stages[1], devices=(1,))
     s0, s1 = parse_deploy_config({"stages": [{"stage_id": 1, "max_num_seqs": 3}]}, SOURCE).stages
     assert s0 == DeployConfig().stages[0] and s1.max_num_seqs == 3
     connectors = {"mine": {"name": "SharedMemoryConnector"}}
@@ -339,7 +340,7 @@ def test_unknown_key_at_every_level(where):
         ([(S0 + ("stage_id",), DELETE)], "stages[0].stage_id", "missing"),
         ([(("stages",), [{"stage_id": 0, "max_num_seqs": 15}])], "stages[0].max_num_seqs", "an even integer"),
         ([(("stages",), [{"stage_id": 0, "gpu_memory_utilization": 0.9}])], "stages[0].gpu_memory_utilization",
-         "sum over the stages on GPU 0 <= 1 (it is 1.1)"),
+         "sum over the stages on GPU 0 <= 1 (it is 1.1; stage 1, not listed, takes its default 0.2)"),
         ([(("stages",), [{"stage_id": 1, "input_connectors": {"from_stage_0": "elsewhere"}}])],
          "stages[0].input_connectors.from_stage_0", "a connector defined under connectors"),
         ([(("stages",), BASE["stages"] + [{"stage_id": 1}])], "stages[2].stage_id", "exactly once"),
@@ -721,3 +722,15 @@ def test_plain_decimal_numbers_load_into_the_config(tmp_path):
         10, 0.5, (2, 10))
     assert (s0.default_sampling_params.seed, s1.gpu_memory_utilization) == (0, 0.1)
     assert cfg.connector.extra.connector_get_sleep_s == 0.001
+
+
+@pytest.mark.parametrize("listed", [0, 1])
+def test_a_stage_left_out_runs_where_the_listed_stage_runs(listed):
+    """Moving the one stage a file lists moves the other with it: split placement only where a file asks for it."""
+    deploy = parse_deploy_config({"stages": [{"stage_id": listed, "devices": "1", "gpu_memory_utilization": 0.2}]}, SOURCE)
+    assert [stage.devices for stage in deploy.stages] == [(1,), (1,)]
+    both = parse_deploy_config({"stages": [{"stage_id": 0, "devices": "0"}, {"stage_id": 1, "devices": "1"}]}, SOURCE)
+    assert [stage.devices for stage in both.stages] == [(0,), (1,)]
+
+    with pytest.raises(ConfigError, match=r"\(it is 1.1; stage 0, not listed, takes its default 0.6\)"):
+        parse_deploy_config({"stages": [{"stage_id": 1, "devices": "1", "gpu_memory_utilization": 0.5}]}, SOURCE)
