@@ -143,7 +143,8 @@ def test_a_file_lists_only_the_stages_it_changes():
     the listed stage names."""
     assert parse_deploy_config({"stages": []}, SOURCE) == DeployConfig(source=SOURCE)
     s0, s1 = parse_deploy_config({"stages": [{"stage_id": 0, "max_num_seqs": 6, "devices": "1"}]}, SOURCE).stages
-    assert (s0.max_num_seqs, s0.devices) == (6, (1,)) and s1 == dataclasses.replace(DeployConfig().stages[1], devices=(1,))
+    assert (s0.max_num_seqs, s0.devices) == (6, (1,))
+    assert s1 == dataclasses.replace(DeployConfig().stages[1], devices=(1,))
     s0, s1 = parse_deploy_config({"stages": [{"stage_id": 1, "max_num_seqs": 3}]}, SOURCE).stages
     assert s0 == DeployConfig().stages[0] and s1.max_num_seqs == 3
     connectors = {"mine": {"name": "SharedMemoryConnector"}}
@@ -727,7 +728,8 @@ def test_plain_decimal_numbers_load_into_the_config(tmp_path):
 @pytest.mark.parametrize("listed", [0, 1])
 def test_a_stage_left_out_runs_where_the_listed_stage_runs(listed):
     """Moving the one stage a file lists moves the other with it: split placement only where a file asks for it."""
-    deploy = parse_deploy_config({"stages": [{"stage_id": listed, "devices": "1", "gpu_memory_utilization": 0.2}]}, SOURCE)
+    listed_stage = {"stage_id": listed, "devices": "1", "gpu_memory_utilization": 0.2}
+    deploy = parse_deploy_config({"stages": [listed_stage]}, SOURCE)
     assert [stage.devices for stage in deploy.stages] == [(1,), (1,)]
     both = parse_deploy_config({"stages": [{"stage_id": 0, "devices": "0"}, {"stage_id": 1, "devices": "1"}]}, SOURCE)
     assert [stage.devices for stage in both.stages] == [(0,), (1,)]
