@@ -163,8 +163,8 @@ class Cors(CORSMiddleware):
         """Why a preflight was refused, and what is allowed."""
         origin, method = headers["origin"], headers["access-control-request-method"]
         if not self.is_allowed_origin(origin):
-            return (f"browser pages from {origin!r:.80} may not call this server; it allows "
-                    f"{', '.join(self.allow_origins)} (serve --allowed-origins)")
+            return (f"browser pages from {origin!r:.80} may not call this server: its operator allows the origins "
+                    "it serves (serve --allowed-origins)")  # not which ones: any page could read the list
         if method not in self.allow_methods:
             return f"a browser may not send {method!r:.20} here; the methods allowed are {', '.join(CORS_METHODS)}"
         return "a page on a public site may not call a server on a private network (Private Network Access)"
