@@ -20,7 +20,7 @@ from ..kernels import glu_linear
 from ..models.condition_encoder import ConditionEncoder
 from ..models.dit import DiT
 from ..models.fp8 import Fp8Weight
-from ..models.fusion import enable_fusion
+from ..models.fusion import enable_fusion, fusion_enabled
 from ..models.vocoder import Vocoder
 from .payloads import RenderedWindow, StreamedSong, WindowPayload, check_payloads, next_state
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
@@ -169,16 +169,16 @@ class Renderer:
     @torch.inference_mode()
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS, render_one: bool | None = None) -> None:
         """Capture the full-window graphs of `steps` Euler steps for these batch sizes (each after one eager step, not
-        a whole solve), then render throwaway windows of one step (render_one; by default on CUDA), one alone and two
-        at once: inductor's compiles of the fused functions (a DiT call of two windows or more takes the fused gate
+        a whole solve), then render throwaway windows of one step (render_one; by default on CUDA, or where fusion is
+        on), one alone and two at once: inductor's compiles of the fused functions (a DiT call of two windows or more takes the fused gate
         of kernels/glu_linear.py, compiled on first use), the eager solve (without graphs), the vocoder's first
         calls and lazy inits happen now, not in the first songs' windows."""
         if self.graphs:
             with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
-        if render_one is None:
-            render_one = self.device.type == "cuda"
+        if render_one is None:  # on the CPU too where a caller enabled fusion: its compiles happen now
+            render_one = self.device.type == "cuda" or fusion_enabled()
         if render_one:
             (window,) = song_windows(contract.WINDOW_FRAMES)
             mixed = torch.zeros(window.frames, self.encoder.cfg.hidden, device=self.device)

@@ -72,6 +72,12 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
         _fused.setdefault(name, compiled)
 
 
+def fusion_enabled() -> bool:
+    """Whether hot paths run compiled: the engine then warms up every shape it serves (on the CPU too, where tests and
+    `bench ready` enable fusion themselves), so that no song waits for a compile."""
+    return bool(_fused)
+
+
 def share_graphs_across_sizes() -> None:
     """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
     sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
