@@ -170,9 +170,9 @@ class Renderer:
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS, render_one: bool | None = None) -> None:
         """Capture the full-window graphs of `steps` Euler steps for these batch sizes (each after one eager step, not
         a whole solve), then render throwaway windows of one step (render_one; by default on CUDA, or where fusion is
-        on), one alone and two at once: inductor's compiles of the fused functions (a DiT call of two windows or more takes the fused gate
-        of kernels/glu_linear.py, compiled on first use), the eager solve (without graphs), the vocoder's first
-        calls and lazy inits happen now, not in the first songs' windows."""
+        on), one alone and two at once: inductor's compiles of the fused functions (a DiT call of two windows or more
+        takes the fused gate of kernels/glu_linear.py, compiled on first use), the eager solve (without graphs), the
+        vocoder's first calls and lazy inits happen now, not in the first songs' windows."""
         if self.graphs:
             with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
