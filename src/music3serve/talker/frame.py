@@ -50,14 +50,11 @@ def embed_both_rows(codes: torch.Tensor, first_row: int, table: torch.Tensor) ->
 
 @hot
 def embed_codes(
-    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor | None,
-    position: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """embed_both_rows, and with a projection weight that embedding's depth projection plus its position embedding
-    `position` [hidden]: one fused gather, and the position added in the GEMM's epilogue, not by a kernel of its own."""
+    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor, position: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """embed_both_rows, and that embedding's depth projection plus its position embedding `position` [hidden]: one
+    fused gather, and the position added in the GEMM's epilogue, not by a kernel of its own."""
     embedded = embed_both_rows(codes, first_row, table)
-    if projection is None or position is None:
-        return embedded, None
     return embedded, linear(embedded, projection, residual=position.expand_as(embedded))
 
 
@@ -78,10 +75,13 @@ def first_depth_positions(
 @hot
 def frame_outputs(
     codes: list[torch.Tensor], ended: torch.Tensor, semantic_embed: torch.Tensor, residual_embeds: list[torch.Tensor],
-    hidden: torch.Tensor, depth_hiddens: list[torch.Tensor],
+    last_table: torch.Tensor, last_row: int, hidden: torch.Tensor, depth_hiddens: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The frame's codes (c0 = -1 where the song ended), conditioning and feedback embedding."""
-    residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
+    """The frame's codes (c0 = -1 where the song ended), conditioning and feedback embedding. residual_embeds: those
+    of c1..c6; c7's, which feeds no depth call, is gathered here (rows last_row + code of `last_table`), not by a
+    compiled graph of its own."""
+    last_embed = embed_both_rows(codes[-1], last_row, last_table)
+    residual = torch.stack([*residual_embeds, last_embed], dim=1).sum(dim=1)
     feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
     conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)
     codes_t = torch.stack([torch.where(ended, -1, codes[0]), *codes[1:]], dim=1)  # not in place: no guard on songs
@@ -115,17 +115,18 @@ def talker_frame(
         logits = depth.head_logits(out, codebook, widen=False)
         code = guided_draw(logits, contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, codebook)
         codes.append(code)
-        last = codebook == contract.NUM_CODEBOOKS - 1
-        if inputs is not None and not last:
+        if codebook == contract.NUM_CODEBOOKS - 1:  # the last code: embedded by frame_outputs
+            break
+        if inputs is not None:
             embedded, projected, qkv = inputs.lookup(code, depth.code_row(codebook), depth.embed.weight)
         else:
             embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
-                                              None if last else depth.projection.weight,
-                                              None if last else position_table[codebook + 1])
+                                              depth.projection.weight, position_table[codebook + 1])
         residual_embeds.append(embedded)
-        if not last:
-            new = projected[:, None]
-            positions = new if cache is not None else torch.cat((positions, new), dim=1)
-    codes_t, conditioning, feedback = frame_outputs(codes, ended, semantic_embed, residual_embeds, hidden,
-                                                    depth_hiddens)
+        new = projected[:, None]
+        positions = new if cache is not None else torch.cat((positions, new), dim=1)
+    codes_t, conditioning, feedback = frame_outputs(
+        codes, ended, semantic_embed, residual_embeds, depth.embed.weight, depth.code_row(contract.NUM_CODEBOOKS - 1),
+        hidden, depth_hiddens,
+    )
     return Frame(codes_t, ended, conditioning, feedback)
