@@ -15,7 +15,7 @@ from .. import contract
 from ..models.depth_decoder import DepthDecoder, DepthKV
 from ..models.fusion import hot
 from ..models.language_model import LanguageModel
-from ..models.layers import linear
+from ..models.layers import Weight, linear
 from .sampling import guided_draw
 
 if TYPE_CHECKING:
@@ -37,7 +37,12 @@ def both_rows(per_song: torch.Tensor) -> torch.Tensor:
 
 def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
-    return guided_draw(lm.logits(hidden, widen=False), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
+    return semantic_draw(hidden, lm.head.weight, seeds, frames)
+
+
+def semantic_draw(hidden: torch.Tensor, head: Weight, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+    """sample_semantic on the LM's head weight (its logits in the head's dtype: the draw widens them itself)."""
+    return guided_draw(linear(hidden, head), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
                        cond_top_k=contract.AR_CFG_TOP_K)
 
 
@@ -60,11 +65,14 @@ def embed_codes(
 
 @hot
 def first_depth_positions(
-    column: torch.Tensor, hidden: torch.Tensor, table: torch.Tensor, projection: torch.Tensor, positions: torch.Tensor
+    hidden: torch.Tensor, head: Weight, seeds: torch.Tensor, frames: torch.Tensor, table: torch.Tensor,
+    projection: Weight, positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the drawn legal columns: audio_end flags, semantic codes, their embedding (both rows) and the depth
-    decoder's first two positions [rows, 2, hidden] with their position embeddings `positions` [2, hidden], the
-    backbone hidden and that embedding projected in one GEMM (one read of the projection weight)."""
+    """The semantic draw from the pair hiddens, then audio_end flags, semantic codes, their embedding (both rows) and
+    the depth decoder's first two positions [rows, 2, hidden] with their position embeddings `positions` [2, hidden],
+    the backbone hidden and that embedding projected in one GEMM (one read of the projection weight). The draw is
+    part of this graph: its guided_draw with the conditional top-k compiles no graph of its own."""
+    column = semantic_draw(hidden, head, seeds, frames)
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
     embedded = embed_both_rows(semantic, contract.AUDIO_CODE_OFFSET, table)
@@ -102,10 +110,9 @@ def talker_frame(
     `inputs`, whose rows then replace computing the new position and its first q, k, v)."""
     if inputs is not None and not depth_cache:
         raise ValueError("DepthInputs serve cached depth calls (depth_cache=True)")
-    column = sample_semantic(lm, hidden, seeds, frames)
     position_table = depth.positions.weight
     ended, semantic, semantic_embed, positions = first_depth_positions(
-        column, hidden, lm.embed.weight, depth.projection.weight, position_table[:2]
+        hidden, lm.head.weight, seeds, frames, lm.embed.weight, depth.projection.weight, position_table[:2]
     )
     cache = DepthKV() if depth_cache else None
     codes, depth_hiddens, residual_embeds, qkv = [semantic], [], [], None
