@@ -72,6 +72,21 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
         _fused.setdefault(name, compiled)
 
 
+def fusion_enabled() -> bool:
+    """Whether hot paths run compiled: the engine then warms up every shape it serves (on the CPU too, where tests and
+    `bench ready` enable fusion themselves), so that no song waits for a compile."""
+    return bool(_fused)
+
+
+def graphs_per_function() -> dict[str, int]:
+    """Compiled graphs dynamo holds for each hot function that has any (recompiles included): which function a
+    compile came from."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    counts = {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in _plain.items()}
+    return {name.rsplit(".", 1)[1]: count for name, count in counts.items() if count}
+
+
 def share_graphs_across_sizes() -> None:
     """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
     sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
