@@ -179,3 +179,77 @@ def test_an_unexpected_error_of_our_own_keeps_its_text_and_an_allowed_origin_can
     assert allowed.headers["access-control-allow-origin"] == "https://app.example"
     assert "X-Song-Id" in allowed.headers["access-control-expose-headers"]
     assert "access-control-allow-origin" not in other.headers
+
+
+def song_seconds(engine: Engine) -> float:
+    return engine.metrics.registry.get_sample_value("music3_song_seconds_count")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_song_whose_last_piece_cannot_be_encoded_counts_as_failed_not_done(client, engine, monkeypatch, stream):
+    """The engine had ended the song as done: Engine.fail did nothing, so the failed song counted in
+    music3_song_seconds and not in music3_failures_total."""
+    real = PcmEncoder.feed
+
+    def feed(self, pcm, last):
+        if last:
+            raise RuntimeError("the codec broke at the end")
+        return real(self, pcm, last)
+
+    monkeypatch.setattr(PcmEncoder, "feed", feed)
+    (failures, cancels), done = counts(engine), song_seconds(engine)
+    song = {**SONG, "duration": 2, "stream": stream, "id": f"codec-last-{stream}"}
+    if stream:
+        with client.stream("POST", "/v1/songs", json=song) as response, pytest.raises(httpx.RemoteProtocolError):
+            response.read()
+    else:
+        assert client.post("/v1/songs", json=song).status_code == 500
+    assert client.get(f"/v1/songs/{song['id']}").json()["state"] == "failed"
+    poll_until(lambda: engine_idle(engine, song["id"]))
+    assert (counts(engine), song_seconds(engine)) == ((failures + 1, cancels), done)
+
+
+def test_a_song_deleted_before_its_encoder_fails_is_cancelled(client, url, engine, monkeypatch):
+    """The encoder's error used to win: a 500 and `failed` for a song the client had deleted (counted a cancel)."""
+    entered, go = threading.Event(), threading.Event()
+
+    def feed(self, pcm, last):
+        entered.set()
+        go.wait(30)
+        raise RuntimeError("the codec broke")
+
+    monkeypatch.setattr(PcmEncoder, "feed", feed)
+    failures, cancels = counts(engine)
+    answer = {}
+    post = threading.Thread(target=lambda: answer.setdefault("response", client.post(
+        "/v1/songs", json={**LONG_SONG, "stream": False, "id": "deleted-codec"})))
+    post.start()
+    try:
+        assert entered.wait(60)
+        with httpx.Client(base_url=url, timeout=30) as other:
+            assert other.delete("/v1/songs/deleted-codec").status_code == 204
+    finally:
+        go.set()
+        post.join(60)
+    assert answer["response"].status_code == 409
+    assert client.get("/v1/songs/deleted-codec").json()["state"] == "cancelled"
+    assert counts(engine) == (failures, cancels + 1)
+    poll_until(lambda: engine_idle(engine, "deleted-codec"))
+
+
+def test_a_song_the_talker_has_finished_is_not_queued(engine):
+    """Between the talker dropping a finished song and its SongFinished reaching the caller's record, the song read
+    as queued again (set here: a song read to its Done, its record's SongFinished taken back)."""
+    async def scenario() -> bool:
+        events = engine.submit(SongRequest(id="finished-not-queued", duration_s=2, steps=1, **{
+            k: SONG[k] for k in ("caption", "lyrics", "seed")}))
+        try:
+            async for event in events:
+                if isinstance(event, Done):
+                    break
+            engine.held.client(engine.held.key_of("finished-not-queued")).finished = None
+            return engine.progress("finished-not-queued").queued
+        finally:
+            await events.aclose()
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 120)) is False
