@@ -121,7 +121,7 @@ class SpeechEvents(Framing):
 speech_error = renaming(
     openai_error, FIELD_NAMES, "instructions + input",
     busy_hint=f"; the engine reserves room for a song's unread audio by its max_new_tokens ({contract.MAX_FRAMES} "
-              f"frames, {audio_bytes(contract.MAX_FRAMES) / 1e6:.0f} MB, by default): a lower one reserves less")
+              f"frames, {audio_bytes(contract.MAX_FRAMES) / 2**20:.1f} MiB, by default): a lower one reserves less")
 
 
 def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:
