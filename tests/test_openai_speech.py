@@ -170,15 +170,17 @@ def test_the_sdk_raises_its_typed_errors(sdk):
 
 def test_a_song_that_does_not_fit_the_unread_audio_gets_429_saying_a_lower_cap_reserves_less(sdk, engine):
     """Without max_new_tokens a song reserves its 9000 frames' audio; the 429 says so in one unit."""
-    limit = engine.max_unread_bytes
-    engine.max_unread_bytes = 100 * 2**20
+    limit, held = engine.max_unread_bytes, 2**30  # 1 GiB a caller holds, read, of 1.1 GiB
+    engine.max_unread_bytes = int(1.1 * 2**30)
+    engine.hold_read_audio(held)
     try:
         with pytest.raises(openai.RateLimitError) as error:
             sdk.audio.speech.create(model="MiniMax-Music3", voice="default", input=LYRICS, instructions=CAPTION)
     finally:
+        engine.hold_read_audio(-held)
         engine.max_unread_bytes = limit
     message = error.value.body["message"]
-    assert "this song's 121.3 MiB would pass the engine's 0.10 GiB" in message, message
+    assert "this song's 121.3 MiB would pass the engine's 1.10 GiB" in message, message
     assert message.endswith("by its max_new_tokens (9000 frames, 121.3 MiB, by default): a lower one reserves less")
 
 
