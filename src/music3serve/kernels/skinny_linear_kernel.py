@@ -11,34 +11,56 @@ from torch import Tensor
 
 from .pdl import launch_options, uses_pdl
 
-__all__ = ["MAX_ROWS", "PREFETCH_BYTES", "run_kernel"]
+__all__ = ["MAX_ROWS", "PREFETCH_BYTES", "WIDENINGS", "run_kernel"]
 
 MAX_ROWS = 16  # rows per call: one tile of rows per program (BLOCK_M)
 
+# How the kernel widens e4m3 codes to bf16 (a tile's optional fifth element, kernels/skinny_linear.py):
+# "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion unit
+# (16 results per clock per SM on sm_90; bench/skinny_asm.py shows it). "bits": four codes loaded as one int32,
+# widened by shifts and masks into bf16 bit patterns worth 2**-120 of the value, then multiplied by 2**120 (bf16x2:
+# exact, subnormal codes included); no conversion instruction. A NaN code (quantize never writes one) reads +-480.
+WIDENINGS = ("cvt", "bits")
+
 
 def run_kernel(
-    x: Tensor, w: Tensor, config: tuple[int, int, int, int], gated: bool = False, residual: Tensor | None = None,
-    scale: Tensor | None = None,
+    x: Tensor, w: Tensor, config: tuple[int, int, int, int] | tuple[int, int, int, int, str], gated: bool = False,
+    residual: Tensor | None = None, scale: Tensor | None = None,
 ) -> Tensor:
-    """The Triton kernel with an explicit (BLOCK_N, BLOCK_K, num_warps, num_stages); bench/skinny_linear.py sweeps it.
-    gated: w is [gate | up] and the result silu(gate) * up (BLOCK_N columns of each per program). scale: w's float32
-    scale per row when w is e4m3."""
+    """The Triton kernel with an explicit (BLOCK_N, BLOCK_K, num_warps, num_stages[, widening]); bench/skinny_linear.py
+    sweeps it. gated: w is [gate | up] and the result silu(gate) * up (BLOCK_N columns of each per program). scale:
+    w's float32 scale per row when w is e4m3; widening: one of WIDENINGS for its codes (default "cvt")."""
     k = x.shape[-1]
     n = w.shape[0] // 2 if gated else w.shape[0]
     rows = x.numel() // k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config
+    block_n, block_k, warps, stages, *widening = config
+    words = _widens_words(w, scale, widening[0] if widening else "cvt")
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
     _kernel()[(math.ceil(n / block_n),)](
         x_rows, w, y, added, y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0),
         added.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        RESIDUAL=residual is not None, SCALED=scale is not None, PDL=pdl,
+        RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words, PDL=pdl,
         PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps, num_stages=stages,
         **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], n)
+
+
+def _widens_words(w: Tensor, scale: Tensor | None, widening: str) -> bool:
+    """Whether the kernel widens w's e4m3 codes four per int32 word ("bits"): it needs rows of whole aligned words."""
+    if widening not in WIDENINGS:
+        raise ValueError(f"skinny_linear: widening {widening!r} is not one of {WIDENINGS}")
+    if widening == "cvt":
+        return False
+    if scale is None:
+        raise ValueError("skinny_linear: the bits widening is for e4m3 weights")
+    if w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4:
+        raise ValueError(f"skinny_linear: the bits widening reads 4 codes a word: {tuple(w.shape)} rows of stride "
+                         f"{w.stride(0)} are not whole words")
+    return True
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -68,6 +90,20 @@ def _kernel():
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    unbias = tl.constexpr(2.0**120)  # bf16's exponent bias over e4m3's
+
+    @triton.jit
+    def _widen_words(words):
+        # [BLOCK_N, BLOCK_K // 4] int32 words of four e4m3 codes (lowest byte first) -> [BLOCK_N, BLOCK_K] bf16, exact:
+        # a code's sign to bf16's sign, its exponent and mantissa bits into bf16's low exponent and top mantissa bits
+        # (worth value * 2**-120, subnormal codes a bf16 subnormal), then * 2**120 (bf16x2 multiplies on sm_90).
+        w = words.to(tl.uint32, bitcast=True)
+        odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)  # codes 1 and 3 of each word
+        even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)  # codes 0 and 2
+        halves = tl.join(tl.join(even & 0xFFFF, odd & 0xFFFF), tl.join(even >> 16, odd >> 16))
+        bits = tl.reshape(halves, (words.shape[0], 4 * words.shape[1])).to(tl.uint16)
+        return (bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * unbias).to(tl.bfloat16)
+
     @triton.jit
     def _prefetch_l2(ptrs):
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
@@ -78,11 +114,12 @@ def _kernel():
     @triton.jit(do_not_specialize=["rows"])
     def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, scale_ptr, rows, n, k, stride_w, stride_x,
                              stride_residual, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
-                             PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                             GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr, WORDS: tl.constexpr,
+                             PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
-        # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale.
+        # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS: those codes are
+        # loaded four per int32 and widened by _widen_words (k a multiple of 4).
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         col_ok = cols < n
@@ -100,14 +137,26 @@ def _kernel():
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < k
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            w_tile = w_ptr + cols[:, None] * stride_w + kk[None, :]
+            if WORDS:
+                k4 = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                w_mask = col_ok[:, None] & (k4 < k // 4)[None, :]
+                w_tile = w_ptr.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_w // 4) + k4[None, :]
+            else:
+                w_mask = col_ok[:, None] & k_ok[None, :]
+                w_tile = w_ptr + cols[:, None] * stride_w + kk[None, :]
             x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :],
                         other=0.0)
-            w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
+            if WORDS:
+                w = _widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first"))
+            else:
+                w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
             acc = tl.dot(x, tl.trans(w), acc)
             if GATED:
-                w_up = tl.load(w_tile + n * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
+                if WORDS:
+                    w_up = _widen_words(tl.load(w_tile + n * (stride_w // 4), mask=w_mask, other=0,
+                                                eviction_policy="evict_first"))
+                else:
+                    w_up = tl.load(w_tile + n * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
                 acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
         if SCALED:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
