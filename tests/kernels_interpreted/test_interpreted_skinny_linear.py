@@ -92,3 +92,42 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(gated):
     for rows in (1, 2, 7):
         assert torch.equal(linear(x[:rows].clone(), w, None, gated=gated), full[:rows])
     assert torch.equal(linear(x.flip(0).contiguous(), w, None, gated=gated), full.flip(0))
+
+
+def every_code(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes [n, K] holding every finite code (zeros and subnormals of both signs included), and scales."""
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randperm(n * K) % len(finite)].view(n, K).view(torch.float8_e4m3fn)
+    return codes, torch.rand(n) + 0.5
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, MAX_ROWS])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_the_bits_widening_gives_the_bits_of_the_cast(rows, gated):
+    w, scale = every_code(2 * N if gated else N)
+    x = torch.randn(rows, K).to(torch.bfloat16)
+    tile = tile_config(w.shape[0], K, gated, fp8=True)[:4]
+    assert K % tile[1]  # a masked K tail of words
+    got = run_kernel(x, w, (*tile, "bits"), gated=gated, scale=scale)
+    assert torch.equal(got, run_kernel(x, w, (*tile, "cvt"), gated=gated, scale=scale))
+    within_rounding(got, gated_silu_reference(x, w, scale) if gated else product(x, w, scale))
+
+
+def test_the_bits_widening_adds_the_residual_as_the_cast_does():
+    w, scale = every_code(N)
+    x, residual = torch.randn(5, K).to(torch.bfloat16), (torch.randn(5, N) * 4).to(torch.bfloat16)
+    tile = tile_config(N, K, fp8=True)[:4]
+    got = run_kernel(x, w, (*tile, "bits"), residual=residual, scale=scale)
+    assert torch.equal(got, run_kernel(x, w, (*tile, "cvt"), residual=residual, scale=scale))
+
+
+def test_rows_that_are_not_whole_words_take_the_cast_and_bf16_weights_refuse_the_bits_widening():
+    w, scale = every_code(N)
+    tile = (*tile_config(N, K, fp8=True)[:4], "bits")
+    x = torch.randn(2, K - 2).to(torch.bfloat16)
+    assert torch.equal(run_kernel(x, w[:, 2:], tile, scale=scale), run_kernel(x, w[:, 2:].contiguous(), tile[:4],
+                                                                             scale=scale))
+    with pytest.raises(ValueError, match="e4m3 weights"):
+        run_kernel(torch.randn(2, K).to(torch.bfloat16), weight()[0], tile)
+    with pytest.raises(ValueError, match="not one of"):
+        run_kernel(torch.randn(2, K).to(torch.bfloat16), w, (*tile[:4], "f16"), scale=scale)

@@ -123,37 +123,60 @@ def kernel_bandwidth(device: str = "cuda", rows=(2, 16)) -> str:
 
 
 SWEEP = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 512, 8, 4), (64, 256, 4, 6), (128, 256, 8, 4),
-         (32, 512, 8, 6), (16, 1024, 4, 4), (64, 1024, 8, 3), (32, 256, 4, 8)]
+         (32, 512, 8, 6), (16, 1024, 4, 4), (64, 1024, 8, 3), (32, 256, 4, 8),
+         (32, 1024, 4, 4), (32, 512, 4, 7)]  # the last two: 96 KB of e4m3 in shared buffers, as bf16's (32, 512, 4, 4)
+
+
+def every_code(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes [n, k] cycling through every finite code (zeros and subnormals of both signs), and scales."""
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device=device)
+    codes = finite[torch.randperm(n * k, device=device) % len(finite)].view(n, k).view(torch.float8_e4m3fn)
+    return codes, torch.rand(n, device=device) + 0.5
+
+
+def widening_of(config: tuple) -> str:
+    """The widening a tile names (default "cvt")."""
+    return config[4] if len(config) > 4 else "cvt"
 
 
 @torch.inference_mode()
 def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
-    """Time the skinny kernel on e4m3 weights for each talker shape over SWEEP (BLOCK_N per half when gated) and put
-    the fastest in skinny_linear.MEASURED_FP8_TILES for this process; returns the table."""
+    """Time the skinny kernel on e4m3 weights for each talker shape over SWEEP (BLOCK_N per half when gated) with
+    each widening of the codes (skinny_linear_kernel.WIDENINGS), check that each widening gives the bits of "cvt"
+    (a random weight and one of every finite code, every tile), and put the fastest (tile, widening) of those that do
+    in skinny_linear.MEASURED_FP8_TILES for this process; returns the table."""
     from ..kernels import skinny_linear as sl
-    from ..kernels.skinny_linear_kernel import run_kernel
+    from ..kernels.skinny_linear_kernel import WIDENINGS, run_kernel
     from ..models.fp8 import quantize
 
     out = []
     for name, n, k, gated in SHAPES:
         copies = max(2, CYCLE_BYTES // (n * k))
         fp8 = [quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5) for _ in range(copies)]
+        checks = [(fp8[0].codes, fp8[0].scale), every_code(n, k, device)]
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         default = sl.tile_config(n, k, gated, fp8=True)
-        times = {}
-        for config in dict.fromkeys([default, *SWEEP]):
+        us, same = {}, dict.fromkeys(WIDENINGS, True)
+        for config in dict.fromkeys([default, *((*tile, w) for tile in SWEEP for w in WIDENINGS)]):
             try:
-                times[config] = time_ms(graphed(lambda c=config: [run_kernel(x, q.codes, c, gated=gated,
-                                                                              scale=q.scale) for q in fp8]))
+                us[config] = time_ms(graphed(lambda c=config: [run_kernel(x, q.codes, c, gated=gated,
+                                                                           scale=q.scale) for q in fp8])) / copies * 1e3
             except Exception as exc:  # a tile past the shared memory or register budget
                 print(f"{name} {config}: {type(exc).__name__}")
-        best = min(times, key=times.get)
-        sl.MEASURED_FP8_TILES[(n, k, gated)] = best
-        us = times[best] / copies * 1e3
-        out.append([name, rows, str(default), times[default] / copies * 1e3, str(best), us, n * k / (us * 1e-6) / COPY_BW])
-        del fp8
+                continue
+            same[widening_of(config)] &= all(torch.equal(run_kernel(x, c, config, gated=gated, scale=s),
+                                                         run_kernel(x, c, config[:4], gated=gated, scale=s))
+                                             for c, s in checks)
+        best = {w: min((c for c in us if widening_of(c) == w), key=us.get) for w in WIDENINGS}
+        fastest = min((best[w] for w in WIDENINGS if same[w]), key=us.get)
+        sl.MEASURED_FP8_TILES[(n, k, gated)] = fastest
+        out.append([name, rows, str(default), us[default], *(v for w in WIDENINGS for v in (str(best[w]), us[best[w]])),
+                    n * k / (us[fastest] * 1e-6) / COPY_BW, ", ".join(w for w in WIDENINGS if not same[w]) or "none"])
+        del fp8, checks
         torch.cuda.empty_cache()
-    return table(["weight", "rows", "default tile", "us", "best tile", "us", "x copy bw"], out)
+    columns = [col for w in WIDENINGS for col in (f"best {w} tile", "us")]
+    return table(["weight", "rows", "default tile", "us", *columns, "fastest x copy bw", "widenings off cvt's bits"],
+                 out)
 
 
 EXAMPLE_24GB = Path(__file__).resolve().parents[3] / "examples" / "deploy" / "fp8_24gb.yaml"  # in the source tree
