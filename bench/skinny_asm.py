@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from music3serve.kernels.skinny_linear import MEASURED_FP8_TILES, tile_config
-from music3serve.kernels.skinny_linear_kernel import MAX_ROWS, _kernel, _prefetch_lines
+from music3serve.kernels.skinny_linear_kernel import CHAIN_K, MAX_ROWS, VARIANTS, _kernel, _prefetch_lines
 
 TALKER = [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False), (16385, 4096, False),
           (12288, 4096, False), (12288, 4096, True), (4096, 6144, False), (1024, 4096, False)]
@@ -39,14 +39,15 @@ def compile_kernel(n: int, k: int, tile: tuple, fp8: bool, gated: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    block_n, block_k, warps, stages, *widening = tile
-    words = fp8 and widening == ["bits"]
+    block_n, block_k, warps, stages, *variant = tile
+    widening, chains = VARIANTS[variant[0] if variant else "cvt"]
     ints = {"rows": MAX_ROWS, "n": n // 2 if gated else n, "k": k, "stride_w": k, "stride_x": k,
             "stride_residual": n // 2 if gated else n}
     signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "residual_ptr": "*bf16",
                  "scale_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
     constants = dict(BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=False, SCALED=fp8,
-                     **({"WORDS": words} if "WORDS" in _kernel().arg_names else {}), PDL=True, PREFETCH_LINES=_prefetch_lines(block_n), LINE=128 if fp8 else 64)
+                     WORDS=fp8 and widening == "bits", CHAINS=chains, PDL=True,
+                     PREFETCH_LINES=_prefetch_lines(block_n), LINE=128 if fp8 else 64)
     signature.update(dict.fromkeys(constants, "constexpr"))
     fn = _kernel()
     divisible = [*POINTERS, *(name for name, value in ints.items() if name != "rows" and value % 16 == 0)]
@@ -71,8 +72,8 @@ def sass(cubin: bytes, folder: Path) -> tuple[str, str]:
     return text, next((line.strip() for line in usage.splitlines() if "REG:" in line), "")
 
 
-def main_loop(text: str) -> list[str]:
-    """The opcodes of the SASS loop over K: from the label a backward branch jumps to, to that branch."""
+def main_loop(text: str, opcodes: bool = True) -> list[str]:
+    """The opcodes (or lines) of the SASS loop over K: from the label a backward branch jumps to, to that branch."""
     lines, labels = text.splitlines(), {}
     for i, line in enumerate(lines):
         if re.match(r"^\.L_x_\d+:", line):
@@ -80,8 +81,22 @@ def main_loop(text: str) -> list[str]:
         target = re.search(r"BRA `?\(?(\.L_x_\d+)", line)
         if target and target.group(1) in labels:
             body = lines[labels[target.group(1)]:i + 1]
+            if not opcodes:
+                return body
             return [m.group(1) for m in (re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", b) for b in body) if m]
     return []
+
+
+def mma_chains(text: str) -> int:
+    """Independent accumulator chains among the loop's HMMAs: those whose accumulator input no earlier HMMA of the
+    loop wrote (each carries an accumulator over from the previous iteration)."""
+    written, chains = set(), 0
+    for line in main_loop(text, opcodes=False):
+        mma = re.search(r"HMMA\S* (R\d+), R\d+, R\d+, (R\d+)", line)
+        if mma:
+            chains += mma.group(2) not in written
+            written.add(mma.group(1))
+    return chains
 
 
 def shared_bytes(opcode: str) -> int:
@@ -114,7 +129,10 @@ def facts(n: int, k: int, tile: tuple, fp8: bool, gated: bool = False, dump: Pat
     block_n, block_k, warps = tile[:3]
     elements = block_n * block_k * (2 if gated else 1) / (32 * warps)  # weight elements per thread per iteration
     buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x(\d+)x(\d+)x(\w+)", ttgir)
-    weight = [b for b in buffers if b[3] in ("i32", "f8E4M3FN") or (not fp8 and int(b[1]) == block_n)]
+    x_k = block_k if VARIANTS[tile[4] if len(tile) > 4 else "cvt"][1] == 1 else CHAIN_K  # K of one x buffer
+    x_shape = (str(MAX_ROWS), str(x_k), "bf16")
+    x_buffers = [i for i, b in enumerate(buffers) if b[1:] == x_shape][:block_k // x_k]  # the first: x's come first
+    weight = [b for i, b in enumerate(buffers) if i not in x_buffers]  # the rest: w (gate and up, per chain)
     in_flight = sum(int(b[0]) * int(b[1]) * int(b[2]) * (4 if b[3] == "i32" else 1 if fp8 else 2) for b in weight)
     regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
     return {
@@ -123,7 +141,7 @@ def facts(n: int, k: int, tile: tuple, fp8: bool, gated: bool = False, dump: Pat
         "weight bytes in smem": in_flight, "smem": compiled.metadata.shared,
         "cvt/el": counts["cvt"] / elements, "int/el": counts["int"] / elements, "hmul2/el": counts["hmul2"] / elements,
         "mov/el": counts["mov"] / elements, "lds B/el": counts["lds"] / elements, "sts B": counts["sts"],
-        "mma": f"HMMA x{counts['hmma']}" if counts["hmma"] else f"HGMMA x{counts['hgmma']}",
+        "mma": (f"HMMA x{counts['hmma']}, {mma_chains(text)} chains" if counts["hmma"] else f"HGMMA x{counts['hgmma']}"),
         "instr/el": len(loop) / elements, "regs": int(regs.group(1)) if regs else 0,
         "spill B": int(local.group(1)) if local else 0,
     }
@@ -155,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     for n, k, gated in shapes:
         fp8_tile = tuple(args.tile) if args.tile else MEASURED_FP8_TILES.get((n, k, gated), tile_config(n, k, gated, True))
         configs = [("bf16", tile_config(n, k, gated), False)]
-        configs += [(f"e4m3 {w}", (*fp8_tile[:4], w), True) for w in ("cvt", "bits")]
+        configs += [(f"e4m3 {v}", (*fp8_tile[:4], v), True) for v in VARIANTS]
         for dtype, tile, fp8 in configs:
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)

@@ -103,22 +103,28 @@ def every_code(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("rows", [1, 2, 7, MAX_ROWS])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_the_bits_widening_gives_the_bits_of_the_cast(rows, gated):
+def test_the_variants_give_the_bits_of_their_chains_with_the_cast(rows, gated):
+    """bits = cvt and bits-2acc = cvt-2acc bit for bit; the two chains within the bound of the exact product."""
     w, scale = every_code(2 * N if gated else N)
     x = torch.randn(rows, K).to(torch.bfloat16)
     tile = tile_config(w.shape[0], K, gated, fp8=True)[:4]
     assert K % tile[1]  # a masked K tail of words
-    got = run_kernel(x, w, (*tile, "bits"), gated=gated, scale=scale)
-    assert torch.equal(got, run_kernel(x, w, (*tile, "cvt"), gated=gated, scale=scale))
-    within_rounding(got, gated_silu_reference(x, w, scale) if gated else product(x, w, scale))
+    want = gated_silu_reference(x, w, scale) if gated else product(x, w, scale)
+    for chains in ("", "-2acc"):
+        got = run_kernel(x, w, (*tile, "bits" + chains), gated=gated, scale=scale)
+        assert torch.equal(got, run_kernel(x, w, (*tile, "cvt" + chains), gated=gated, scale=scale))
+        within_rounding(got, want)
 
 
-def test_the_bits_widening_adds_the_residual_as_the_cast_does():
+@pytest.mark.parametrize("variant", ["bits", "bits-2acc"])
+def test_the_variants_add_the_residual_and_keep_a_rows_bits_whatever_the_rows_beside_it(variant):
     w, scale = every_code(N)
-    x, residual = torch.randn(5, K).to(torch.bfloat16), (torch.randn(5, N) * 4).to(torch.bfloat16)
-    tile = tile_config(N, K, fp8=True)[:4]
-    got = run_kernel(x, w, (*tile, "bits"), residual=residual, scale=scale)
-    assert torch.equal(got, run_kernel(x, w, (*tile, "cvt"), residual=residual, scale=scale))
+    x, residual = torch.randn(MAX_ROWS, K).to(torch.bfloat16), (torch.randn(MAX_ROWS, N) * 4).to(torch.bfloat16)
+    tile = (*tile_config(N, K, fp8=True)[:4], variant)
+    full = run_kernel(x, w, tile, scale=scale)
+    for rows in (1, 2, 7):
+        assert torch.equal(run_kernel(x[:rows].clone(), w, tile, scale=scale), full[:rows])
+    assert torch.equal(run_kernel(x, w, tile, residual=residual, scale=scale), residual + full)
 
 
 def test_rows_that_are_not_whole_words_take_the_cast_and_bf16_weights_refuse_the_bits_widening():

@@ -11,52 +11,57 @@ from torch import Tensor
 
 from .pdl import launch_options, uses_pdl
 
-__all__ = ["MAX_ROWS", "PREFETCH_BYTES", "WIDENINGS", "run_kernel"]
+__all__ = ["MAX_ROWS", "PREFETCH_BYTES", "VARIANTS", "run_kernel"]
 
 MAX_ROWS = 16  # rows per call: one tile of rows per program (BLOCK_M)
+CHAIN_K = 64  # with two accumulator chains (VARIANTS), the K of each slice: four k16 MMAs per warp and column tile
 
-# How the kernel widens e4m3 codes to bf16 (a tile's optional fifth element, kernels/skinny_linear.py):
-# "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion unit
-# (16 results per clock per SM on sm_90; bench/skinny_asm.py shows it). "bits": four codes loaded as one int32,
+# The kernel's variants, a tile's optional fifth element (kernels/skinny_linear.py): name -> (widening, chains).
+# Widening "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion
+# unit (16 results per clock per SM on sm_90; bench/skinny_asm.py shows it). "bits": four codes loaded as one int32,
 # widened by shifts and masks into bf16 bit patterns worth 2**-120 of the value, then multiplied by 2**120 (bf16x2:
-# exact, subnormal codes included); no conversion instruction. A NaN code (quantize never writes one) reads +-480.
-WIDENINGS = ("cvt", "bits")
-
+# exact, subnormal codes included): the same bits, no conversion instruction. A NaN code (quantize never writes one)
+# reads +-480. Chains 2: the K tile in slices of CHAIN_K, alternately on two float32 accumulators added at the end,
+# so each warp interleaves two independent chains of MMAs instead of waiting on one (another order of sums: not the
+# bits of one chain; the same bound against the exact product).
+VARIANTS = {"cvt": ("cvt", 1), "bits": ("bits", 1), "cvt-2acc": ("cvt", 2), "bits-2acc": ("bits", 2)}
 
 def run_kernel(
     x: Tensor, w: Tensor, config: tuple[int, int, int, int] | tuple[int, int, int, int, str], gated: bool = False,
     residual: Tensor | None = None, scale: Tensor | None = None,
 ) -> Tensor:
-    """The Triton kernel with an explicit (BLOCK_N, BLOCK_K, num_warps, num_stages[, widening]); bench/skinny_linear.py
+    """The Triton kernel with an explicit (BLOCK_N, BLOCK_K, num_warps, num_stages[, variant]); bench/skinny_linear.py
     sweeps it. gated: w is [gate | up] and the result silu(gate) * up (BLOCK_N columns of each per program). scale:
-    w's float32 scale per row when w is e4m3; widening: one of WIDENINGS for its codes (default "cvt")."""
+    w's float32 scale per row when w is e4m3; variant: one of VARIANTS (default "cvt")."""
     k = x.shape[-1]
     n = w.shape[0] // 2 if gated else w.shape[0]
     rows = x.numel() // k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages, *widening = config
-    words = _widens_words(w, scale, widening[0] if widening else "cvt")
+    block_n, block_k, warps, stages, *variant = config
+    words, chains = _variant(w, scale, variant[0] if variant else "cvt")
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
     _kernel()[(math.ceil(n / block_n),)](
         x_rows, w, y, added, y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0),
         added.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words, PDL=pdl,
+        RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words, CHAINS=chains,
+        PDL=pdl,
         PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps, num_stages=stages,
         **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], n)
 
 
-def _widens_words(w: Tensor, scale: Tensor | None, widening: str) -> bool:
-    """Whether the kernel widens w's e4m3 codes four per int32 word ("bits"); rows that are not whole aligned words
-    take "cvt", which gives the same bits."""
-    if widening not in WIDENINGS:
-        raise ValueError(f"skinny_linear: widening {widening!r} is not one of {WIDENINGS}")
+def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[bool, int]:
+    """(WORDS, CHAINS) of a variant for this weight: rows that are not whole aligned int32 words take the "cvt"
+    widening instead of "bits", which gives the same bits."""
+    if name not in VARIANTS:
+        raise ValueError(f"skinny_linear: variant {name!r} is not one of {list(VARIANTS)}")
+    widening, chains = VARIANTS[name]
     if widening == "bits" and scale is None:
         raise ValueError("skinny_linear: the bits widening is for e4m3 weights")
-    return widening == "bits" and not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4)
+    return widening == "bits" and not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4), chains
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -87,6 +92,7 @@ def _kernel():
     from triton.language.extra import libdevice
 
     unbias = tl.constexpr(2.0**120)  # bf16's exponent bias over e4m3's
+    chain_k = tl.constexpr(CHAIN_K)
 
     @triton.jit
     def _widen_words(words):
@@ -101,6 +107,36 @@ def _kernel():
         return (bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * unbias).to(tl.bfloat16)
 
     @triton.jit
+    def _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, WORDS: tl.constexpr):
+        # acc + x[:, k0 : k0 + BLOCK_K] @ w[cols, same].T, and GATED: acc_up + the same for w[n + cols]
+        m = tl.arange(0, BLOCK_M)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        if WORDS:
+            k4 = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            w_mask = col_ok[:, None] & (k4 < k // 4)[None, :]
+            w_tile = w_ptr.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_w // 4) + k4[None, :]
+        else:
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_tile = w_ptr + cols[:, None] * stride_w + kk[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :],
+                    other=0.0)
+        if WORDS:
+            w = _widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first"))
+        else:
+            w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            if WORDS:
+                w_up = _widen_words(tl.load(w_tile + n * (stride_w // 4), mask=w_mask, other=0,
+                                            eviction_policy="evict_first"))
+            else:
+                w_up = tl.load(w_tile + n * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
+        return acc, acc_up
+
+    @triton.jit
     def _prefetch_l2(ptrs):
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
@@ -111,11 +147,12 @@ def _kernel():
     def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, scale_ptr, rows, n, k, stride_w, stride_x,
                              stride_residual, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr, WORDS: tl.constexpr,
-                             PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                             CHAINS: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                             LINE: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
         # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS: those codes are
-        # loaded four per int32 and widened by _widen_words (k a multiple of 4).
+        # loaded four per int32 and widened by _widen_words (k a multiple of 4). CHAINS: accumulators per output.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         col_ok = cols < n
@@ -130,30 +167,21 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the second chains (CHAINS 2)
+        acc_up_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < k
-            if WORDS:
-                k4 = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                w_mask = col_ok[:, None] & (k4 < k // 4)[None, :]
-                w_tile = w_ptr.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_w // 4) + k4[None, :]
+            if CHAINS == 2:  # K in slices of CHAIN_K, alternately on each chain: their MMAs interleave
+                for j in tl.static_range(0, BLOCK_K // chain_k, 2):
+                    acc, acc_up = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0 + j * chain_k, stride_w,
+                                              stride_x, acc, acc_up, BLOCK_M, chain_k, GATED, WORDS)
+                    acc_b, acc_up_b = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0 + (j + 1) * chain_k,
+                                                  stride_w, stride_x, acc_b, acc_up_b, BLOCK_M, chain_k, GATED, WORDS)
             else:
-                w_mask = col_ok[:, None] & k_ok[None, :]
-                w_tile = w_ptr + cols[:, None] * stride_w + kk[None, :]
-            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :],
-                        other=0.0)
-            if WORDS:
-                w = _widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first"))
-            else:
-                w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
-            acc = tl.dot(x, tl.trans(w), acc)
-            if GATED:
-                if WORDS:
-                    w_up = _widen_words(tl.load(w_tile + n * (stride_w // 4), mask=w_mask, other=0,
-                                                eviction_policy="evict_first"))
-                else:
-                    w_up = tl.load(w_tile + n * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
+                acc, acc_up = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc,
+                                          acc_up, BLOCK_M, BLOCK_K, GATED, WORDS)
+        if CHAINS == 2:
+            acc += acc_b
+            acc_up += acc_up_b
         if SCALED:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
             if GATED:
