@@ -14,17 +14,17 @@ from .pdl import launch_options, uses_pdl
 __all__ = ["MAX_ROWS", "PREFETCH_BYTES", "VARIANTS", "run_kernel"]
 
 MAX_ROWS = 16  # rows per call: one tile of rows per program (BLOCK_M)
-CHAIN_K = 64  # with two accumulator chains (VARIANTS), the K of each slice: four k16 MMAs per warp and column tile
 
-# The kernel's variants, a tile's optional fifth element (kernels/skinny_linear.py): name -> (widening, chains).
+# The kernel's variants, a tile's optional fifth element (kernels/skinny_linear.py): name -> (widening, K over warps).
 # Widening "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion
 # unit (16 results per clock per SM on sm_90; bench/skinny_asm.py shows it). "bits": four codes loaded as one int32,
 # widened by shifts and masks into bf16 bit patterns worth 2**-120 of the value, then multiplied by 2**120 (bf16x2:
 # exact, subnormal codes included): the same bits, no conversion instruction. A NaN code (quantize never writes one)
-# reads +-480. Chains 2: the K tile in slices of CHAIN_K, alternately on two float32 accumulators added at the end,
-# so each warp interleaves two independent chains of MMAs instead of waiting on one (another order of sums: not the
-# bits of one chain; the same bound against the exact product).
-VARIANTS = {"cvt": ("cvt", 1), "bits": ("bits", 1), "cvt-2acc": ("cvt", 2), "bits-2acc": ("bits", 2)}
+# reads +-480. K over warps ("-kwarps"): warp p of the program takes the p-th part of each K tile for all BLOCK_N
+# columns (a batched dot), and the parts' float32 accumulators are summed once at the end: each warp reads only its
+# part of x and runs one MMA chain per 8 columns, against all of x and one chain otherwise. Another order of sums:
+# not the bits of "cvt", the same bound against the exact product.
+VARIANTS = {"cvt": ("cvt", False), "bits": ("bits", False), "cvt-kwarps": ("cvt", True), "bits-kwarps": ("bits", True)}
 
 def run_kernel(
     x: Tensor, w: Tensor, config: tuple[int, int, int, int] | tuple[int, int, int, int, str], gated: bool = False,
@@ -38,30 +38,30 @@ def run_kernel(
     rows = x.numel() // k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages, *variant = config
-    words, chains = _variant(w, scale, variant[0] if variant else "cvt")
+    words, k_over_warps = _variant(w, scale, variant[0] if variant else "cvt")
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
     _kernel()[(math.ceil(n / block_n),)](
         x_rows, w, y, added, y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0),
         added.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words, CHAINS=chains,
-        PDL=pdl,
+        RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words,
+        PARTS=warps if k_over_warps else 1, PDL=pdl,
         PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps, num_stages=stages,
         **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], n)
 
 
-def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[bool, int]:
-    """(WORDS, CHAINS) of a variant for this weight: rows that are not whole aligned int32 words take the "cvt"
+def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[bool, bool]:
+    """(WORDS, K over warps) of a variant for this weight: rows that are not whole aligned int32 words take the "cvt"
     widening instead of "bits", which gives the same bits."""
     if name not in VARIANTS:
         raise ValueError(f"skinny_linear: variant {name!r} is not one of {list(VARIANTS)}")
-    widening, chains = VARIANTS[name]
+    widening, k_over_warps = VARIANTS[name]
     if widening == "bits" and scale is None:
         raise ValueError("skinny_linear: the bits widening is for e4m3 weights")
-    return widening == "bits" and not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4), chains
+    return widening == "bits" and not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4), k_over_warps
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -92,18 +92,17 @@ def _kernel():
     from triton.language.extra import libdevice
 
     unbias = tl.constexpr(2.0**120)  # bf16's exponent bias over e4m3's
-    chain_k = tl.constexpr(CHAIN_K)
 
     @triton.jit
     def _widen_words(words):
-        # [BLOCK_N, BLOCK_K // 4] int32 words of four e4m3 codes (lowest byte first) -> [BLOCK_N, BLOCK_K] bf16, exact:
+        # [..., BLOCK_K // 4] int32 words of four e4m3 codes (lowest byte first) -> [..., BLOCK_K] bf16, exact:
         # a code's sign to bf16's sign, its exponent and mantissa bits into bf16's low exponent and top mantissa bits
         # (worth value * 2**-120, subnormal codes a bf16 subnormal), then * 2**120 (bf16x2 multiplies on sm_90).
         w = words.to(tl.uint32, bitcast=True)
         odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)  # codes 1 and 3 of each word
         even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)  # codes 0 and 2
         halves = tl.join(tl.join(even & 0xFFFF, even >> 16), tl.join(odd & 0xFFFF, odd >> 16))  # [..., 2 * hi + odd]
-        bits = tl.reshape(halves, (words.shape[0], 4 * words.shape[1])).to(tl.uint16)
+        bits = tl.reshape(halves, words.shape[:-1] + (4 * words.shape[-1],)).to(tl.uint16)
         return (bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * unbias).to(tl.bfloat16)
 
     @triton.jit
@@ -137,6 +136,40 @@ def _kernel():
         return acc, acc_up
 
     @triton.jit
+    def _accumulate_parts(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr, GATED: tl.constexpr,
+                          WORDS: tl.constexpr):
+        # _accumulate with K tile [k0, k0 + BLOCK_K) in PARTS parts: acc[p] + x[:, part p] @ w[cols, part p].T, a
+        # batched dot whose batch Triton spreads over the warps
+        m = tl.arange(0, BLOCK_M)[None, :, None]
+        part = tl.arange(0, PARTS)[:, None] * (BLOCK_K // PARTS)
+        kk = k0 + part + tl.arange(0, BLOCK_K // PARTS)[None, :]  # [PARTS, BLOCK_K // PARTS]
+        k_ok = kk < k
+        if WORDS:
+            k4 = k0 // 4 + part // 4 + tl.arange(0, BLOCK_K // PARTS // 4)[None, :]
+            w_mask = col_ok[None, :, None] & (k4 < k // 4)[:, None, :]
+            w_tile = w_ptr.to(tl.pointer_type(tl.int32)) + cols[None, :, None] * (stride_w // 4) + k4[:, None, :]
+        else:
+            w_mask = col_ok[None, None, :] & k_ok[:, :, None]
+            w_tile = w_ptr + cols[None, None, :] * stride_w + kk[:, :, None]  # [PARTS, BLOCK_K // PARTS, BLOCK_N]
+        x = tl.load(x_ptr + m * stride_x + kk[:, None, :], mask=(m < rows) & k_ok[:, None, :], other=0.0)
+        if WORDS:
+            w = tl.permute(_widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first")),
+                           (0, 2, 1))
+        else:
+            w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
+        acc = tl.dot(x, w, acc)
+        if GATED:
+            up = w_tile + n * (stride_w // 4 if WORDS else stride_w)
+            if WORDS:
+                w_up = tl.permute(_widen_words(tl.load(up, mask=w_mask, other=0, eviction_policy="evict_first")),
+                                  (0, 2, 1))
+            else:
+                w_up = tl.load(up, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
+            acc_up = tl.dot(x, w_up, acc_up)
+        return acc, acc_up
+
+    @triton.jit
     def _prefetch_l2(ptrs):
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
@@ -147,12 +180,12 @@ def _kernel():
     def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, scale_ptr, rows, n, k, stride_w, stride_x,
                              stride_residual, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr, WORDS: tl.constexpr,
-                             CHAINS: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                             PARTS: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                              LINE: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
         # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS: those codes are
-        # loaded four per int32 and widened by _widen_words (k a multiple of 4). CHAINS: accumulators per output.
+        # loaded four per int32 and widened by _widen_words (k a multiple of 4). PARTS > 1: K over the warps (VARIANTS).
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         col_ok = cols < n
@@ -167,21 +200,18 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the second chains (CHAINS 2)
-        acc_up_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            if CHAINS == 2:  # K in slices of CHAIN_K, alternately on each chain: their MMAs interleave
-                for j in tl.static_range(0, BLOCK_K // chain_k, 2):
-                    acc, acc_up = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0 + j * chain_k, stride_w,
-                                              stride_x, acc, acc_up, BLOCK_M, chain_k, GATED, WORDS)
-                    acc_b, acc_up_b = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0 + (j + 1) * chain_k,
-                                                  stride_w, stride_x, acc_b, acc_up_b, BLOCK_M, chain_k, GATED, WORDS)
-            else:
+        if PARTS > 1:
+            parts = tl.zeros((PARTS, BLOCK_M, BLOCK_N), dtype=tl.float32)
+            parts_up = tl.zeros((PARTS, BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                parts, parts_up = _accumulate_parts(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x,
+                                                    parts, parts_up, BLOCK_M, BLOCK_K, PARTS, GATED, WORDS)
+            acc = tl.sum(parts, axis=0)
+            acc_up = tl.sum(parts_up, axis=0)
+        else:
+            for k0 in range(0, k, BLOCK_K):
                 acc, acc_up = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc,
                                           acc_up, BLOCK_M, BLOCK_K, GATED, WORDS)
-        if CHAINS == 2:
-            acc += acc_b
-            acc_up += acc_up_b
         if SCALED:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
             if GATED:
