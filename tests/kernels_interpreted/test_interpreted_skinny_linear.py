@@ -127,7 +127,7 @@ def test_the_variants_add_the_residual_and_keep_a_rows_bits_whatever_the_rows_be
     assert torch.equal(run_kernel(x, w, tile, residual=residual, scale=scale), residual + full)
 
 
-def test_rows_that_are_not_whole_words_take_the_cast_and_bf16_weights_refuse_the_bits_widening():
+def test_rows_that_are_not_whole_words_take_the_cast_and_bad_variants_are_refused():
     w, scale = every_code(N)
     tile = (*tile_config(N, K, fp8=True)[:4], "bits")
     x = torch.randn(2, K - 2).to(torch.bfloat16)
@@ -137,3 +137,5 @@ def test_rows_that_are_not_whole_words_take_the_cast_and_bf16_weights_refuse_the
         run_kernel(torch.randn(2, K).to(torch.bfloat16), weight()[0], tile)
     with pytest.raises(ValueError, match="not one of"):
         run_kernel(torch.randn(2, K).to(torch.bfloat16), w, (*tile[:4], "f16"), scale=scale)
+    with pytest.raises(ValueError, match="BLOCK_K a multiple of 64"):
+        run_kernel(torch.randn(2, K).to(torch.bfloat16), w, (16, 32, 4, 2, "bits-kwarps"), scale=scale)

@@ -61,7 +61,7 @@ MEASURED_GATED_TILES = {
 # (2026-12-04). They reach only 40-55% of copy bandwidth (bf16: 71-88%). The compiled code (bench/skinny_asm.py) has
 # the e4m3 tile on the bf16 tile's path (cp.async into shared memory, one register load, no store back) but widens it
 # with 1.5 conversion instructions per element, on a unit of 16 results per clock per SM. A fifth element picks the
-# kernel's widening (skinny_linear_kernel.WIDENINGS; default "cvt"). Without an entry: the bf16 tile, BLOCK_K doubled.
+# kernel's variant (skinny_linear_kernel.VARIANTS; default "cvt"). Without an entry: the bf16 tile, BLOCK_K doubled.
 MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (6144, 4096, False): (32, 512, 4, 4),  # backbone qkv: 14.6 us (0.40 of copy bandwidth)
     (4096, 4096, False): (32, 512, 4, 4),  # backbone o, depth o and projection: 9.9 us (0.39)
@@ -78,7 +78,7 @@ MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, ...]] = {
 def tile_config(n: int, k: int, gated: bool = False, fp8: bool = False) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight; a function of the shape only. gated: the
     weight is [gate | up] and BLOCK_N counts the columns of each (by default half the plain tile: the same bytes
-    per program). fp8: the weight is e4m3, and a fifth element may name the widening of its codes."""
+    per program). fp8: the weight is e4m3, and a fifth element may name a kernel variant (VARIANTS)."""
     if fp8:
         if (n, k, gated) in MEASURED_FP8_TILES:
             return MEASURED_FP8_TILES[(n, k, gated)]

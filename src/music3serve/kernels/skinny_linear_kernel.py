@@ -26,6 +26,7 @@ MAX_ROWS = 16  # rows per call: one tile of rows per program (BLOCK_M)
 # not the bits of "cvt", the same bound against the exact product.
 VARIANTS = {"cvt": ("cvt", False), "bits": ("bits", False), "cvt-kwarps": ("cvt", True), "bits-kwarps": ("bits", True)}
 
+
 def run_kernel(
     x: Tensor, w: Tensor, config: tuple[int, int, int, int] | tuple[int, int, int, int, str], gated: bool = False,
     residual: Tensor | None = None, scale: Tensor | None = None,
@@ -39,6 +40,8 @@ def run_kernel(
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages, *variant = config
     words, k_over_warps = _variant(w, scale, variant[0] if variant else "cvt")
+    if k_over_warps and block_k % (16 * warps):
+        raise ValueError(f"skinny_linear: K over {warps} warps needs BLOCK_K a multiple of {16 * warps}, got {block_k}")
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
