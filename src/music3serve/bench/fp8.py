@@ -150,43 +150,48 @@ def agrees(variant: str, got: torch.Tensor, cvt: torch.Tensor, exact: torch.Tens
 
 
 @torch.inference_mode()
-def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
+def sweep_tiles(device: str = "cuda", rows: int = 16, variants: list[str] | None = None,
+                weights: list[str] | None = None) -> str:
     """Time the skinny kernel on e4m3 weights for each talker shape over SWEEP (BLOCK_N per half when gated) in each
     kernel variant (skinny_linear_kernel.VARIANTS), check each variant's results (`agrees`, on a random weight and one
     of every finite code, every tile), and put the fastest (tile, variant) of those that agree in
-    skinny_linear.MEASURED_FP8_TILES for this process; returns the table."""
+    skinny_linear.MEASURED_FP8_TILES for this process; returns the table. `variants`, `weights`: those only (default
+    all); each weight's row also goes to stdout as soon as it is timed."""
     from ..kernels import skinny_linear as sl
     from ..kernels.skinny_linear_kernel import run_kernel
     from ..models.fp8 import quantize
 
+    variants = variants or list(VARIANTS)
     out = []
-    for name, n, k, gated in SHAPES:
+    for name, n, k, gated in (s for s in SHAPES if weights is None or s[0] in weights):
         copies = max(2, CYCLE_BYTES // (n * k))
         fp8 = [quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5) for _ in range(copies)]
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         checks = [(c, s, exact_product(x, c, s, gated))
                   for c, s in [(fp8[0].codes, fp8[0].scale), every_code(n, k, device)]]
         default = sl.tile_config(n, k, gated, fp8=True)
-        us, ok = {}, dict.fromkeys(VARIANTS, True)
-        for config in dict.fromkeys([default, *((*tile, v) for tile in SWEEP for v in VARIANTS)]):
+        us, ok = {}, dict.fromkeys(variants, True)
+        for config in dict.fromkeys([default, *((*tile, v) for tile in SWEEP for v in variants)]):
             try:
                 us[config] = time_ms(graphed(lambda c=config: [run_kernel(x, q.codes, c, gated=gated,
                                                                            scale=q.scale) for q in fp8])) / copies * 1e3
             except Exception as exc:  # a tile past the shared memory or register budget
                 print(f"{name} {config}: {type(exc).__name__}")
                 continue
+            ok.setdefault(variant_of(config), True)
             ok[variant_of(config)] &= all(
                 agrees(variant_of(config), run_kernel(x, c, config, gated=gated, scale=s),
                        run_kernel(x, c, config[:4], gated=gated, scale=s), exact) for c, s, exact in checks)
-        best = {v: min((c for c in us if variant_of(c) == v), key=us.get) for v in VARIANTS}
-        fastest = min((best[v] for v in VARIANTS if ok[v]), key=us.get)
+        best = {v: min((c for c in us if variant_of(c) == v), key=us.get, default=None) for v in variants}
+        fastest = min((best[v] for v in variants if best[v] and ok[v]), key=us.get)
         sl.MEASURED_FP8_TILES[(n, k, gated)] = fastest
-        per_variant = [v for w in VARIANTS for v in (str(best[w][:4]), us[best[w]])]
+        per_variant = [v for w in variants for v in ((str(best[w][:4]), us[best[w]]) if best[w] else ("-", "-"))]
         out.append([name, rows, str(default), us[default], *per_variant, str(fastest),
-                    n * k / (us[fastest] * 1e-6) / COPY_BW, ", ".join(v for v in VARIANTS if not ok[v]) or "-"])
+                    n * k / (us[fastest] * 1e-6) / COPY_BW, ", ".join(v for v in ok if not ok[v]) or "-"])
+        print(" | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in out[-1]), flush=True)
         del fp8, checks
         torch.cuda.empty_cache()
-    columns = [col for v in VARIANTS for col in (f"best {v} tile", "us")]
+    columns = [col for v in variants for col in (f"best {v} tile", "us")]
     return table(["weight", "rows", "default tile", "us", *columns, "fastest", "x copy bw", "off (results)"], out)
 
 
@@ -233,13 +238,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("what", choices=["precision", "kernel", "sweep", "memory"])
     parser.add_argument("--frames", type=int, default=500)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="sweep: the kernel variants to time (each tile in each)")
+    parser.add_argument("--weights", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES],
+                        help="sweep: the talker weights to time")
     args = parser.parse_args(argv)
     if args.what == "precision":
         print(talker_precision(frames=args.frames))
     elif args.what == "kernel":
         print(kernel_bandwidth())
     elif args.what == "sweep":
-        print(sweep_tiles())
+        print(sweep_tiles(variants=args.variants, weights=args.weights))
     else:
         print(memory())
 
