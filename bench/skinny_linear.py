@@ -6,7 +6,7 @@ the same 2 rows alone (batch invariance).
 With --sweep it times every tile configuration and prints the best per shape (for the gated kernel, BLOCK_N is
 the columns of gate and of up each).
 
-    PYTHONPATH=src python3 bench/skinny_linear.py [--sweep] [--rows 2 16]
+    PYTHONPATH=src python3 bench/skinny_linear.py [--sweep [--kwarps]] [--rows 2 16]
 """
 
 from __future__ import annotations
@@ -44,16 +44,20 @@ def per_call_ms(fn, x, weights) -> float:
     return time_ms(replay) / len(weights)
 
 
-def configs():
+def configs(k_over_warps: bool = False):
+    """Tiles to sweep; k_over_warps: each also with K over its warps (skinny_linear_kernel.VARIANTS' "-kwarps")."""
     for block_n, block_k, warps, stages in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4, 6)):
         if block_n * block_k * 2 * stages <= 160 << 10:
             yield block_n, block_k, warps, stages
+            if k_over_warps and block_k % (16 * warps) == 0:
+                yield block_n, block_k, warps, stages, "cvt-kwarps"
 
 
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="time every tile configuration per shape")
+    parser.add_argument("--kwarps", action="store_true", help="--sweep also tries K over the warps of each tile")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="row counts to time (default 2 16)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -78,7 +82,7 @@ def main() -> None:
                              config, f"{err:.1e}", invariant])
             if args.sweep:
                 timed = []
-                for config in configs():
+                for config in configs(args.kwarps):
                     kernel = lambda a, b, c=config: run_kernel(a, b, c, gated=gated)  # noqa: E731
                     try:
                         timed.append((per_call_ms(kernel, x, weights) * 1e3, config))
