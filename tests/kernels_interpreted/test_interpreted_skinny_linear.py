@@ -139,3 +139,16 @@ def test_rows_that_are_not_whole_words_take_the_cast_and_bad_variants_are_refuse
         run_kernel(torch.randn(2, K).to(torch.bfloat16), w, (*tile[:4], "f16"), scale=scale)
     with pytest.raises(ValueError, match="BLOCK_K a multiple of 64"):
         run_kernel(torch.randn(2, K).to(torch.bfloat16), w, (16, 32, 4, 2, "bits-kwarps"), scale=scale)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_k_over_the_warps_of_a_bf16_tile_is_within_the_bound_and_a_rows_bits_stay(gated):
+    """bench/skinny_linear.py --sweep --kwarps tries bf16 tiles with K over their warps: the same bound against the
+    torch ops, a row's bits whatever the rows beside it."""
+    w, _ = weight(2 * N if gated else N)
+    x = torch.randn(MAX_ROWS, K).to(torch.bfloat16)
+    tile = (16, 64, 4, 2, "cvt-kwarps")
+    full = run_kernel(x, w, tile, gated=gated)
+    within_rounding(full, gated_silu_reference(x, w) if gated else product(x, w, None))
+    for rows in (1, 2, 7):
+        assert torch.equal(run_kernel(x[:rows].clone(), w, tile, gated=gated), full[:rows])
