@@ -141,7 +141,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(op, shape):
     fn = OPS[op]
     x, w = operands(MAX_ROWS, *shape, "cuda")
     full = fn(x, w)
-    for rows in (1, 2, 7):
+    for rows in (1, 2, 7, 16, 17, 33, 100):  # one row tile, several, the last one partial
         assert torch.equal(fn(x[:rows].clone(), w), full[:rows])
     assert torch.equal(fn(x.flip(0).contiguous(), w), full.flip(0))
 

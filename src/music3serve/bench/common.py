@@ -40,11 +40,12 @@ FULL_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 @torch.no_grad()
-def random_module(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """Our module for a component at full size, filled with random weights of realistic scale."""
+def random_module(name: str, device: str, dtype: torch.dtype, seed: int = 0, **config: Any) -> nn.Module:
+    """Our module for a component at full size (or with the `config` values given instead, say fewer layers), filled
+    with random weights of realistic scale."""
     component = COMPONENTS[name]
     with torch.device("meta"):
-        module = component.model(component.config(FULL_CONFIGS[name]))
+        module = component.model(component.config({**FULL_CONFIGS[name], **config}))
     module = module.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, param in module.named_parameters():

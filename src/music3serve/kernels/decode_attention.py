@@ -17,7 +17,10 @@ On CUDA with Triton importable the work runs as flash-decoding, in two kernels:
    rows, NaN) cannot leak into the result.
 2. ``combine``: grid ``(q_heads, rows)``. Merges the active splits of one head by their log-sum-exps.
 
-``num_splits`` is fixed per (rows, kv_heads, capacity) shape, so the launch grid is static and graph capturable.
+``num_splits`` follows the capacity alone (``_choose_num_splits``), so the launch grid is static and graph capturable,
+and each share is at least ``split_blocks`` blocks (``max(split_blocks, ceil(blocks(L) / num_splits))``): a row's share
+of its filled length, hence the order its positions are summed and merged in, depends on that length only, and a row's
+result not on the other rows or on how many there are (batch invariance).
 
 ``append=(k_new, v_new, positions)`` also stores each row's new key and value at ``positions[r]`` of its slot
 (what a decode step must do before attending). The Triton path does it inside ``split``, with no launch of its
@@ -237,7 +240,8 @@ def _kernels():
         stride_knr, stride_knh, stride_vnr, stride_vnh, stride_rot,
         capacity, qk_scale_log2, eps,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr, ROTATE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr,
+        ROTATE: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # kernels/pdl.py: launched early, wait for the previous kernel before touching anything
@@ -251,7 +255,7 @@ def _kernels():
         length = tl.load(len_ptr + row).to(tl.int32)
         length = tl.minimum(tl.maximum(length, 0), capacity)
         n_blocks = tl.cdiv(length, BLOCK_N)
-        blocks_per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+        blocks_per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), SPLIT_BLOCKS)
         lo = split * blocks_per_split * BLOCK_N
         hi = tl.minimum(lo + blocks_per_split * BLOCK_N, length)
 
@@ -329,7 +333,7 @@ def _kernels():
         stride_or, stride_oh,
         capacity,
         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-        BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        SPLIT_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -341,8 +345,8 @@ def _kernels():
         length = tl.load(len_ptr + row).to(tl.int32)
         length = tl.minimum(tl.maximum(length, 0), capacity)
         n_blocks = tl.cdiv(length, BLOCK_N)
-        blocks_per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-        n_active = tl.cdiv(n_blocks, tl.maximum(blocks_per_split, 1))
+        blocks_per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), SPLIT_BLOCKS)
+        n_active = tl.cdiv(n_blocks, blocks_per_split)
 
         # Pass 1: the max and the sum of the weights over all active splits' log-sum-exps (scalars, cheap).
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -371,28 +375,28 @@ def _kernels():
     return triton, split_kernel, combine_kernel
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Defaults for Hopper (H100/H200), head_dim 128, bf16: K and V blocks of 64 positions, 4 warps, a 3-stage
-# pipeline, and about one (row, kv_head, split) program per SM at full length (rows 2 -> 9 splits, rows 16 -> 2).
-# Picked from two sweeps on an H200 (bench/decode_attention.py --sweep: 36 layers, capacity 10240, rows 2 and 16,
-# filled 1k/5k/10k): this is within ~5% of the best of 22 configurations in every case and reaches the bytes
-# floor at rows 16 x 10k; 2 stages with these splits cost up to 35% more, 4x the splits 3-15% more.
+# pipeline (bench/decode_attention.py --sweep on an H200: 36 layers, capacity 10240, rows 2 and 16, filled 1k/5k/10k;
+# 2 stages cost up to 35% more). A row's filled length is split into at most 8 shares of at least 4 blocks (256
+# positions), whatever the rows beside it. An H200 sweep of split counts (36 layers, rows 2 and 16, filled 384, 1024
+# and 4096; bench/batch_invariance_ab.py) picked these: two rows want many splits (6-8 at 384 positions: 5.7-6.3 us a
+# layer against 8.1 for one), sixteen few (one or two at 384: 10.0-11.4 us against 17.0 for eight). Shares of 4 blocks
+# keep both within 1 us a layer of the earlier row-count rule at a few hundred positions; at 1024-4096 positions
+# sixteen rows take 5-6 us a layer more (8 splits where the row-count rule took 2), and 8 splits keep a full one-song
+# step at 128 programs, about one per SM.
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
-_PROGRAMS_PER_SM = 1
+_MAX_SPLITS = 8
+_SPLIT_BLOCKS = 4
 
 
-def _choose_num_splits(rows: int, kv_heads: int, capacity: int, block_n: int, sm_count: int) -> int:
-    """Splits per (row, kv_head): enough programs to fill the GPU when the slots are full, no more splits than
-    blocks in the capacity. Static for a (rows, kv_heads, capacity) shape, so a captured graph keeps its grid."""
-    max_blocks = max(1, math.ceil(capacity / block_n))
-    want = math.ceil(_PROGRAMS_PER_SM * sm_count / max(1, rows * kv_heads))
-    return max(1, min(want, max_blocks, 128))
+def _choose_num_splits(capacity: int, block_n: int, split_blocks: int = _SPLIT_BLOCKS) -> int:
+    """Split programs per (row, kv_head): _MAX_SPLITS, fewer when the capacity holds fewer shares of split_blocks
+    blocks. A function of the capacity alone: each row's share is then max(split_blocks, ceil(blocks(L) / _MAX_SPLITS))
+    blocks of its filled length L, whatever the other rows (and whatever the capacity: a smaller one gives every
+    length it can hold shares of split_blocks)."""
+    return max(1, min(_MAX_SPLITS, math.ceil(capacity / (block_n * split_blocks))))
 
 
 def _decode_attention_triton(
@@ -406,6 +410,7 @@ def _decode_attention_triton(
     num_warps: int = _NUM_WARPS,
     num_stages: int = _NUM_STAGES,
     num_splits: int | None = None,
+    split_blocks: int = _SPLIT_BLOCKS,
     append: Append | None = None,
     rotation: Rotation | None = None,
 ) -> Tensor:
@@ -434,7 +439,7 @@ def _decode_attention_triton(
     group = q_heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     if num_splits is None:
-        num_splits = _choose_num_splits(rows, kv_heads, capacity, block_n, _sm_count(q.device.index or 0))
+        num_splits = _choose_num_splits(capacity, block_n, split_blocks)
     splits_pad = max(2, triton.next_power_of_2(num_splits))
 
     out = torch.empty((rows, q_heads, head_dim), device=q.device, dtype=out_dtype)
@@ -456,8 +461,8 @@ def _decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         capacity, scale * _LOG2E, eps,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        APPEND=append is not None, ROTATE=rotation is not None, PDL=pdl, num_warps=num_warps,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLIT_BLOCKS=split_blocks,
+        BLOCK_N=block_n, APPEND=append is not None, ROTATE=rotation is not None, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **launch_options(pdl),
     )  # fmt: skip
     if num_splits == 1:  # the split kernel wrote the result
@@ -466,7 +471,8 @@ def _decode_attention_triton(
         o_part, lse_part, lengths, out,
         out.stride(0), out.stride(1),
         capacity,
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad), BLOCK_N=block_n,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad),
+        SPLIT_BLOCKS=split_blocks, BLOCK_N=block_n,
         PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out
