@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import contract
 from ..errors import CheckpointError
+from .fusion import hot
 from .weights import Source, require
 
 
@@ -43,10 +44,7 @@ class ConditionEncoder(nn.Module):
 
     def mix(self, frames: torch.Tensor) -> torch.Tensor:
         """[..., streams * hidden] frame conditioning -> [..., hidden], weighted by softmax(logits) * scale."""
-        streams = frames.unflatten(-1, (self.cfg.streams, self.cfg.hidden))
-        weights = torch.softmax(self.stream_logits, dim=0).to(frames.dtype)
-        mixed = (streams * weights[:, None]).sum(-2)
-        return self.scale.to(frames.dtype) * mixed
+        return mix_streams(frames, self.stream_logits, self.scale)
 
     def project(self, mixed: torch.Tensor) -> torch.Tensor:
         """Mixed frames [batch, frames, hidden] of one window -> condition [batch, latent_len, out_dim]."""
@@ -65,3 +63,16 @@ class ConditionEncoder(nn.Module):
             "proj.weight": [Source("proj.weight", (cfg.out_dim, cfg.hidden, 3))],
             "proj.bias": [Source("proj.bias", (cfg.out_dim,))],
         }
+
+
+@hot
+def mix_streams(frames: torch.Tensor, stream_logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """ConditionEncoder.mix as a hot path, the streams added one after the other: compiled, one elementwise kernel
+    that sums a frame's streams in that order whatever the number of frames beside it (the talker mixes one frame a
+    song; a reduction kernel's order follows its launch configuration, which inductor picks per compiled shape)."""
+    weights = torch.softmax(stream_logits, dim=0).to(frames.dtype)
+    streams = frames.unflatten(-1, (stream_logits.shape[0], -1)).unbind(-2)
+    mixed = streams[0] * weights[0]
+    for stream, weight in zip(streams[1:], weights[1:]):
+        mixed = mixed + stream * weight
+    return scale.to(frames.dtype) * mixed
