@@ -3,9 +3,11 @@ interleaved in one process so that clock drift cancels. Full-size model, random 
 
 "row-count" rebuilds the earlier choices: the decode attention's split count from the row count (about one program
 per SM at full length: ceil(SMs / (rows x kv_heads)) splits, at most one per block of the capacity, shares of any
-size) and more than 16 rows of a GEMM in cuBLAS. "invariant" is the engine as it is: splits from the capacity alone in
-shares of at least 4 blocks, every row count up to 128 in the skinny kernel. Both talkers share the weights; each has its own KV slots and graphs. Then the decode
-attention alone (36 layers in one graph, per layer) at 2 and 16 rows: both rules and fixed split counts.
+size), more than 16 rows of a GEMM in cuBLAS, and SDPA in the depth decoder's first call. "invariant" is the engine as
+it is: splits from the capacity alone in shares of at least 4 blocks, every row count up to 128 in the skinny kernel,
+the first depth call's attention in the decode kernel. Both talkers share the weights; each has its own KV slots and
+graphs. Then the decode attention alone (36 layers in one graph, per layer) at 2 and 16 rows: both rules and fixed
+split counts.
 
     PYTHONPATH=src python3 bench/batch_invariance_ab.py
 """
@@ -25,6 +27,7 @@ from music3serve.talker.engine import Talker, TalkerConfig
 
 attention = sys.modules["music3serve.kernels.decode_attention"]
 skinny = sys.modules["music3serve.kernels.skinny_linear"]
+depth_decoder = sys.modules["music3serve.models.depth_decoder"]
 
 
 def row_count_splits(rows: int, kv_heads: int, capacity: int) -> int:
@@ -36,18 +39,20 @@ def row_count_splits(rows: int, kv_heads: int, capacity: int) -> int:
 @contextlib.contextmanager
 def row_count_dispatch():
     """The earlier, row-count-dependent choices, while a talker is built and captured."""
-    triton_path, max_rows = attention._decode_attention_triton, skinny.MAX_ROWS
+    saved = attention._decode_attention_triton, skinny.MAX_ROWS, depth_decoder.takes_rotation
+    triton_path = saved[0]
 
     def by_rows(q, k_cache, v_cache, lengths, scale=None, **kw):
         kw.setdefault("num_splits", row_count_splits(q.shape[0], k_cache.shape[1], k_cache.shape[2]))
         kw.setdefault("split_blocks", 1)
         return triton_path(q, k_cache, v_cache, lengths, scale, **kw)
 
-    attention._decode_attention_triton, skinny.MAX_ROWS = by_rows, 16
+    # takes_rotation False: the depth decoder's first call runs SDPA
+    attention._decode_attention_triton, skinny.MAX_ROWS, depth_decoder.takes_rotation = by_rows, 16, lambda _: False
     try:
         yield
     finally:
-        attention._decode_attention_triton, skinny.MAX_ROWS = triton_path, max_rows
+        attention._decode_attention_triton, skinny.MAX_ROWS, depth_decoder.takes_rotation = saved
 
 
 @torch.inference_mode()
