@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200, carry .whl; ~7 min): the GPU batch-invariance tests, then the kernel tests they rest
-# on, then the talker step with the batch-invariant dispatch against the row-count-dependent one, interleaved
-# (bench/batch_invariance_ab.py). Each part keeps its whole log under $OUT.
+# The GPU batch-invariance checks, one device call each (nvidia-h200, carry .whl); whole logs under $OUT:
+#   bash bench/gpu_batch_invariance.sh probe   (<= 5 min) bench/batch_invariance_probe.py, then the talker's GPU
+#                                              invariance tests (tests/test_batch_invariance_gpu.py without the renders)
+#   bash bench/gpu_batch_invariance.sh verify  (<= 5 min) every GPU invariance test, then the kernel and talker GPU tests
+#   bash bench/gpu_batch_invariance.sh ab      (<= 3 min) bench/batch_invariance_ab.py: the talker step against the
+#                                              row-count-dependent dispatch it replaced, interleaved
 source bench/gpu_env.sh
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s -rf --tb=short -W ignore \
-  tests/test_batch_invariance_gpu.py 2>&1 | grep -v DEBUG > "$OUT/invariance_tests.txt"
-grep -E "PCM|passed|failed|FAILED|differ" "$OUT/invariance_tests.txt" | tail -20
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short -W ignore tests/test_skinny_linear.py \
-  tests/test_decode_attention.py tests/test_talker_gpu.py 2>&1 | grep -v DEBUG > "$OUT/kernel_tests.txt"
-grep -E "passed|failed|FAILED" "$OUT/kernel_tests.txt" | tail -12
-timeout 120 python3 bench/batch_invariance_ab.py 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/ab.txt"
+tests() {  # timeout, log name, pytest arguments...
+  local limit=$1 log=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider -m gpu -rf --tb=line -W ignore "$@" > "$OUT/$log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed|error|\.py:[0-9]+: " "$OUT/$log" | grep -v DEBUG | cut -c1-300 | tail -40
+}
+case "${1:-probe}" in
+  probe)
+    timeout 150 python3 bench/batch_invariance_probe.py > "$OUT/probe.txt" 2>&1
+    grep "Recompiling function" "$OUT/probe.txt" | cut -c1-250 | head -8
+    grep -v -i -E "warn|Recompiling|^\s*$" "$OUT/probe.txt" | cut -c1-400 | tail -75
+    tests 135 invariance_tests.txt -k "not windows" tests/test_batch_invariance_gpu.py ;;
+  verify)
+    tests 170 invariance_tests.txt tests/test_batch_invariance_gpu.py
+    tests 120 kernel_tests.txt tests/test_skinny_linear.py tests/test_decode_attention.py tests/test_talker_gpu.py ;;
+  ab)
+    timeout 170 python3 bench/batch_invariance_ab.py 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/ab.txt" ;;
+esac
