@@ -44,7 +44,7 @@ class ConditionEncoder(nn.Module):
 
     def mix(self, frames: torch.Tensor) -> torch.Tensor:
         """[..., streams * hidden] frame conditioning -> [..., hidden], weighted by softmax(logits) * scale."""
-        return mix_streams(frames, self.stream_logits, self.scale)
+        return mix_streams(frames, torch.softmax(self.stream_logits, dim=0), self.scale)
 
     def project(self, mixed: torch.Tensor) -> torch.Tensor:
         """Mixed frames [batch, frames, hidden] of one window -> condition [batch, latent_len, out_dim]."""
@@ -66,12 +66,13 @@ class ConditionEncoder(nn.Module):
 
 
 @hot
-def mix_streams(frames: torch.Tensor, stream_logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """ConditionEncoder.mix as a hot path, the streams added one after the other: compiled, one elementwise kernel
-    that sums a frame's streams in that order whatever the number of frames beside it (the talker mixes one frame a
-    song; a reduction kernel's order follows its launch configuration, which inductor picks per compiled shape)."""
-    weights = torch.softmax(stream_logits, dim=0).to(frames.dtype)
-    streams = frames.unflatten(-1, (stream_logits.shape[0], -1)).unbind(-2)
+def mix_streams(frames: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """ConditionEncoder.mix's sum as a hot path, the streams weighted and added one after the other: compiled, one
+    elementwise kernel whose arithmetic per frame is the same in every compiled shape, whatever the number of frames
+    mixed together (the talker mixes one frame a song). A reduction kernel's order follows its launch configuration,
+    which inductor picks per compiled shape; so the weights' softmax runs before, uncompiled."""
+    weights = weights.to(frames.dtype)
+    streams = frames.unflatten(-1, (weights.shape[0], -1)).unbind(-2)
     mixed = streams[0] * weights[0]
     for stream, weight in zip(streams[1:], weights[1:]):
         mixed = mixed + stream * weight
