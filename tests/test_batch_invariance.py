@@ -1,6 +1,7 @@
 """What makes a song's arithmetic independent of the songs beside it, checked without a GPU: the decode attention's
-split count, the GEMM dispatch of every row count a frame step has, and the chunks a prompt is prefilled in
-(tests/test_batch_invariance_gpu.py runs the whole engine on the GPU)."""
+split count, the GEMM dispatch of every row count a frame step has, the depth decoder's first-call attention, the mix
+of a frame's conditioning streams, and the chunks a prompt is prefilled in (tests/test_batch_invariance_gpu.py runs
+the whole engine on the GPU)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from music3serve.models import layers
+from music3serve.models import depth_decoder, fusion, layers
+from music3serve.models.condition_encoder import ConditionEncoder, ConditionEncoderConfig, mix_streams
 from music3serve.prompt import encode_prompt
 from music3serve.talker.engine import Talker, TalkerConfig
 
@@ -114,3 +117,46 @@ def test_the_skinny_kernels_launch_takes_its_tiles_from_the_weight_never_the_row
     assert [c["BLOCK_M"] for c in launches.constants] == [16, 16, 16, 32, 32, 32, 32]
     assert [g[0] for g in launches.grids] == [1, 1, 1, 1, 1, 2, 4]
     assert len({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for c in launches.constants}) == 1
+
+
+def test_the_first_depth_calls_attention_runs_the_decode_kernel_a_position_at_a_time(monkeypatch):
+    """In bf16 on CUDA the depth decoder's first call (two positions a song; all of them without its cache) attends
+    position 0 to its own value and each later position through decode attention over the positions up to it, never
+    through SDPA, whose kernels follow the batch size. With the decode attention's torch reference standing in for the
+    kernel, that is SDPA's causal attention."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 5, 4, 3, 16, generator=gen).bfloat16()  # 5 rows, 4 heads, 3 positions of 16
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    monkeypatch.setattr(depth_decoder, "takes_rotation", lambda device: True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", None)  # called, it would raise
+    steps = torch.arange(17)[:, None].expand(-1, 5).contiguous()
+    got = depth_decoder.causal_attention(q, k, v, steps).view(5, 3, 4, 16)
+    assert torch.equal(got[:, 0], v[:, :, 0])  # softmax over one key: the value itself
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), rtol=1e-2, atol=1e-2)
+    alone = depth_decoder.causal_attention(q[1:2], k[1:2], v[1:2], steps[:, :1])
+    assert torch.equal(alone, got[1:2].flatten(2))
+
+
+def test_a_frames_mix_is_elementwise_compiled_so_the_same_alone_and_beside_other_frames():
+    """The talker mixes one frame a song. The compiled mix holds no reduction (a reduction kernel's order follows its
+    launch configuration, which inductor picks per compiled shape), only the weighted streams added one after the
+    other, so a frame's mix has the same bits alone, beside one frame or beside seven (here inductor on the CPU)."""
+    encoder = ConditionEncoder(ConditionEncoderConfig(hidden=16, streams=8, out_dim=4))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        encoder.stream_logits.normal_(generator=gen)
+    frames = torch.randn(8, 8 * 16, generator=gen)
+    ops: list[str] = []
+
+    def traced(gm: torch.fx.GraphModule, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm
+
+    compiled = torch.compile(mix_streams.__wrapped__, backend=traced, dynamic=True, fullgraph=True)
+    compiled(frames, torch.softmax(encoder.stream_logits.detach(), dim=0), encoder.scale.detach())
+    assert ops and not [op for op in ops if any(r in op for r in ("sum", "mean", "max", "softmax", "reduce"))], ops
+    fusion.enable_fusion()
+    with torch.no_grad():
+        together = encoder.mix(frames)
+        for rows in (1, 2):
+            assert torch.equal(encoder.mix(frames[:rows]), together[:rows])
