@@ -1,14 +1,14 @@
 """Where a song's frame step first depends on the songs beside it (GPU; full-size widths, random weights).
 
-Part 1, the kernels alone: each op of the frame step on one song's rows alone and as the first rows of larger batches
-(every talker GEMM in bf16 and e4m3, the backbone's decode attention, the depth decoder's first-call attention in
-every SDPA backend and ours, top-k); max |diff| of those rows against the alone run.
-
-Part 2, one frame step of the engine (backbone of --layers layers, the GPU tests' size): song A (its hiddens, KV rows,
+Part 1, one frame step of the engine (backbone of --layers layers, the GPU tests' size): song A (its hiddens, KV rows,
 seed and frame fixed) solo, again, and beside 1-15 other songs (random rows, NaN past every filled length and in the
 graph's idle rows). Eager, every op's output recorded (hot paths, skinny GEMM inputs and outputs, decode attention,
 backbone layers); per op the largest |diff| of song A's rows against solo, and the first op that differs. Then the
 graphed step (the captured size, or eager beyond it): song A's codes, mixed conditioning, next hiddens and new KV.
+
+Part 2, the kernels alone, each row printed as measured: each op of the frame step on one song's rows alone and as
+the first rows of larger batches (every talker GEMM in bf16 and e4m3, the backbone's decode attention, the depth
+decoder's first-call attention in every SDPA backend and ours, top-k); max |diff| of those rows against the alone run.
 
     PYTHONPATH=src python3 bench/batch_invariance_probe.py [--layers 4]
 """
@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -57,19 +57,19 @@ def rows_sweep(fn: Callable[[int], torch.Tensor], head: int, rows=ROWS) -> tuple
     return f"{max(diffs.values()):.3g}", ", ".join(str(r) for r, d in diffs.items() if d != 0) or "-"
 
 
-def part_kernels() -> list[list[Any]]:
-    out = []
+def part_kernels() -> Iterator[list[Any]]:
+    """Rows of the kernels' table, as they are measured."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    gated = (*MEASURED_GATED_TILES, (24576, 4096))
-    shapes = [(n, k, False) for n, k in MEASURED_TILES] + [(n, k, True) for n, k in gated]
+    gated_shapes = (*MEASURED_GATED_TILES, (24576, 4096))
+    shapes = [(n, k, False) for n, k in MEASURED_TILES] + [(n, k, True) for n, k in gated_shapes]
     for n, k, gated in shapes:
         x = torch.randn(max(ROWS), k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
         op = skinny_gated_silu if gated else skinny_linear
         e4m3 = w.to(torch.float8_e4m3fn), torch.ones(n, device="cuda")
         for label, weight, scale in (("bf16", w, None), ("e4m3", *e4m3)):
-            out.append([f"skinny {'gated ' if gated else ''}{n}x{k} {label}", 2,
-                        *rows_sweep(lambda r: op(x[:r], weight, scale=scale), 2)])
+            sweep = rows_sweep(lambda r: op(x[:r], weight, scale=scale), 2)
+            yield [f"skinny {'gated ' if gated else ''}{n}x{k} {label}", 2, *sweep]
     # The backbone's decode attention with its rotation and append, as DecodeRows calls it: A's rows hold 300 positions.
     cap, n_max = 2049, 64
     k_all = torch.randn(n_max, 8, cap, 128, device="cuda", generator=gen).bfloat16()
@@ -87,7 +87,7 @@ def part_kernels() -> list[list[Any]]:
         return attention.decode_attention(q_all[:r], k_cache, v_cache, lengths[:r], append=(new_k[:r], new_v[:r],
                                           lengths[:r] - 1), rotation=rotation)
 
-    out.append(["decode attention 32x128 cap 2049", 2, *rows_sweep(backbone_attention, 2, (4, 8, 16, 32, 64))])
+    yield ["decode attention 32x128 cap 2049", 2, *rows_sweep(backbone_attention, 2, (4, 8, 16, 32, 64))]
     # The depth decoder's first call: 2 positions, 16 heads of 256.
     qkv = torch.randn(3, 128, 16, 2, 256, device="cuda", generator=gen).bfloat16()
     steps = torch.arange(17, device="cuda")[:, None].expand(-1, 128).contiguous()
@@ -100,16 +100,15 @@ def part_kernels() -> list[list[Any]]:
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(*qkv[:, :r], is_causal=True)
         try:
-            out.append([f"depth first-call SDPA {name}", 2, *rows_sweep(sdpa, 2, (4, 8, 16, 32, 64, 128))])
+            yield [f"depth first-call SDPA {name}", 2, *rows_sweep(sdpa, 2, (4, 8, 16, 32, 64, 128))]
         except RuntimeError as exc:
-            out.append([f"depth first-call SDPA {name}", 2, f"unavailable: {str(exc)[:60]}", ""])
-    out.append(["depth first-call causal_attention (ours)", 2,
-                *rows_sweep(lambda r: causal_attention(*qkv[:, :r], steps[:, :r]), 2, (4, 8, 16, 32, 64, 128))])
+            yield [f"depth first-call SDPA {name}", 2, f"unavailable: {str(exc)[:60]}", ""]
+    ours = rows_sweep(lambda r: causal_attention(*qkv[:, :r], steps[:, :r]), 2, (4, 8, 16, 32, 64, 128))
+    yield ["depth first-call causal_attention (ours)", 2, *ours]
     for columns, k in ((16385, 50), (1024, 50)):
         logits = torch.randn(64, columns, device="cuda", generator=gen)
         sweep = rows_sweep(lambda r: kth_largest(logits[:r], k), 1, (2, 4, 16, 64))
-        out.append([f"kth_largest {columns} columns", 1, *sweep])
-    return out
+        yield [f"kth_largest {columns} columns", 1, *sweep]
 
 
 class Recorder:
@@ -267,16 +266,16 @@ def compare(talker: Talker) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4, help="backbone layers (36 in the released model)")
-    parser.add_argument("--skip-kernels", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
-    if not args.skip_kernels:
-        print("Kernels alone: a song's rows alone against the same rows first in larger batches")
-        print(table(["op", "song rows", "max |diff|", "row counts that differ"], part_kernels()), flush=True)
-        print(f"({time.perf_counter() - started:.0f} s)", flush=True)
     part_step(args.layers)
+    print(f"({time.perf_counter() - started:.0f} s)\n\nKernels alone: a song's rows alone against the same rows "
+          "first in larger batches", flush=True)
+    headers = ["op", "song rows", "max |diff|", "row counts that differ"]
+    print(table(headers, []), flush=True)
+    for row in part_kernels():
+        print(table(headers, [row]).splitlines()[-1], flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
-
 
 if __name__ == "__main__":
     main()
