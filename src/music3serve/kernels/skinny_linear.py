@@ -7,11 +7,13 @@ smallest tensor-core tile, for up to 16 rows; 32 beyond; the last tile padded) a
 ``BLOCK_K`` steps, accumulating in float32, so:
 
 - the arithmetic of a row does not depend on the other rows or on how many there are (batch invariance: the tile
-  configuration is chosen from (N, K) only, every row tile runs the same program, and a 16- and a 32-row tile run the
-  same tensor-core instructions, 16 rows each, every output summing its K steps in the same order: bit for bit on the
-  H200 for the talker's weights, which tests/test_skinny_linear.py checks). At 32 rows (eight songs' depth-decoder first call) 32-row tiles stream the
-  weights at cuBLAS's speed where 16-row ones took up to 40% longer (H200: 13.7 us against 13.3 for cuBLAS and 18.4
-  for 16-row tiles on a 4096 x 4096 weight);
+  configuration is chosen from (N, K) only and every row tile runs the same program). A 16- and a 32-row tile give a
+  row the same bits because Triton lowers both to the same warp-level MMA instruction (mma.sync m16n8k16 on Hopper:
+  its warpgroup MMA needs 64-row tiles), each output summing its K steps in the same order. That is how Triton 3.x
+  compiles them, not a promise of its API: tests/test_skinny_linear.py and bench/batch_invariance_probe.py check it
+  bit for bit on the GPU. At 32 rows (eight songs' depth-decoder first call) 32-row tiles stream the weights at
+  cuBLAS's speed where 16-row ones took up to 40% longer (H200: 13.7 us against 13.3 for cuBLAS and 18.4 for 16-row
+  tiles on a 4096 x 4096 weight);
 - w streams from memory about once per call: the grid is ``(row tiles, ceil(N / BLOCK_N))`` with the row tile
   varying fastest, so the programs reading the same columns run together and share them through L2; no split-K,
   no atomics, so results are deterministic.
