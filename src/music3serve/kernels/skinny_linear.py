@@ -44,7 +44,8 @@ from .decode_attention import triton_available
 from .pdl import launch_options, uses_pdl
 
 __all__ = [
-    "MAX_ROWS", "ROW_TILE", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
+    "MAX_ROWS", "ROW_TILE", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config",
+    "uses_kernel",
 ]
 
 ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond
