@@ -67,7 +67,8 @@ def test_fused_hot_paths_match_plain_ones(tiny_dir):
 @torch.inference_mode()
 def test_depth_decode_attention_gives_the_recomputed_hidden_states(tiny_dir, dtype):
     """On CUDA the cached depth calls keep keys and values in buffers and run the decode attention kernel: their
-    hidden states agree with recomputing the whole sequence (SDPA), within the attention's roundings."""
+    hidden states agree with recomputing the whole sequence (SDPA in float32; in bf16 the decode kernel a position at a
+    time, over the sequence's own keys and values), within the attention's roundings."""
     from music3serve.models.depth_decoder import DepthKV
 
     depth = load_models(tiny_dir, device="cuda", talker_dtype=dtype).depth_decoder
