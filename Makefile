@@ -36,13 +36,15 @@ demo: install
 	@echo "MiniMaxAI/MiniMax-Music3 (57 GB) and run"
 	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @lyrics.txt --duration 60 -o song.wav"
 
-# The studio's browser tests (tests/test_studio.py) drive Debian's chromium: on CI (CI=true) it is installed when
-# missing (a missing browser fails them there); elsewhere they skip without it.
-CHROMIUM ?= /usr/bin/chromium
+# The browser tests (tests/test_studio.py, tests/test_examples.py) drive Debian's chromium, and examples/curl.sh
+# needs curl, jq and xxd: on CI (CI=true) the missing ones are installed (a missing one fails its tests there);
+# elsewhere those tests skip without them. Each package is named as its program.
+TOOLS ?= /usr/bin/chromium /usr/bin/curl /usr/bin/jq /usr/bin/xxd
 browser:
-	@if [ "$(CI)" = true ] && [ ! -x $(CHROMIUM) ]; then \
+	@missing=$$(for tool in $(TOOLS); do [ -x $$tool ] || basename $$tool; done); \
+	if [ "$(CI)" = true ] && [ -n "$$missing" ]; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
 test: install-test browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests

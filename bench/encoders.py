@@ -5,7 +5,8 @@ On the GPU box (full-size random weights): `PYTHONPATH=src python3 bench/encoder
 On a CPU (tiny checkpoint, a smoke run):  `PYTHONPATH=src python3 bench/encoders.py --tiny`
 
 Time to first audio is from sending the request to the first byte of audio (after a WAV header; for events, the
-first delta); each request is closed once its first audio has come, which cancels its song. The window period is
+first delta); each request is closed once its first audio has come, which cancels its song, and the next starts once
+the engine holds no song; the endpoints take turns, `--repeats` times each (median and max). The window period is
 the time between the first and the second window's audio at concurrency 1: what one window costs the pipeline."""
 
 from __future__ import annotations
@@ -96,8 +97,17 @@ async def window_period(client, url: str, body: dict) -> float | None:
     return None
 
 
-async def endpoint_rows(base: str, seconds: float, steps: int | None,
-                        concurrency: tuple[int, ...]) -> tuple[list, float | None]:
+async def idle(client, timeout: float = 60.0) -> None:
+    """Until the engine holds no song (the songs of closed requests are cancelled, not gone at once)."""
+    deadline = time.perf_counter() + timeout
+    while not re.search(r"^music3_songs_held 0(\.0)?$", (await client.get("/metrics")).text, re.MULTILINE):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the engine still holds songs {timeout:g} s after their requests were closed")
+        await asyncio.sleep(0.02)
+
+
+async def endpoint_rows(base: str, seconds: float, steps: int | None, concurrency: tuple[int, ...],
+                        repeats: int) -> tuple[list, float | None]:
     import httpx
 
     frames = int(seconds * contract.FRAME_RATE)
@@ -109,13 +119,17 @@ async def endpoint_rows(base: str, seconds: float, steps: int | None,
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         songs = {**common["songs"], "format": "pcm", "seed": 0, **({"steps": steps} if steps else {})}
         period = await window_period(client, "/v1/songs", songs)
-        for name, (kind, extra, shows) in ENDPOINTS.items():
-            row = [name]
-            for n in concurrency:
-                bodies = [{**common[kind], **extra, "seed": i, **({"steps": steps} if steps else {})} for i in range(n)]
-                times = await asyncio.gather(*(first_audio(client, PATHS[kind], b, shows) for b in bodies))
-                row += [f"{statistics.median(times):.3f}", f"{max(times):.3f}"]
-            rows.append(row)
+        times = {(name, n): [] for name in ENDPOINTS for n in concurrency}
+        for _ in range(repeats):  # the endpoints interleaved, each started on an idle engine
+            for name, (kind, extra, shows) in ENDPOINTS.items():
+                for n in concurrency:
+                    bodies = [{**common[kind], **extra, "seed": i, **({"steps": steps} if steps else {})}
+                              for i in range(n)]
+                    await idle(client)
+                    times[name, n] += await asyncio.gather(*(first_audio(client, PATHS[kind], b, shows)
+                                                             for b in bodies))
+        for name in ENDPOINTS:
+            rows.append([name] + [f"{f(times[name, n]):.3f}" for n in concurrency for f in (statistics.median, max)])
     return rows, period
 
 
@@ -142,9 +156,10 @@ def make_engine(tiny: bool, folder: Path):
 
         return Engine.from_pretrained(write_tiny_checkpoint(folder / "tiny", seed=0), device="cpu")
     from music3serve.bench.e2e import random_models
-    from music3serve.serving.deploy_config import load_deploy_config
+    from music3serve.serving.deploy_config import load_deploy_config, with_stage1_dtype
 
-    return Engine(random_models("cuda"), load_deploy_config())
+    # stage 1 in bf16, as `music3serve bench e2e` measures it
+    return Engine(random_models("cuda"), with_stage1_dtype(load_deploy_config(), "bfloat16"))
 
 
 def main() -> None:
@@ -152,6 +167,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU (a smoke run)")
     parser.add_argument("--windows", type=int, default=8, help="windows per format for the encode cost")
     parser.add_argument("--seconds", type=float, default=20.0, help="song length asked for (the --tiny default: 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="requests per endpoint and concurrency, interleaved")
     args = parser.parse_args()
     print(table(["format", "rate", "median CPU ms / 4 s window", "max"], encode_costs(args.windows)))
     seconds = 10.0 if args.tiny and args.seconds == parser.get_default("seconds") else args.seconds
@@ -161,7 +177,7 @@ def main() -> None:
         engine = make_engine(args.tiny, Path(folder))
         try:
             base, server, thread = serve_in_thread(engine)
-            rows, period = asyncio.run(endpoint_rows(base, seconds, steps, concurrency))
+            rows, period = asyncio.run(endpoint_rows(base, seconds, steps, concurrency, args.repeats))
             server.should_exit = True  # the songs of closed requests end first (cancelled), then the engine closes
             thread.join(60)
         finally:

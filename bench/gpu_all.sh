@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU benchmark behind docs/performance.md and every GPU test, on a CUDA machine, from the repository root:
 #
-#   bash bench/gpu_all.sh [PART...]     PART: tests talker acoustic precision e2e split clocks (default: all)
+#   bash bench/gpu_all.sh [PART...]     PART: tests talker acoustic precision e2e ready split clocks (default: all)
 #
 # Each part writes $OUT/<part>.md (OUT defaults to ./bench-out): the command, date, commit and GPU, then the part's
 # tables in the layout of docs/performance.md. $OUT/performance.md joins every part present, so parts can run in
-# separate calls (the whole run takes about 25 minutes: tests ~8, talker ~4, acoustic ~4, precision ~3, e2e ~3,
-# clocks ~1). `split` needs two GPUs and is skipped on one.
+# separate calls (the whole run takes about 30 minutes: tests ~8, talker ~4, acoustic ~4, precision ~3, e2e ~3,
+# ready ~4, clocks ~1). `split` needs two GPUs and is skipped on one.
 #
 # PYTHON (default python3) runs everything. Needs torch with CUDA and music3serve's test extra (diffusers for the
 # reference rows of `talker` and `acoustic`), plus the hopper extra on H100/H200. On a machine without network
@@ -46,6 +46,7 @@ part_talker() { run talker 600 $CLI bench talker; }
 part_acoustic() { run acoustic 600 $CLI bench acoustic; }
 part_precision() { run precision 600 $CLI bench precision; }
 part_e2e() { run e2e 600 $CLI bench e2e --placement colocated; }
+part_ready() { run ready 600 $CLI bench ready; }
 part_clocks() { run clocks 300 $PYTHON bench/dit_clocks.py; }
 part_split() {
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
@@ -55,17 +56,17 @@ part_split() {
   fi
 }
 
-parts=${*:-tests talker acoustic precision e2e split clocks}
+parts=${*:-tests talker acoustic precision e2e ready split clocks}
 for part in $parts; do
   case $part in
-    tests|talker|acoustic|precision|e2e|split|clocks) "part_$part" ;;
-    *) echo "unknown part '$part' (tests talker acoustic precision e2e split clocks)" >&2; exit 2 ;;
+    tests|talker|acoustic|precision|e2e|ready|split|clocks) "part_$part" ;;
+    *) echo "unknown part '$part' (tests talker acoustic precision e2e ready split clocks)" >&2; exit 2 ;;
   esac
 done
 {
   echo "# GPU results ($(date -u +%Y-%m-%d))"
   echo
-  for part in tests talker acoustic precision e2e split clocks; do
+  for part in tests talker acoustic precision e2e ready split clocks; do
     [ -f "$OUT/$part.md" ] && cat "$OUT/$part.md"
   done
 } > "$OUT/performance.md"

@@ -2,7 +2,7 @@
 (graph replay, 1 and 8 songs), the DiT call of the bf16 policy (8 windows: plain and fused), and the vocoder per
 precision with its SNR against IEEE float32. The talker's matmuls against copy bandwidth: bench/skinny_linear.py.
 
-    PYTHONPATH=src python3 bench/profile_gpu.py [talker|dit|vocoder ...]
+    PYTHONPATH=src python3 bench/profile_gpu.py [talker|talker-fp8|dit|vocoder ...]
 
 Kernels run without programmatic dependent launch here (MUSIC3SERVE_PDL=off unless set): under it a kernel that
 starts early counts its wait for the previous one as running time, and the tables stop adding up.
@@ -25,6 +25,7 @@ from music3serve.bench.precision import snr_db
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.talker.engine import Talker, TalkerConfig
+from music3serve.talker.quantize import quantize_talker
 
 os.environ.setdefault("MUSIC3SERVE_PDL", "off")
 TALKER_ROWS = int(os.environ.get("PROFILE_TALKER_ROWS", "25"))  # kernels listed per talker table
@@ -48,15 +49,17 @@ def kernel_table(fn, label: str, calls: int = 10, rows: int = 25) -> None:
 
 
 @torch.inference_mode()
-def talker() -> None:
+def talker(fp8: bool = False) -> None:
     lm = random_module("language_model", "cuda", torch.bfloat16)
     depth = random_module("depth_decoder", "cuda", torch.bfloat16, seed=1)
+    if fp8:
+        quantize_talker(lm, depth)
     encoder = random_module("condition_encoder", "cuda", torch.float32, seed=2)
     engine = Talker(lm, depth, encoder, TalkerConfig(max_num_seqs=16, capture_sizes=(2, 16)))
     for songs in (1, 8):
         admit(engine, songs, 300)
         print(f"\ntalker step, {songs} songs: {time_ms(lambda: engine.step_fn(2 * songs), repeat=50):.2f} ms (graph)")
-        kernel_table(lambda: engine.step_fn(2 * songs), f"talker frame step, {songs} song(s), graph replay",
+        kernel_table(lambda: engine.step_fn(2 * songs), f"talker frame step{' (fp8)' if fp8 else ''}, {songs} song(s), graph replay",
                      rows=TALKER_ROWS)
         for song in list(engine.songs):
             engine.cancel(song)
@@ -105,7 +108,7 @@ def vocoder() -> None:
 
 
 if __name__ == "__main__":
-    parts = {"talker": talker, "dit": dit, "vocoder": vocoder}
+    parts = {"talker": talker, "talker-fp8": lambda: talker(fp8=True), "dit": dit, "vocoder": vocoder}
     for name in sys.argv[1:] or list(parts):
         parts[name]()
         torch.cuda.empty_cache()

@@ -5,7 +5,7 @@ URL=${1:-http://127.0.0.1:8000}
 
 # POST /v1/songs: stream a WAV into a file (-N: write each piece as it arrives; -D -: print the headers).
 curl -sN -D - -H 'Content-Type: application/json' \
-  -d '{"caption": "Dreamy synth-pop, female vocals, 110 bpm", "lyrics": "[verse]\nneon skies\n[chorus]\nhey", "duration": 20, "seed": 7}' \
+  -d '{"caption": "Dreamy synth-pop, female vocals, 110 bpm", "lyrics": "[verse]\nneon skies\n[chorus]\nhey", "duration": 10, "seed": 7}' \
   "$URL/v1/songs" -o song.wav
 
 # The same song as MP3, played while it is written (ffplay reads the stream from stdin).
@@ -14,17 +14,17 @@ curl -sN -D - -H 'Content-Type: application/json' \
 
 # POST /v1/audio/speech, the official server's contract: 32 kHz WAV, seed 0 unless given.
 curl -s -H 'Content-Type: application/json' \
-  -d '{"model": "MiniMax-Music3", "input": "[verse]\nneon skies", "instructions": "synth-pop", "max_new_tokens": 500}' \
+  -d '{"model": "MiniMax-Music3", "input": "[verse]\nneon skies", "instructions": "synth-pop", "max_new_tokens": 250}' \
   "$URL/v1/audio/speech" -o speech.wav
 
 # The same, streamed as Opus in Ogg (48 kHz).
 curl -sN -H 'Content-Type: application/json' \
-  -d '{"model": "MiniMax-Music3", "input": "[verse]\nneon skies", "instructions": "synth-pop", "max_new_tokens": 500, "response_format": "opus", "stream": true}' \
+  -d '{"model": "MiniMax-Music3", "input": "[verse]\nneon skies", "instructions": "synth-pop", "max_new_tokens": 250, "response_format": "opus", "stream": true}' \
   "$URL/v1/audio/speech" -o speech.ogg
 
 # POST /v1/music_generation, the hosted shape: the audio comes hex-encoded (jq and xxd turn it into a file).
 curl -s -H 'Content-Type: application/json' \
-  -d '{"model": "MiniMax-Music3", "prompt": "indie folk", "lyrics": "[Verse]\nriver to the sea", "max_new_tokens": 500}' \
+  -d '{"model": "MiniMax-Music3", "prompt": "indie folk", "lyrics": "[Verse]\nriver to the sea", "max_new_tokens": 250}' \
   "$URL/v1/music_generation" | jq -r .data.audio | xxd -r -p > hosted.mp3
 
 curl -s "$URL/v1/models"

@@ -17,7 +17,7 @@ REQUEST = {
     "lyrics": "[Verse]\nRiver running to the sea\n[Chorus]\nCarry me, carry me",
     "audio_setting": {"sample_rate": 44100, "bitrate": 256000, "format": "mp3"},
     "output_format": "hex",
-    "max_new_tokens": 500,  # ours: the frame cap (25 a second); the hosted API has none
+    "max_new_tokens": 250,  # ours: the frame cap (25 a second: 10 s); the hosted API has none
 }
 
 with httpx.Client(base_url=BASE, timeout=None) as client:

@@ -14,8 +14,8 @@ from openai import OpenAI
 BASE = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"
 CAPTION = "Dreamy synth-pop, female vocals, 110 bpm"
 LYRICS = "[verse]\nNeon skies over the bay\n[chorus]\nHold on, hold on"
-# Beyond OpenAI's parameters: the seed, the frame cap (25 a second: 500 is 20 s) and the rate (32000 by default).
-EXTRA = {"seed": 7, "max_new_tokens": 500}
+# Beyond OpenAI's parameters: the seed, the frame cap (25 a second: 250 is 10 s) and the rate (32000 by default).
+EXTRA = {"seed": 7, "max_new_tokens": 250}
 
 client = OpenAI(base_url=f"{BASE}/v1", api_key="none")  # any key, unless the server was started with one
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny random checkpoint per session, CPU thread count, and the `gpu` marker."""
+"""Shared fixtures: one tiny random checkpoint per session, CPU thread count, servers, the browser, and the `gpu`
+marker."""
 
 from __future__ import annotations
 
@@ -123,6 +124,34 @@ def client(base_url: str):
 
     with httpx.Client(base_url=base_url, timeout=httpx.Timeout(60.0, connect=5.0)) as client:
         yield client
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium under Playwright; missing: a skip with the reason, a failure under CI. One per module, not
+    per session: while sync Playwright runs, its event loop counts as running on this thread, so a later module's
+    asyncio.run would fail."""
+    why = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        why = f"the browser tests need playwright (pip install 'music3serve[test]'): {exc}"
+    if why is None and shutil.which(CHROMIUM) is None:
+        why = f"the browser tests need Debian's chromium at {CHROMIUM} (apt-get install chromium)"
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
 
 
 @pytest.fixture(scope="session")

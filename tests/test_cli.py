@@ -23,6 +23,7 @@ from music3serve import cli, tiny
 from music3serve.acoustic.renderer import Renderer
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
+from music3serve.cli_args import origin
 from music3serve.errors import Music3Error
 from music3serve.pipeline import Pipeline, Song
 from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
@@ -791,6 +792,11 @@ def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypa
     env, flags = served
     assert env.api_keys == ("env-one", "env-two") and flags.api_keys == ("flag-one", "flag-two")
     assert env.allowed_origins == ("https://a.example", "http://localhost:3000", "*")
+    # As browsers send them: lower case, no default port (CORS compares strings).
+    assert [origin(o) for o in ("HTTP://LocalHost:80", "https://App.Example:443/", "http://[::1]:8080",
+                                "https://a.example:4430", "app://X", "http://example.com:")] == [
+        "http://localhost", "https://app.example", "http://[::1]:8080", "https://a.example:4430", "app://x",
+        "http://example.com"]
     assert env.hosts.allows("localhost:8000") and env.hosts.allows("a.example.org") and not env.hosts.allows("b.example")
     assert flags.hosts.allows("anything.example")  # all interfaces, no --allowed-hosts: any Host
     for bad, needle in ((["--api-key", "has space"], "API key"), (["--allowed-origins", "https://a.example/app"],

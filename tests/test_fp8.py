@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from music3serve.models.fp8 import (
 from music3serve.models.layers import linear, swiglu
 from music3serve.pipeline import Pipeline
 from music3serve.serving.deploy_config import ConfigError, load_deploy_config, with_quantization
+from music3serve.serving.deploy_schema import precision_log_level
 from music3serve.talker.quantize import quantize_talker
 
 
@@ -145,7 +147,11 @@ def test_quantization_settings_and_what_the_engine_says():
     assert [s.quantization for s in fp8.stages] == ["fp8", "fp8"] and fp8.stages[1].precision == "fp8"
     said = fp8.precisions()
     assert said["stage 0"].startswith("fp8: e4m3 weights") and "dtype float32 is overridden" in said["stage 1"]
-    assert "about 10x slower DiT" in deploy.precisions()["stage 1"]
+    assert "about 5x slower than bfloat16" in deploy.precisions()["stage 1"]
+    # Said as a warning where it costs: stage 1 in float32 on a GPU (the default deploy file's), not on the CPU.
+    levels = {(p, d): precision_log_level(p, d) for p in ("float32", "bfloat16", "fp8") for d in ("cuda", "cpu")}
+    assert [key for key, level in levels.items() if level == logging.WARNING] == [("float32", "cuda")]
+    assert set(levels.values()) == {logging.WARNING, logging.INFO}
     with pytest.raises(ConfigError, match="allowed: none or fp8"):
         with_quantization(deploy, "int8")
     float32_talker = deploy.__class__(stages=(dataclasses.replace(deploy.stages[0], dtype="float32"), deploy.stages[1]))

@@ -115,14 +115,16 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
 
 def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it(client):
     """serving/error_bodies.py: the API key and Host checks answer in the route's own error body: OpenAI's
-    {"error": {...}} on /v1/audio/speech and /v1/models, MiniMax's base_resp envelope on /v1/music_generation, and
-    {"error": message} elsewhere."""
+    {"error": {...}} on /v1/audio/speech, /v1/models and /v1/models/{model}, MiniMax's base_resp envelope on
+    /v1/music_generation, and {"error": message} elsewhere."""
     speech = client.post("/v1/audio/speech", json={})
     assert speech.status_code == 401 and speech.headers["www-authenticate"] == "Bearer"
     assert speech.json()["error"]["message"].startswith("this server needs an API key")
     assert speech.json()["error"]["type"] == "authentication_error"
     models = client.get("/v1/models", headers={"Authorization": "Bearer nope"})
     assert models.status_code == 401 and models.json()["error"]["message"] == "the API key is not valid"
+    model = client.get("/v1/models/MiniMax-Music3")
+    assert model.status_code == 401 and model.json()["error"]["type"] == "authentication_error"
     music = client.post("/v1/music_generation", json={})
     assert music.status_code == 401 and music.json()["base_resp"]["status_code"] == 1004
     assert music.json()["base_resp"]["status_msg"].startswith("this server needs an API key")

@@ -1,6 +1,6 @@
-"""POST /v1/audio/speech and GET /v1/models through the OpenAI Python SDK against a real server on the tiny
-checkpoint: the official contract (32 kHz WAV by default, seed 0), every format decoded back by PyAV, streamed
-bytes and SSE events, the SDK's typed errors, and the same song as POST /v1/songs bit for bit."""
+"""POST /v1/audio/speech, GET /v1/models and GET /v1/models/{model} through the OpenAI Python SDK against a real
+server on the tiny checkpoint: the official contract (32 kHz WAV by default, seed 0), every format decoded back by
+PyAV, streamed bytes and SSE events, the SDK's typed errors, and the same song as POST /v1/songs bit for bit."""
 
 from __future__ import annotations
 
@@ -141,6 +141,16 @@ def test_models_lists_the_served_names(sdk):
     assert [model.id for model in sdk.models.list()] == list(contract.SERVED_MODEL_NAMES)
 
 
+def test_the_sdk_retrieves_each_served_model_and_no_other(sdk, client):
+    listed = client.get("/v1/models").json()["data"]
+    assert [sdk.models.retrieve(card["id"]).model_dump() for card in listed] == listed  # a name with a slash too
+    with pytest.raises(openai.NotFoundError) as error:
+        sdk.models.retrieve("tts-1")
+    assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
+    assert error.value.body["message"] == "model 'tts-1' is not served here; it serves " + ", ".join(
+        contract.SERVED_MODEL_NAMES)
+
+
 def test_the_sdk_raises_its_typed_errors(sdk):
     with pytest.raises(openai.BadRequestError) as error:
         speak(sdk, speed=1.5)
@@ -184,3 +194,21 @@ def test_the_engines_refusals_name_the_fields_as_this_endpoint_calls_them(client
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "instructions"
     assert response.json()["error"]["message"].startswith("instructions must be a non-empty string")
+
+
+def test_a_songs_first_window_goes_to_the_encoder_with_a_short_first_slice(sdk, monkeypatch):
+    from music3serve.serving import song_service
+    from music3serve.serving.song_feed import FEED_SAMPLES, FIRST_FEED_SAMPLES
+
+    fed: list[list[int]] = []  # per window: its slices' lengths
+    slices_of = song_service.window_slices
+
+    def recorded(pcm, last, first=False):
+        slices = slices_of(pcm, last, first)
+        fed.append([piece.shape[-1] for piece, _ in slices])
+        return slices
+
+    monkeypatch.setattr(song_service, "window_slices", recorded)
+    body = speak(sdk, response_format="mp3", extra_body={"max_new_tokens": LONG_FRAMES, "stream": True}).content
+    assert body and len(fed) == 2  # two windows
+    assert fed[0][0] == FIRST_FEED_SAMPLES and fed[0][1] == FEED_SAMPLES and fed[1][0] == FEED_SAMPLES

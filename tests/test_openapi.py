@@ -79,6 +79,8 @@ def requests_seen(client: httpx.Client, engine: Engine) -> list[tuple[str, str, 
         send(method, "/health")
     send("GET", "/metrics")
     send("GET", "/v1/models")
+    for model in ("MiniMaxAI/MiniMax-Music3", "elsewhere"):
+        send("GET", f"/v1/models/{model}", "/v1/models/{model}")
     return seen
 
 

@@ -15,7 +15,7 @@ import torch
 from music3serve import contract
 from music3serve.acoustic.precision import BFLOAT16, FLOAT32, Bf16x3Linear, PrecisionPolicy, float32_matmuls
 from music3serve.acoustic.renderer import Renderer, WindowPayload
-from music3serve.acoustic.solver import Carry, euler_masked, noise, solve, time_grid
+from music3serve.acoustic.solver import FULL_LENGTH, WARMUP_STEPS, Carry, euler_masked, noise, solve, time_grid
 from music3serve.acoustic.windows import Window, song_samples, song_windows
 from music3serve.bench.precision import measure_precision, rel_err, snr_db
 from music3serve.checkpoint import load_component, load_models
@@ -124,17 +124,17 @@ def test_streamed_windows_equal_the_offline_render(renderer, reference_stage1, m
 
 
 def test_the_warmup_windows_leave_no_trace(models):
-    """Warm-up renders throwaway windows, one alone and two at once (by default on CUDA only: compiles and lazy
-    inits); after it a song renders exactly as on a renderer that never warmed up."""
+    """Warm-up renders throwaway windows of one Euler step, one alone and two at once (by default on CUDA only:
+    compiles and lazy inits); after it a song renders exactly as on a renderer that never warmed up."""
     warmed, cold = Renderer.from_models(models), Renderer.from_models(models)
     dit_rows = []
     hook = models.dit.register_forward_pre_hook(lambda m, a: dit_rows.append(a[0].shape[0]))
     try:
         warmed.warmup([1], steps=2, render_one=True)
-        assert dit_rows == [2, 2, 4, 4]  # cond + uncond rows of each Euler step: one window, then two
+        assert dit_rows == [2, 4]  # cond + uncond rows of the one Euler step: one window, then two
         dit_rows.clear()
         Renderer.from_models(models, max_batch=1).warmup([1], steps=2, render_one=True)
-        assert dit_rows == [2, 2]
+        assert dit_rows == [2]
     finally:
         hook.remove()
     assert warmed.songs == []
@@ -522,6 +522,36 @@ def graphs_against_eager(root: Path, policy: PrecisionPolicy, steps: int = 4) ->
 def test_graphs_equal_eager_on_cuda(tiny_dir, policy):
     latent, pcm = graphs_against_eager(tiny_dir, policy)
     assert latent <= 1e-6 and pcm <= 1e-4, (latent, pcm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", [FLOAT32, BFLOAT16], ids=lambda p: p.name)
+@torch.inference_mode()
+def test_a_graph_warmed_up_by_one_step_replays_the_whole_eager_loop_bit_for_bit(tiny_dir, policy):
+    """The capture's eager warm-up is one Euler step, not a whole solve; the replay of every step then equals the
+    same loop run eagerly on the renderer's stream, bit for bit, first windows and carried ones in one batch."""
+    renderer = Renderer.from_models(acoustic(tiny_dir, "cuda"), policy, graphs=True)
+    dit, steps, batch = renderer.dit, 4, 3
+    dit_calls = []
+    hook = dit.register_forward_pre_hook(lambda m, a: dit_calls.append(a[0].shape[0]))
+    try:
+        with float32_matmuls("cuda"):
+            graphed = renderer._graph(batch, steps)
+    finally:
+        hook.remove()
+    assert dit_calls == [2 * batch] * (WARMUP_STEPS + steps)  # the warm-up step, then the captured loop
+    gen = torch.Generator("cuda").manual_seed(0)
+    overlap = graphed.carry.shape[-1]
+    condition = [torch.randn(FULL_LENGTH, dit.cfg.condition, device="cuda", generator=gen) for _ in range(batch)]
+    initial = [noise(seed, 1, FULL_LENGTH).cuda() for seed in range(batch)]
+    carries = [None] + [Carry(torch.randn(dit.cfg.channels, overlap, device="cuda", generator=gen),
+                              torch.zeros(overlap, dit.cfg.condition, device="cuda")) for _ in range(batch - 1)]
+    torch.cuda.synchronize()
+    with float32_matmuls("cuda"), torch.cuda.stream(renderer.stream):
+        replayed = torch.stack(graphed(condition, initial, carries))
+        eager = euler_masked(dit, graphed.initial, graphed.condition, graphed.carry, graphed.mask, graphed.times)
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager)
 
 
 @pytest.mark.gpu

@@ -1,14 +1,14 @@
 """The web studio at `/` in headless Chromium (Debian's `chromium`, driven by Playwright) against a real server (uvicorn
 over an Engine on the tiny checkpoint): a song is written from the keyboard and plays before it is done, Stop cancels
 it on the server, downloads decode, errors land beside their fields, takes survive a reload, and the page fits a
-phone in dark mode. Without the browser the browser tests skip, except under CI (CI=true), where they fail."""
+phone in dark mode. Without the browser the browser tests skip, except under CI (CI=true), where they fail
+(tests/conftest.py's `browser`)."""
 
 from __future__ import annotations
 
 import io
 import os
 import re
-import shutil
 import threading
 from pathlib import Path
 
@@ -23,10 +23,6 @@ from music3serve.prompt import normalize_lyrics
 from music3serve.serving.engine import Engine
 from polling import poll_until  # tests/ is on the import path (no package)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required"]
 # Where the screenshots go: MUSIC3_STUDIO_SHOTS=docs writes the ones committed under docs/.
 SHOTS = os.environ.get("MUSIC3_STUDIO_SHOTS")
 CAPTION = "Dreamy synth-pop, 110 BPM, A minor. Breathy female vocals. Analog pads, gated drums."
@@ -41,26 +37,6 @@ BATCH_LSB = 6
 def engine(tiny_dir: Path):
     with Engine.from_pretrained(tiny_dir, device="cpu") as engine:
         yield engine
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Debian's chromium under Playwright; missing: a skip with the reason, a failure under CI."""
-    why = None
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError as exc:
-        why = f"the browser tests need playwright (pip install 'music3serve[test]'): {exc}"
-    if why is None and shutil.which(CHROMIUM) is None:
-        why = f"the browser tests need Debian's chromium at {CHROMIUM} (apt-get install chromium)"
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -127,6 +127,11 @@ def run_bench(args: argparse.Namespace) -> None:
         from .bench.acoustic import run
     elif args.stage == "e2e":
         from .bench.e2e import run
+    elif args.stage == "ready":
+        from .bench.ready import run
+
+        print(run())
+        return
     else:
         from .bench.acoustic import precision
 

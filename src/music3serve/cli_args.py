@@ -119,15 +119,23 @@ def api_key(value: str) -> str:
     return value
 
 
+DEFAULT_PORTS = {"http": ":80", "https": ":443"}
+
+
 def origin(value: str) -> str:
-    """A browser origin as browsers send it (scheme://host[:port], no path), or * for any."""
-    value = value.rstrip("/")
+    """A browser origin (scheme://host[:port], no path), or * for any; written as browsers send it (CORS compares the
+    strings): lower case, without the scheme's default port."""
+    value = value.rstrip("/").removesuffix(":")  # an empty port is no port
     scheme, sep, rest = value.partition("://")
     if value != "*" and not (sep and scheme.isascii() and scheme.isalpha() and rest
                              and not any(c in rest for c in "/?# ")):
         raise argparse.ArgumentTypeError(f"{value!r} is not an origin: scheme://host[:port] (say "
                                          "https://app.example.com or http://localhost:3000) or *")
-    return value
+    if value == "*":
+        return value
+    scheme, rest = scheme.lower(), rest.lower()
+    port = DEFAULT_PORTS.get(scheme)
+    return f"{scheme}://{rest.removesuffix(port) if port else rest}"
 
 
 def host_name(value: str) -> str:

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{' and '.join(contract.SERVED_MODEL_NAMES)})")
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
-    bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e"])
+    bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e", "ready"],
+                       help="ready: seconds to a ready engine per stage-1 precision, each in a fresh process")
     bench.add_argument("--no-peers", action="store_true",
                        help="talker and acoustic: skip the diffusers reference run (e2e and precision have none)")
     bench.add_argument("--placement", default=None, choices=["colocated", "split", "split-one-gpu"],

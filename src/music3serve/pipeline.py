@@ -20,7 +20,7 @@ from .errors import InputError
 from .hashing import as_int64
 from .models.language_model import KVCache
 from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration
-from .serving.deploy_schema import describe_precision
+from .serving.deploy_schema import describe_precision, precision_log_level
 from .talker.frame import talker_frame
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,9 @@ class Pipeline:
                              quantization=quantization)
         precisions = {"stage 0": describe_precision(str(models.language_model.embed.weight.dtype).removeprefix(
             "torch."), quantization, talker=True), "stage 1": describe_precision(acoustic, quantization, talker=False)}
-        log.info("stage precision", extra=precisions)
-        return cls(models, "fp8" if quantization == "fp8" else acoustic)
+        policy = "fp8" if quantization == "fp8" else acoustic
+        log.log(precision_log_level(policy, torch.device(device).type), "stage precision", extra=precisions)
+        return cls(models, policy)
 
     @property
     def device(self) -> torch.device:

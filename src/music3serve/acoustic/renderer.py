@@ -24,7 +24,7 @@ from ..models.fp8 import Fp8Weight
 from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
-from .solver import FULL_LENGTH, Carry, GraphedSolve, noise, solve
+from .solver import FULL_LENGTH, WARMUP_STEPS, Carry, GraphedSolve, noise, solve
 from .windows import Window, carry_span, crop_waveform, is_song_window, song_windows
 
 log = logging.getLogger(__name__)
@@ -221,9 +221,10 @@ class Renderer:
 
     @torch.inference_mode()
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS, render_one: bool | None = None) -> None:
-        """Capture the full-window graphs for these batch sizes, then render throwaway windows (render_one; by
-        default on CUDA), one alone and two at once: inductor's compiles of the fused functions (a DiT call of two
-        windows or more takes the fused gate of kernels/glu_linear.py, compiled on first use), the vocoder's first
+        """Capture the full-window graphs of `steps` Euler steps for these batch sizes (each after one eager step, not
+        a whole solve), then render throwaway windows of one step (render_one; by default on CUDA), one alone and two
+        at once: inductor's compiles of the fused functions (a DiT call of two windows or more takes the fused gate
+        of kernels/glu_linear.py, compiled on first use), the eager solve (without graphs), the vocoder's first
         calls and lazy inits happen now, not in the first songs' windows."""
         if self.graphs:
             with float32_matmuls(self.device):
@@ -235,7 +236,7 @@ class Renderer:
             (window,) = song_windows(contract.WINDOW_FRAMES)
             mixed = torch.zeros(window.frames, self.encoder.cfg.hidden, device=self.device)
             for batch in sorted({1, min(2, self.max_batch)}):  # each song's only window: no state is kept
-                self.render([WindowPayload(object(), 0, window, mixed, steps) for _ in range(batch)])
+                self.render([WindowPayload(object(), 0, window, mixed, WARMUP_STEPS) for _ in range(batch)])
 
     def render_song(
         self, mixed: torch.Tensor, seed: int, steps: int = contract.DIT_STEPS, song: Hashable | None = None,

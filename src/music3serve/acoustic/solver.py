@@ -14,6 +14,7 @@ from ..hashing import MASK32, mix32
 from ..models.dit import DiT
 
 FULL_LENGTH = contract.latent_length(contract.WINDOW_FRAMES)  # 689: every window but a song's last
+WARMUP_STEPS = 1  # Euler steps run eagerly before a capture or as a throwaway render: every kernel and shape once
 
 
 @dataclass
@@ -118,7 +119,9 @@ class GraphedSolve:
         # Warm-up, capture and replay all on the renderer's stream: its cuBLAS workspace is its own.
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            run()  # warm-up off the capture: lazy inits, cuBLAS workspaces, kernel choices
+            # Warm-up off the capture: lazy inits, cuBLAS workspaces, kernel choices and compiles need each kernel
+            # and shape once, and one Euler step has them all (every step runs the same ops on the same shapes).
+            euler_masked(dit, self.initial, self.condition, self.carry, self.mask, self.times[:WARMUP_STEPS + 1])
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 self.output = run()

@@ -14,7 +14,7 @@ import torch
 
 from ..checkpoint import ACOUSTIC, Music3Models
 from ..errors import Music3Error
-from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization
+from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
 from ..serving.engine import AudioChunk, Done, Engine, SongRequest
 from ..serving.worker import RenderWorker
 from ..talker.quantize import quantize_talker
@@ -97,13 +97,12 @@ def run(
 ) -> str:
     """render_batch: windows per render call (stage 1's max_num_batched_tokens); None keeps the default config's.
     quantization: both stages' (none or fp8)."""
-    deploy = with_quantization(load_deploy_config(), quantization)
-    stage1 = dataclasses.replace(deploy.stages[1], dtype=acoustic_dtype)
+    deploy = with_stage1_dtype(with_quantization(load_deploy_config(), quantization), acoustic_dtype)
     if render_batch is not None:
         if render_batch < 1:
             raise Music3Error(f"render_batch must be >= 1, got {render_batch}")
-        stage1 = dataclasses.replace(stage1, max_num_batched_tokens=render_batch)
-    deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
+        stage1 = dataclasses.replace(deploy.stages[1], max_num_batched_tokens=render_batch)
+        deploy = dataclasses.replace(deploy, stages=(deploy.stages[0], stage1))
     started = time.perf_counter()
     engine = random_engine(deploy, placement, device)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import sys
 from functools import partial
-from importlib.metadata import version
 from typing import AsyncIterator, Sequence
 
 from fastapi import Depends, FastAPI, Request
@@ -22,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from .. import contract
+from .. import __version__, contract
 from .access import OWNER, Access, allowed_methods, install, route_path
 from .engine import Engine
 from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response
@@ -57,7 +56,7 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
     # No redirects of a trailing slash: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
     # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  version=version("music3serve"), lifespan=lifespan, redoc_url=None, redirect_slashes=False)
+                  version=__version__, lifespan=lifespan, redoc_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 

@@ -148,6 +148,11 @@ def with_quantization(deploy: DeployConfig, quantization: str) -> DeployConfig:
     return replace(deploy, stages=stages)
 
 
+def with_stage1_dtype(deploy: DeployConfig, dtype: str) -> DeployConfig:
+    """`deploy` with stage 1's `dtype` (the benchmarks' bf16 acoustic decoder)."""
+    return replace(deploy, stages=(deploy.stages[0], replace(deploy.stages[1], dtype=dtype)))
+
+
 _STAGE_KEYS = ("stage_id", "max_num_seqs", "gpu_memory_utilization", "dtype", "quantization", "max_model_len",
                "max_num_batched_tokens", "enforce_eager", "compilation_config", "async_scheduling", "enable_prefix_caching", "devices")
 _STAGE_EXTRA = ((0, ("output_connectors", "default_sampling_params")),

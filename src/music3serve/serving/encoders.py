@@ -29,11 +29,13 @@ class _Codec:
     container: str  # FFmpeg's muxer
     codec: str  # FFmpeg's encoder
     sample_format: str  # what the encoder takes: planar float, interleaved float or interleaved int16
+    muxer_options: tuple[tuple[str, str], ...] = ()
 
 
 _CODECS = {
     "mp3": _Codec("mp3", "libmp3lame", "fltp"),
-    "opus": _Codec("ogg", "libopus", "flt"),
+    # streamed, Ogg pages of 100 ms (FFmpeg's default: 1 s), so Opus leaves slice by slice as the other formats do
+    "opus": _Codec("ogg", "libopus", "flt", (("page_duration", "100000"),)),
     "aac": _Codec("adts", "aac", "fltp"),
     "flac": _Codec("flac", "flac", "s16"),  # the same int16 samples as WAV, so it decodes to them bit for bit
 }
@@ -102,7 +104,8 @@ class AvEncoder(PcmEncoder):
         av, spec = _av(), _CODECS[format]
         self.av, self.spec, self.streaming = av, spec, streaming
         self.file: _Sink | io.BytesIO = _Sink() if streaming else io.BytesIO()
-        self.container = av.open(self.file, "w", format=spec.container)
+        options = dict(spec.muxer_options) if streaming else {}
+        self.container = av.open(self.file, "w", format=spec.container, options=options)
         self.stream = self.container.add_stream(spec.codec, rate=sample_rate, layout="stereo")
         if bitrate is not None and format != "flac":
             self.stream.bit_rate = bitrate

@@ -33,6 +33,7 @@ from ..talker.engine import SongFinished, Talker
 from ..talker.quantize import quantize_talker
 from .audio_io import CHANNELS
 from .deploy_config import DeployConfig, load_deploy_config
+from .deploy_schema import precision_log_level
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import (
     PAUSE_S, RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
@@ -113,18 +114,27 @@ class Engine:
         self.deploy, self.models = deploy, models
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
-        log.info("stage precision", extra=deploy.precisions())
+        log.log(precision_log_level(deploy.stages[1].precision, self.device.type), "stage precision",
+                extra=deploy.precisions())
+        started = time.perf_counter()
         if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
             apply_policy(models.condition_encoder, models.dit, models.vocoder,
                          PrecisionPolicy.named(deploy.stages[1].precision))
+        policy_s, started = time.perf_counter() - started, time.perf_counter()  # stage 1's part, before the talker's
         if deploy.stages[0].quantization == "fp8":
             quantize_talker(models.language_model, models.depth_decoder)
         self.talker = Talker(
             models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config()
         )
+        talker_ready = time.perf_counter()
         self.worker = worker  # (split) and self.renderer (colocated): for callers and tests; the engine uses stage1
         if worker is None:
             self.renderer = stage1_renderer(models, deploy.stages[1])
+        # Seconds from loaded weights to ready, per stage in this process (a worker's renderer gets ready in its own).
+        self.ready_s = {"talker": talker_ready - started}
+        if worker is None:
+            self.ready_s["renderer"] = policy_s + time.perf_counter() - talker_ready
+        log.info("engine ready", extra={f"{part}_s": s for part, s in self.ready_s.items()})
         self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting), self.unread_audio)
         self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
         self._read_audio_held = 0  # audio callers have read but still hold (hold_read_audio)

@@ -57,5 +57,7 @@ _BY_PATH: dict[str, ErrorReply] = {SPEECH_PATH: openai_error, MODELS_PATH: opena
 
 
 def error_reply_for(path: str) -> ErrorReply:
-    """The error reply of the endpoint at `path` (the API's own for the others)."""
+    """The error reply of the endpoint at `path` (the API's own for the others); /v1/models/{model} is OpenAI's."""
+    if path.startswith(MODELS_PATH + "/"):
+        return openai_error
     return _BY_PATH.get(path, error_response)

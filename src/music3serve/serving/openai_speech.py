@@ -1,5 +1,6 @@
 """POST /v1/audio/speech, as the official server (SGLang-Omni) serves this model in OpenAI's speech shape, and
-GET /v1/models: a thin adapter over the song pipeline of POST /v1/songs (serving/song_service.py's SongService).
+GET /v1/models and /v1/models/{model}: a thin adapter over the song pipeline of POST /v1/songs
+(serving/song_service.py's SongService).
 
 `input` is the lyrics, `instructions` the caption; beyond the official server, `stream: true` streams the audio as
 it renders and `stream_format: "sse"` sends OpenAI's speech events. Errors come in OpenAI's body shape, so its SDK
@@ -20,7 +21,7 @@ from ..prompt import MAX_STEPS, duration_for_frames
 from .encoders import FORMATS
 from .error_bodies import MODELS_PATH, SPEECH_PATH, openai_error
 from .events import SongRequest
-from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODELS_RESPONSES, post_responses
+from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODEL_RESPONSES, MODELS_RESPONSES, post_responses
 from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event
 
@@ -124,8 +125,9 @@ def speech_error(status: int, message: str, headers: dict[str, str] | None = Non
 
 
 def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:
-    """POST /v1/audio/speech and GET /v1/models on `app`, for the model names `served`."""
+    """POST /v1/audio/speech, GET /v1/models and GET /v1/models/{model} on `app`, for the model names `served`."""
     created = int(time.time())
+    cards = {name: {"id": name, "object": "model", "created": created, "owned_by": "music3serve"} for name in served}
 
     @app.post(SPEECH_PATH, operation_id="create_speech", response_model=None, response_class=Response,
               dependencies=[Depends(json_object_of(SpeechBody))],
@@ -148,5 +150,14 @@ def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str])
 
     @app.get(MODELS_PATH, operation_id="list_models", response_model=None, responses=MODELS_RESPONSES)
     async def list_models() -> JSONResponse:
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "music3serve"} for name in served]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": list(cards.values())})
+
+    # OpenAI's model retrieval (the SDK's models.retrieve), as the official server answers it; {model:path}: the
+    # names hold a slash (MiniMaxAI/MiniMax-Music3).
+    @app.get(MODELS_PATH + "/{model:path}", operation_id="retrieve_model", response_model=None,
+             responses=MODEL_RESPONSES)
+    async def retrieve_model(model: str) -> JSONResponse:
+        if model not in cards:
+            return speech_error(404, f"model {model!r:.80} is not served here; it serves {', '.join(served)}",
+                                param="model")
+        return JSONResponse(cards[model])

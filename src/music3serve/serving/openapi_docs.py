@@ -96,6 +96,8 @@ MODEL_CARD = {"type": "object", "properties": {"id": TEXT, "object": TEXT, "crea
 MODELS_RESPONSES = {200: {"description": "the served model names (OpenAI's list shape)", "content": {
     "application/json": {"schema": {"type": "object", "properties": {
         "object": TEXT, "data": {"type": "array", "items": MODEL_CARD}}}}}}, **error_responses((401,), "openai")}
+MODEL_RESPONSES = {200: {"description": "a served model (OpenAI's model object)", "content": {
+    "application/json": {"schema": MODEL_CARD}}}, **error_responses((401, 404), "openai")}
 
 
 def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:

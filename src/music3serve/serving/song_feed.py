@@ -16,14 +16,19 @@ SILENCE = np.zeros((CHANNELS, 0), np.float32)  # what a Done feeds the encoder: 
 
 
 # A window goes to its encoder in slices this long, each sent once encoded: a song's first audio leaves after one
-# slice's encoding, not its whole first window's (MP3 takes ~25 ms of CPU per second of audio).
+# slice's encoding, not its whole first window's (MP3 takes ~25-45 ms of CPU per second of audio). The song's very first
+# slice is shorter still, the shortest after which every format has decodable audio out (tests/test_encoders.py).
 FEED_SAMPLES = contract.SAMPLE_RATE // 2
+FIRST_FEED_SAMPLES = contract.SAMPLE_RATE // 4
 
 
-def window_slices(pcm: np.ndarray, last: bool) -> list[tuple[np.ndarray, bool]]:
-    """A window's PCM as the encoder is fed it: FEED_SAMPLES at a time, `last` on the final slice only."""
-    starts = range(0, pcm.shape[-1], FEED_SAMPLES) or [0]
-    return [(pcm[..., s : s + FEED_SAMPLES], last and s + FEED_SAMPLES >= pcm.shape[-1]) for s in starts]
+def window_slices(pcm: np.ndarray, last: bool, first: bool = False) -> list[tuple[np.ndarray, bool]]:
+    """A window's PCM as the encoder is fed it: FEED_SAMPLES at a time (first: the song's first window, whose first
+    slice is FIRST_FEED_SAMPLES), `last` on the final slice only."""
+    head = FIRST_FEED_SAMPLES if first else 0
+    starts = [*([0] if head else []), *range(head, pcm.shape[-1], FEED_SAMPLES)] or [0]
+    ends = [*starts[1:], pcm.shape[-1]]
+    return [(pcm[..., s:e], last and e >= pcm.shape[-1]) for s, e in zip(starts, ends)]
 
 
 async def _pull(events: AsyncIterator[Event]) -> Event:

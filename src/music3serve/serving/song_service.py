@@ -266,7 +266,8 @@ class SongService:
             elif isinstance(event, (AudioChunk, Done)):
                 if isinstance(event, AudioChunk):
                     self.refresh(song)
-                feeds = window_slices(event.pcm, event.last) if isinstance(event, AudioChunk) else [(SILENCE, True)]
+                feeds = (window_slices(event.pcm, event.last, first=event.window == 0) if isinstance(event, AudioChunk)
+                         else [(SILENCE, True)])
                 for pcm, last in feeds:
                     data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
                     if not data:
