@@ -1,4 +1,4 @@
-"""What the loader's NaN/inf check costs on the GPU: `checkpoint.all_finite` on every full-size component in the
+"""What the loader's NaN/inf check costs on the GPU: `checkpoint_checks.all_finite` on every full-size component in the
 dtype the loader gives it, and, for scale, the load of the full-size language model (16 GB, zeros written in the
 checkpoint layout to a temporary folder, so read from the page cache) with its check included.
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from music3serve.bench.common import FULL_CONFIGS, random_module, time_ms
-from music3serve.checkpoint import all_finite, load_component
+from music3serve.checkpoint import load_component
+from music3serve.checkpoint_checks import all_finite
 from music3serve.tiny import write_component
 
 # The dtype load_models gives each component on CUDA.

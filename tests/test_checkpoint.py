@@ -14,8 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from music3serve import checkpoint, checkpoint_config, contract
-from music3serve.checkpoint import COMPONENTS, load_component
+from music3serve import checkpoint, checkpoint_checks, checkpoint_config, checkpoint_layout, checkpoint_reader, contract
+from music3serve.checkpoint import load_component
+from music3serve.checkpoint_layout import COMPONENTS
 from music3serve.errors import CheckpointError
 from music3serve.models.language_model import KVCache
 from music3serve.tiny import TINY_CONFIGS, random_tensor
@@ -450,13 +451,13 @@ def test_configs_as_tiny_and_diffusers_write_them_pass(tiny_dir: Path, saved_by_
     """The checks refuse nothing the released layout (mirrored by tiny.py) or diffusers' / transformers' own
     save_pretrained write, with every key they add (architectures, dtype, layer_types, rope_parameters, the
     scheduler's options)."""
-    checkpoint.check_layout(tiny_dir)
-    checkpoint.check_fit(tiny_dir)
+    checkpoint_checks.check_layout(tiny_dir)
+    checkpoint_checks.check_fit(tiny_dir)
     root, _ = saved_by_reference
     lm = json.loads((root / "language_model" / "config.json").read_text())
     assert {"architectures", "layer_types", "rope_parameters", "model_type"} <= set(lm), sorted(lm)
     for name in COMPONENTS:
-        checkpoint.load_config(root, name)
+        checkpoint_layout.load_config(root, name)
     diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1, invert_sigmas=True).save_pretrained(tmp_path)
     saved = tmp_path / "scheduler_config.json"
     assert "use_karras_sigmas" in json.loads(saved.read_text())
@@ -743,7 +744,7 @@ def consistent_component(root: Path, name: str, **changes) -> Path:
     raw = {**TINY_CONFIGS[name], **changes}
     (folder / "config.json").write_text(json.dumps(raw))
     gen = torch.Generator().manual_seed(0)
-    shapes = checkpoint.checkpoint_tensors(name, component.config(raw))
+    shapes = checkpoint_layout.checkpoint_tensors(name, component.config(raw))
     save_file({key: random_tensor(key, shape, gen) for key, shape in shapes.items()},
               folder / f"{component.weights}.safetensors")
     return folder.parent
@@ -800,16 +801,16 @@ def test_components_that_do_not_fit_together(tiny_dir: Path, tmp_path: Path, nam
 def test_a_pipeline_index_naming_another_pipeline_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
     root = tiny_with_json(tiny_dir, tmp_path, "modular_model_index.json", _class_name="QwenImageModularPipeline")
     with pytest.raises(CheckpointError, match="is not a MiniMaxMusic3ModularPipeline .got 'QwenImageModularPipeline'"):
-        checkpoint.check_layout(root)
+        checkpoint_checks.check_layout(root)
 
 
 def test_a_vocabulary_ending_at_the_last_audio_code_fits_and_one_less_does_not(tiny_dir: Path, tmp_path: Path) -> None:
     codes = contract.AUDIO_CODE_OFFSET + contract.SEMANTIC_CODES  # the last audio code + 1
     config = "language_model/config.json"
-    checkpoint.check_fit(tiny_with_json(tiny_dir, tmp_path / "fits", config, vocab_size=codes))
+    checkpoint_checks.check_fit(tiny_with_json(tiny_dir, tmp_path / "fits", config, vocab_size=codes))
     short = tiny_with_json(tiny_dir, tmp_path / "short", config, vocab_size=codes - 1)
     with pytest.raises(CheckpointError, match=f"vocab_size is {codes - 1}, expected at least {codes}, the last audio"):
-        checkpoint.check_fit(short)
+        checkpoint_checks.check_fit(short)
 
 
 def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:
@@ -827,7 +828,7 @@ def test_undamaged_copy_loads(tiny_dir: Path, tmp_path: Path) -> None:
 def test_load_streams_tensors(tiny_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No state dict: at most a couple of tensors read from disk are alive at once, and the module is built on
     the meta device (no random init of full-size weights that would be overwritten)."""
-    original_read = checkpoint._TensorReader.read
+    original_read = checkpoint_reader.TensorReader.read
     alive: list[weakref.ref] = []
     peak = {"tensors": 0, "reads": 0}
 
@@ -848,11 +849,11 @@ def test_load_streams_tensors(tiny_dir: Path, name: str, monkeypatch: pytest.Mon
             return _original(tensor, *args, **kwargs)
 
         monkeypatch.setattr(torch.nn.init, fn_name, traced)
-    monkeypatch.setattr(checkpoint._TensorReader, "read", read)
+    monkeypatch.setattr(checkpoint_reader.TensorReader, "read", read)
 
     module = load_component(tiny_dir, name, "cpu", torch.float32)
     assert peak["reads"] >= 10
-    # _fill keeps the previous tensor alive while reading the next one; a weight-norm pair reads two.
+    # fill_parameter keeps the previous tensor alive while reading the next one; a weight-norm pair reads two.
     assert peak["tensors"] <= 3, peak
     assert init_devices <= {"meta"}, init_devices
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())

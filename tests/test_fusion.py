@@ -10,6 +10,7 @@ from music3serve.acoustic.renderer import Renderer
 from music3serve.checkpoint import load_models
 from music3serve.models.fusion import _fused, _plain, enable_fusion
 from music3serve.talker.depth_inputs import DepthInputs
+from music3serve.talker.engine import Talker, TalkerConfig
 from music3serve.talker.frame import talker_frame
 
 
@@ -131,3 +132,23 @@ def test_a_process_may_compile_the_hot_paths_for_many_model_widths():
         x = torch.randn(3, width)
         weight = torch.nn.Parameter(torch.rand(width), requires_grad=False)
         torch.testing.assert_close(normed(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=0, atol=0)
+
+
+def test_every_capture_size_shares_the_talkers_compiled_graphs(models):
+    """Compiles are most of the time to ready: once the talker is built and has run a frame of one song, frames of 2,
+    4 and 8 songs (its other capture sizes) compile nothing more. Dynamo's defaults compiled each per-song hot function
+    again from two songs on (sizes 0 and 1 are specialised), and the table of depth inputs, built outside inference
+    mode, compiled its functions twice."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    enable_fusion(backend="aot_eager")
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))
+    with torch.inference_mode():
+        talker.step_fn.run_eager(2)
+        compiled = counters["stats"]["unique_graphs"]
+        for rows in (4, 8, 16):
+            talker.step_fn.run_eager(rows)
+    assert compiled > 0
+    assert counters["stats"]["unique_graphs"] == compiled

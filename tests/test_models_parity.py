@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from music3serve import contract
-from music3serve.checkpoint import COMPONENTS, load_component
+from music3serve.checkpoint import load_component
+from music3serve.checkpoint_layout import COMPONENTS
 from music3serve.models.language_model import KVCache, QKTransform
 from music3serve.models.layers import apply_rope, rms_norm
 from music3serve.talker.frame import embed_both_rows, embed_codes, frame_outputs

@@ -13,7 +13,8 @@ import torch
 
 from music3serve import contract
 from music3serve.bench.common import FULL_CONFIGS
-from music3serve.checkpoint import COMPONENTS, load_component, load_config
+from music3serve.checkpoint import load_component
+from music3serve.checkpoint_layout import COMPONENTS, load_config
 from music3serve.models.depth_decoder import DepthKV
 from music3serve.models.fusion import disable_fusion, enable_fusion
 from music3serve.models.layers import linear

@@ -46,12 +46,16 @@ def text_argument(field: str, limit: int) -> Callable[[str], str]:
     return read
 
 
-def positive_int(value: str) -> int:
-    """An integer of at least 1."""
+def _integer(value: str) -> int:
     try:
-        number = int(value)
+        return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+
+
+def positive_int(value: str) -> int:
+    """An integer of at least 1."""
+    number = _integer(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
     return number
@@ -59,10 +63,7 @@ def positive_int(value: str) -> int:
 
 def port_number(value: str) -> int:
     """A TCP port, 0 to 65535 (0: any free port)."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    port = _integer(value)
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0 to 65535)")
     return port

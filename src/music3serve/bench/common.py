@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import contract
-from ..checkpoint import COMPONENTS
+from ..checkpoint_layout import COMPONENTS
 
 COPY_BW = 4.29e12  # B/s, device copy measured on the H200
 

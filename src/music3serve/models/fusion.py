@@ -12,6 +12,7 @@ from typing import Callable, TypeVar
 
 import torch
 import torch._dynamo.config
+import torch.fx.experimental._config
 import torch._inductor.config
 
 from ..kernels.pdl import inductor_pdl
@@ -57,6 +58,7 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     # hot function (backbone and depth decoder are two). Dynamo's default of 8 per function then fails a process that
     # builds engines for several checkpoints (the GPU tests do); a bounded number of widths is expected here.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    share_graphs_across_sizes()
     for name, fn in _plain.items():
         if backend == "inductor":  # a mode is a set of options: merged with ours (torch.compile takes one or the other)
             options = {**(torch._inductor.list_mode_options(mode, True) if mode else {}), **_inductor_options(name)}
@@ -64,6 +66,14 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
         else:
             compiled = torch.compile(fn, backend=backend, mode=mode, dynamic=True, fullgraph=True)
         _fused.setdefault(name, compiled)
+
+
+def share_graphs_across_sizes() -> None:
+    """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
+    sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
+    this halves their number (tests/test_fusion.py counts them)."""
+    torch.fx.experimental._config.backed_size_oblivious = True
+    torch.fx.experimental._config.use_duck_shape = False
 
 
 def _inductor_options(name: str) -> dict[str, bool]:

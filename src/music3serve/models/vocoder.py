@@ -45,13 +45,15 @@ class Snake(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A plain tensor, not the Parameter: dynamo keeps parameters' shapes static, so every width of the vocoder
         # compiled its own snake and a ninth width hit the recompile limit (a hard error under fullgraph).
-        return snake(x, self.alpha.detach())
+        return snake(x, self.alpha.detach().view(-1))
 
 
 @between_library_calls
 @hot
 def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """x + sin^2(alpha x) / alpha: one pass over x once fused (eager, six kernels over the window's largest tensors)."""
+    """x + sin^2(alpha x) / alpha per channel, alpha [channels]: one pass over x once fused (eager, six kernels over
+    the window's largest tensors). Its broadcast dimension is made here, a static 1 for the compiler."""
+    alpha = alpha[:, None]
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 

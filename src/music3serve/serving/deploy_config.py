@@ -5,17 +5,16 @@ for another engine's internals are accepted where their value can be honored her
 where it cannot. Unknown keys, wrong types (a bool is not an int), out-of-range values and inconsistent combinations
 raise ConfigError naming the file, the key path, the value and what is allowed. Missing keys take the defaults of
 :mod:`.deploy_schema`, which `default_deploy.yaml` spells out in full. Every key is described in
-docs/configuration.md.
+docs/configuration.md. This file reads the top level and the connectors; :mod:`.deploy_stages` reads the two stages.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .. import contract
+from .deploy_errors import ConfigError, bad, quote
 from .deploy_schema import (
     CONNECTOR,
     MAX_GPU_INDEX,
@@ -38,12 +37,13 @@ from .deploy_schema import (
     Stage1Config,
     Stage1Sampling,
 )
-from .deploy_yaml import ConfigError, Section, bad, is_int, quote, read_deploy_yaml
+from .deploy_section import Section, is_int
+from .deploy_stages import STAGE_EXTRA, STAGE_KEYS, parse_stage0, parse_stage1
+from .deploy_yaml import read_deploy_yaml
 
 __all__ = [
     "CONNECTOR",
     "CONNECTOR_CLASSES",
-    "CUDAGRAPH_MODES",
     "MAX_GPU_INDEX",
     "MAX_NUM_BATCHED_TOKENS",
     "MAX_NUM_SEQS",
@@ -53,8 +53,6 @@ __all__ = [
     "MIN_STAGE0_MAX_TOKENS",
     "PIPELINE",
     "SEED_LIMIT",
-    "STAGE0_DTYPES",
-    "STAGE1_DTYPES",
     "CfgArgs",
     "CompilationConfig",
     "ConfigError",
@@ -71,19 +69,6 @@ __all__ = [
 ]
 
 CONNECTOR_CLASSES = ("SharedMemoryConnector",)
-STAGE0_DTYPES = ("bfloat16", "float32")
-STAGE1_DTYPES = ("float32", "bfloat16")
-CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")
-MIN_CONTEXT = contract.MIN_PROMPT_TOKENS + 1  # stage 0's max_model_len: a shorter one could serve no song
-
-_REFUSED_GRAPH_MODES = {
-    "FULL": "prefill steps always run eager here; only the uniform frame step of decoding songs is captured",
-    "PIECEWISE": "this engine captures the whole step as one graph and never splits it around attention",
-    "FULL_AND_PIECEWISE": "this engine captures the whole step as one graph and never splits it around attention",
-}
-_REFUSED_COMPILATION_MODES = dict.fromkeys(
-    (1, 2, 3), "nothing is compiled here: the steps are our own eager modules, captured as CUDA graphs"
-)
 
 
 def load_deploy_config(path: Path | str | None = None) -> DeployConfig:
@@ -117,9 +102,9 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
     for sid in (0, 1):
         if sid not in where:
             raise ConfigError(f"{source}: stages: stage_id {sid} is missing; allowed: exactly two stages, 0 and 1")
-    maps = [Section(stages[where[s]], f"stages[{where[s]}]", source, _STAGE_KEYS + extra) for s, extra in _STAGE_EXTRA]
-    s0 = _stage0(maps[0], connectors)
-    s1 = _stage1(maps[1], connectors, s0, maps[0].key("output_connectors.to_stage_1"))
+    maps = [Section(stages[where[s]], f"stages[{where[s]}]", source, STAGE_KEYS + extra) for s, extra in STAGE_EXTRA]
+    s0 = parse_stage0(maps[0], connectors)
+    s1 = parse_stage1(maps[1], connectors, s0, maps[0].key("output_connectors.to_stage_1"))
     for device in set(s0.devices) | set(s1.devices):
         users = [(m, s) for m, s in zip(maps, (s0, s1)) if device in s.devices]
         total = sum(s.gpu_memory_utilization for _, s in users)
@@ -153,12 +138,7 @@ def with_stage1_dtype(deploy: DeployConfig, dtype: str) -> DeployConfig:
     return replace(deploy, stages=(deploy.stages[0], replace(deploy.stages[1], dtype=dtype)))
 
 
-_STAGE_KEYS = ("stage_id", "max_num_seqs", "gpu_memory_utilization", "dtype", "quantization", "max_model_len",
-               "max_num_batched_tokens", "enforce_eager", "compilation_config", "async_scheduling", "enable_prefix_caching", "devices")
-_STAGE_EXTRA = ((0, ("output_connectors", "default_sampling_params")),
-                (1, ("input_connectors", "default_sampling_params")))
 _EXTRA_KEYS = tuple(SharedMemoryExtra().as_extra())
-_COMPILATION_KEYS = ("mode", "cudagraph_capture_sizes", "cudagraph_mode", "cudagraph_num_of_warmups", "custom_ops")
 
 
 def _connectors(top: Section) -> dict[str, ConnectorConfig]:
@@ -196,167 +176,4 @@ def _extra(e: Section) -> SharedMemoryExtra:
             "only spins a CPU core (a payload wakes the reader at once)"),
         connector_get_max_wait_first_chunk_ms=first,
         connector_get_max_wait_ms=later,
-    )
-
-
-# Why each stage refuses async_scheduling and enable_prefix_caching, by stage_id.
-_SYNC_WHY = (
-    "steps here are synchronous: a song's cond/uncond pair must be sampled inside one step (the guidance blend, and "
-    "the code copied to both rows)",
-    "steps here are synchronous: a window must be rendered, and its overlap carry handed to the song's next window, "
-    "before that window is planned",
-)
-_PREFIX_WHY = (
-    "KV lives in one static slot per song pair and is never shared; a cached uncond prefix would skew a pair's "
-    "positions",
-    "stage 1 has no KV cache: its tokens are windows, each rendered once from the talker's frames",
-)
-_QUANTIZATION_WHY = (
-    "fp8: e4m3 weights with per-channel scales for the backbone, its head and the depth decoder; activations, KV "
-    "and sampling stay in dtype",
-    "fp8: the DiT blocks' linear layers in e4m3, weights per channel and activations per token; it runs the rest "
-    "of stage 1 as dtype bfloat16 does, whatever dtype says",
-)
-_GPU_LIST = re.compile(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)+")
-_GPU = re.compile(r"\s*0*([0-9]{1,4})\s*")  # at most 4 digits past leading zeros: int() refuses over 4300
-
-
-def _devices(m: Section, d: Stage0Config | Stage1Config) -> tuple[int]:
-    """The stage's one GPU index; a bare integer reads as its digits."""
-    devices = m.data.get("devices", ",".join(map(str, d.devices)))
-    text = str(devices) if is_int(devices) and 0 <= devices <= MAX_GPU_INDEX else devices
-    if isinstance(text, str) and _GPU_LIST.fullmatch(text):
-        raise m.bad("devices", devices, "one GPU index (each stage runs on one GPU: no tensor or data parallelism)")
-    match = _GPU.fullmatch(text) if isinstance(text, str) else None
-    if not (match and int(match[1]) <= MAX_GPU_INDEX):
-        raise m.bad("devices", devices, f'one GPU index in [0, {MAX_GPU_INDEX}] as a string, e.g. "0"')
-    return (int(match[1]),)
-
-
-def _common(m: Section, d: Stage0Config | Stage1Config, dtypes: tuple[str, ...], dtype_why: str) -> dict[str, Any]:
-    return dict(
-        gpu_memory_utilization=m.number("gpu_memory_utilization", d.gpu_memory_utilization, lambda v: 0 < v <= 1,
-                                        "a number in (0, 1]"),
-        dtype=m.choice("dtype", d.dtype, dtypes, dtype_why),
-        quantization=m.choice("quantization", d.quantization, QUANTIZATIONS, _QUANTIZATION_WHY[d.stage_id]),
-        enforce_eager=m.bool("enforce_eager", d.enforce_eager),
-        async_scheduling=m.bool("async_scheduling", False, _SYNC_WHY[d.stage_id]),
-        enable_prefix_caching=m.bool("enable_prefix_caching", False, _PREFIX_WHY[d.stage_id]),
-        devices=_devices(m, d),
-    )
-
-
-def _compilation(m: Section, limit: int, limit_name: str, pairs: bool, enforce_eager: bool) -> CompilationConfig:
-    c = m.sub("compilation_config", _COMPILATION_KEYS)
-    mode = c.data.get("mode", 0)
-    if not (is_int(mode) and mode == 0):
-        reason = _REFUSED_COMPILATION_MODES.get(mode) if is_int(mode) else None
-        raise c.bad("mode", mode, "0 (no compilation)" + (f"; refused: {reason}" if reason else ""))
-    if "cudagraph_capture_sizes" in c.data:
-        sizes = c.data["cudagraph_capture_sizes"]
-    elif pairs:  # row counts: powers of two from 2 up to the limit, and the limit (fewer rows replay the next size up)
-        sizes = [2**k for k in range(1, limit.bit_length())]
-        if limit not in sizes:
-            sizes.append(limit)
-    else:  # window batches: every size (a batch of a size without a graph runs eagerly)
-        sizes = list(range(1, limit + 1))
-    allowed = f"a list of distinct integers in [1, {limit_name} = {limit}]"
-    if not (isinstance(sizes, list) and all(is_int(s) and 1 <= s <= limit for s in sizes)
-            and len(set(sizes)) == len(sizes)):
-        raise c.bad("cudagraph_capture_sizes", sizes, allowed)
-    graph_mode = c.choice("cudagraph_mode", "FULL_DECODE_ONLY", CUDAGRAPH_MODES, refused=_REFUSED_GRAPH_MODES)
-    if pairs and not enforce_eager and graph_mode != "NONE" and not any(s % 2 == 0 for s in sizes):
-        raise c.bad("cudagraph_capture_sizes", sizes, f"{allowed} with at least one even size (sizes count rows, "
-                    "which come in cond/uncond pairs), or enforce_eager: true")
-    warmups = c.int("cudagraph_num_of_warmups", 1, 1, 1, "1 (each capture size runs eagerly once before capture: "
-                    "kernel choice and Triton builds must not land inside a graph; the graph builders run exactly one)")
-    ops = c.data.get("custom_ops", ["all"])
-    if ops not in ([], ["all"]):
-        raise c.bad("custom_ops", ops, '["all"] or [] (this engine\'s own kernels are always used where they exist; '
-                    '"none" and per-op "+name"/"-name" switches cannot be honored)')
-    return CompilationConfig(mode, tuple(sizes), graph_mode, warmups, tuple(ops))
-
-
-def _edge(m: Section, key: str, edge: str, connectors: dict[str, ConnectorConfig]) -> dict[str, str]:
-    e = m.sub(key, (edge,))
-    name = e.data.get(edge, CONNECTOR)
-    if not (isinstance(name, str) and name in connectors):
-        raise e.bad(edge, name, f"a connector defined under connectors: {', '.join(connectors)}")
-    return {edge: name}
-
-
-def _stage0(m: Section, connectors: dict[str, ConnectorConfig]) -> Stage0Config:
-    d = Stage0Config()
-    seqs = m.int("max_num_seqs", d.max_num_seqs, 2, MAX_NUM_SEQS, even=True,
-                 allowed=f"an even integer in [2, {MAX_NUM_SEQS}] (rows: every song is a cond/uncond pair)")
-    kw = _common(m, d, STAGE0_DTYPES, "the talker's weights and KV")
-    if kw["quantization"] == "fp8" and kw["dtype"] != "bfloat16":
-        raise m.bad("dtype", kw["dtype"], "bfloat16 with quantization: fp8 (the FP8 decode kernel takes bf16 "
-                    "activations); or quantization: none")
-    kw.update(
-        max_model_len=m.int("max_model_len", d.max_model_len, MIN_CONTEXT, contract.MAX_CONTEXT,
-                            f"an integer in [{MIN_CONTEXT}, {contract.MAX_CONTEXT}] (the shortest prompt, "
-                            f"{contract.MIN_PROMPT_TOKENS} tokens, and a frame; at most the checkpoint's "
-                            "max_position_embeddings)"),
-        max_num_batched_tokens=m.int("max_num_batched_tokens", d.max_num_batched_tokens, 2, MAX_NUM_BATCHED_TOKENS,
-                                     f"an integer in [2, {MAX_NUM_BATCHED_TOKENS}] (a prefill chunk gives both rows "
-                                     "of a pair a token; at most every row prefilling a whole context)"),
-    )
-    s = m.sub("default_sampling_params", ("temperature", "max_tokens", "seed", "extra_args"))
-    e = s.sub("extra_args", ("cfg_role", "cfg_scale"))
-    sampling = Stage0Sampling(
-        temperature=s.number("temperature", 1.0, lambda v: v == 1.0, "1.0 (the checkpoint's recipe: top-k 50 "
-                             "sampling at temperature 1; the sampler has no temperature)"),
-        max_tokens=s.int("max_tokens", d.default_sampling_params.max_tokens, MIN_STAGE0_MAX_TOKENS, allowed=(
-            f"an integer >= {MIN_STAGE0_MAX_TOKENS}: a song of {contract.MAX_FRAMES} frames takes one step more, "
-            "since the first sampled frame is fed back but not emitted; the final window leaves with the last frame")),
-        seed=s.seed("seed", None),
-        extra_args=CfgArgs(
-            cfg_role=e.choice("cfg_role", "cond", ("cond",), "the request is the conditional row; the engine adds "
-                              "the unconditional one"),
-            cfg_scale=e.number("cfg_scale", contract.AR_CFG_SCALE, lambda v: v == contract.AR_CFG_SCALE,
-                               f"{contract.AR_CFG_SCALE} (the checkpoint's guidance scale)"),
-        ),
-    )
-    return Stage0Config(
-        max_num_seqs=seqs,
-        compilation_config=_compilation(m, seqs, "max_num_seqs", True, kw["enforce_eager"]),
-        output_connectors=_edge(m, "output_connectors", "to_stage_1", connectors),
-        default_sampling_params=sampling,
-        **kw,
-    )
-
-
-def _stage1(m: Section, connectors: dict[str, ConnectorConfig], s0: Stage0Config, s0_output: str) -> Stage1Config:
-    d = Stage1Config()
-    longest = contract.frame_budget(contract.MAX_FRAMES, contract.MIN_PROMPT_TOKENS, s0.max_model_len)  # its longest song
-    windows = len(contract.window_starts(longest))
-    need = f"an integer >= {windows} (windows of the longest song stage 0 can write: {longest} frames)"
-    seqs = m.int("max_num_seqs", d.max_num_seqs, 1, MAX_NUM_SEQS,
-                 f"an integer in [1, {MAX_NUM_SEQS}] (songs per render call)")
-    batched = m.int("max_num_batched_tokens", seqs, 1, MAX_NUM_BATCHED_TOKENS,
-                    f"an integer in [1, {MAX_NUM_BATCHED_TOKENS}] (windows per render call)")
-    kw = _common(m, d, STAGE1_DTYPES, "the DiT and vocoder precision policy")
-    inputs = _edge(m, "input_connectors", "from_stage_0", connectors)
-    if inputs["from_stage_0"] != s0.output_connectors["to_stage_1"]:
-        raise m.sub("input_connectors", ("from_stage_0",)).bad(
-            "from_stage_0", inputs["from_stage_0"],
-            f"{quote(s0.output_connectors['to_stage_1'])}, the connector stage 0 writes to ({s0_output})")
-    s = m.sub("default_sampling_params", ("temperature", "max_tokens", "seed"))
-    sampling = Stage1Sampling(
-        temperature=s.number("temperature", 0.0, lambda v: v == 0.0, "0.0 (stage 1 samples nothing: its output is "
-                             "a deterministic function of the song's seed)"),
-        max_tokens=s.int("max_tokens", d.default_sampling_params.max_tokens, windows, allowed=need),
-        seed=s.int("seed", 0, 0, 0, "0 (stage 1 draws nothing: its DiT noise is keyed by the song's seed, which "
-                   "the request or stage 0's seed sets, so another value here would change nothing)"),
-    )
-    return Stage1Config(
-        max_num_seqs=seqs,
-        max_model_len=m.int("max_model_len", d.max_model_len, windows, allowed=need),
-        max_num_batched_tokens=batched,
-        compilation_config=_compilation(m, min(seqs, batched), "min(max_num_seqs, max_num_batched_tokens)", False,
-                                        kw["enforce_eager"]),
-        input_connectors=inputs,
-        default_sampling_params=sampling,
-        **kw,
     )

@@ -27,8 +27,13 @@ class DepthInputs:
 
     @torch.no_grad()
     def __init__(self, depth: DepthDecoder) -> None:
-        hidden, weight, first = depth.cfg.hidden, depth.embed.weight, depth.blocks[0]
+        hidden, weight = depth.cfg.hidden, depth.embed.weight
         self.table = weight.new_empty(self.rows(depth), 4 * hidden)
+        with torch.inference_mode():  # as the frame step calls the hot functions: no compilation of their own
+            self._fill(depth)
+
+    def _fill(self, depth: DepthDecoder) -> None:
+        hidden, weight, first = depth.cfg.hidden, depth.embed.weight, depth.blocks[0]
         for codebook in range(1, contract.NUM_CODEBOOKS - 1):
             position = depth.positions.weight[codebook + 1]
             for start in range(0, depth.cfg.codes, BUILD_SONGS):

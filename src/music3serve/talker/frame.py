@@ -84,8 +84,7 @@ def frame_outputs(
     residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
     feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
     conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)
-    codes_t = torch.stack(codes, dim=1)
-    codes_t[:, 0] = torch.where(ended, -1, codes_t[:, 0])
+    codes_t = torch.stack([torch.where(ended, -1, codes[0]), *codes[1:]], dim=1)  # not in place: no guard on songs
     return codes_t, conditioning, feedback
 
 

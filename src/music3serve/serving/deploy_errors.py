@@ -1,0 +1,37 @@
+"""The deploy config's error, ConfigError, and the wording its messages share: a value quoted at a bounded length,
+built without walking more of it than it shows."""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from typing import Any
+
+from ..errors import Music3Error
+
+
+class ConfigError(Music3Error, ValueError):
+    """A deploy configuration that cannot be served as written."""
+
+
+class _Quote(reprlib.Repr):
+    """repr() of a config value cut to a few hundred characters, built without walking more than it shows: anchors
+    and aliases let a small file hold a list whose full repr would take gigabytes (a "billion laughs")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 2, 80, 80
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdict = 6
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of a huge int takes quadratic time, and past 4300 digits raises (YAML reads hex without that limit)
+        if x.bit_length() <= 128:
+            return repr(x)
+        return f"<an integer of about {int(x.bit_length() * math.log10(2))} digits>"
+
+
+quote = _Quote().repr
+
+
+def bad(source: str, path: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{source}: {path}: got {quote(value)}; allowed: {allowed}")
