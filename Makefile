@@ -1,5 +1,5 @@
 # Two entry points that work on a fresh machine with only Python and pip:
-#   make demo   installs music3serve in .venv and writes demo.wav from the tiny random checkpoint
+#   make demo   installs music3serve (with its server) in .venv and writes demo.wav from the tiny random checkpoint
 #   make test   installs the test dependencies in .venv and runs the whole CPU test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 # Test worker processes, each handed whole files (their module fixtures build engines once): CI has two cores, and
-# the tests run single-threaded (tests/conftest.py); 10.5 min in one process, 6.3 min in two on our 2-core machine.
+# the tests run single-threaded (tests/conftest.py); about 10.5 min in one process, 6.5 min in two on two cores.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test install install-test browser
@@ -22,7 +22,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet $(TORCH_FROM) "$(TORCH)"
 
 install: $(BIN)/python
-	$(BIN)/pip install --quiet "$(TORCH)" -e ".[tiny,audio]"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[tiny,audio,serve]"
 
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test]"
@@ -34,7 +34,7 @@ demo: install
 	@echo "Wrote demo.wav. The tiny checkpoint has random weights, so it sounds like noise: it proves the"
 	@echo "pipeline end to end, not the music. For real songs (a CUDA GPU), see the README: download"
 	@echo "MiniMaxAI/MiniMax-Music3 (57 GB) and run"
-	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @lyrics.txt --duration 60 -o song.wav"
+	@echo "  $(BIN)/music3serve generate --model PATH --caption ... --lyrics @examples/lyrics.txt --duration 60 -o song.wav"
 
 # The browser tests (tests/test_studio.py, tests/test_examples.py) drive Debian's chromium, and examples/curl.sh
 # needs curl, jq and xxd: on CI (CI=true) the missing ones are installed (a missing one fails its tests there);

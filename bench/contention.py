@@ -23,7 +23,8 @@ from music3serve.acoustic.precision import BFLOAT16, apply_dit_policy, float32_m
 from music3serve.bench.common import graphed, random_module, table, time_ms
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import enable_fusion
-from music3serve.talker.engine import Talker, TalkerConfig
+from music3serve.talker.config import TalkerConfig
+from music3serve.talker.engine import Talker
 
 STEPS = 200  # talker steps per measurement
 

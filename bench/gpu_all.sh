@@ -5,7 +5,7 @@
 #
 # Each part writes $OUT/<part>.md (OUT defaults to ./bench-out): the command, date, commit and GPU, then the part's
 # tables in the layout of docs/performance.md. $OUT/performance.md joins every part present, so parts can run in
-# separate calls (the whole run takes about 30 minutes: tests ~8, talker ~4, acoustic ~4, precision ~3, e2e ~3,
+# separate runs (the whole run takes about 30 minutes: tests ~8, talker ~4, acoustic ~4, precision ~3, e2e ~3,
 # ready ~4, clocks ~1). `split` needs two GPUs and is skipped on one.
 #
 # PYTHON (default python3) runs everything. Needs torch with CUDA and music3serve's test extra (diffusers for the

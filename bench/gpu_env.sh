@@ -8,7 +8,7 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 
-# install_split_wheel SITE PACKAGE WHEEL FIRST_PART SECOND_PART SHA256 MORE_DIR: a wheel over one call's carry, left in
+# install_split_wheel SITE PACKAGE WHEEL FIRST_PART SECOND_PART SHA256 MORE_DIR: a wheel over one copy's limit, left in
 # two parts (bench/hopper_stash.sh, bench/ray_stash.sh), joined, checked and installed with the wheels in MORE_DIR
 # into the folder SITE, once per machine (PACKAGE there says it was).
 install_split_wheel() {

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# FP8 (quantization: fp8), one device call (nvidia-h200, carry .whl): the FP8 kernels' GPU tests, then bf16 and FP8
+# FP8 (quantization: fp8) on one H200-class GPU, in under 10 minutes: the FP8 kernels' GPU tests, then bf16 and FP8
 # side by side on full-size random weights, most important first (each step has its own timeout, all of them one
-# deadline; results in $OUT; a step given 0 s is skipped, e.g. DIT_S=0). Run twice on 2026-12-04: tests, kernel
-# bandwidth, talker step and DiT call came back; the end-to-end, memory and precision steps failed or ran out of
-# time (bugs since fixed), so those steps come first now.
+# deadline, DEADLINE seconds; results in $OUT; a step given 0 s is skipped, e.g. DIT_S=0): whole songs, memory under
+# a 22 GB cap and precision first, then the DiT call and the kernels' bandwidth.
 source bench/gpu_env.sh
 DEADLINE=${DEADLINE:-575}
 step() {  # step NAME SECONDS COMMAND...: run it (within the deadline), keep its output, show its tail

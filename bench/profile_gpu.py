@@ -24,7 +24,8 @@ from music3serve.bench.common import graphed, random_module, time_ms
 from music3serve.bench.precision import snr_db
 from music3serve.bench.talker import admit
 from music3serve.models.fusion import disable_fusion, enable_fusion
-from music3serve.talker.engine import Talker, TalkerConfig
+from music3serve.talker.config import TalkerConfig
+from music3serve.talker.engine import Talker
 from music3serve.talker.quantize import quantize_talker
 
 os.environ.setdefault("MUSIC3SERVE_PDL", "off")

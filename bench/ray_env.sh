@@ -1,4 +1,4 @@
-# Sourced by the device-call scripts that run Ray Serve: bench/gpu_env.sh, then Ray and its Serve dependencies
+# Sourced by the scripts that run Ray Serve on a GPU machine without network access: bench/gpu_env.sh, then Ray and its Serve dependencies
 # installed once per machine into /tmp/ray_site, from the wheel's first part that bench/ray_stash.sh left in
 # /tmp/raywheels and the rest carried in .ray_b (how both are made: bench/ray_stash.sh).
 source bench/gpu_env.sh

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Ray Serve on the GPU machine, call 1 of 2 (carry .ray_a): Ray's 79 MB cp312 wheel is over one call's 64 MiB carry,
-# so its first 60 MB are left on the machine here; call 2 (bench/ray_replicas.sh, within the machine's idle time)
-# carries the rest in .ray_b with the other wheels and installs them (bench/ray_env.sh).
+# Ray Serve on a GPU machine without network access, where each copy of the tree to it holds at most 64 MiB (see
+# bench/README.md): Ray's 79 MB cp312 wheel goes in two copies. This script, run with .ray_a copied along, leaves the
+# wheel's first 60 MB on the machine; then bench/ray_replicas.sh, run on the same machine with .ray_b and .whl copied
+# along, installs the whole (bench/ray_env.sh).
 #
-# Before call 1, here (both folders listed in .git/info/exclude):
+# Before the first copy, on a machine with network access (keep both folders out of git):
 #   python3 -m pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d /tmp/raywheels \
 #     'ray[serve]>=2.60,<3' fastapi==0.163.2 uvicorn==0.54.0 h11==0.16.0 httpx==0.28.1

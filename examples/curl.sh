@@ -1,5 +1,5 @@
 #!/bin/sh
-# Songs from the command line. Start a server first: music3serve serve --tiny --device cpu
+# Songs from the command line (curl, jq and xxd). Start a server first: music3serve serve --tiny --device cpu
 set -eu
 URL=${1:-http://127.0.0.1:8000}
 

@@ -141,7 +141,7 @@ def browser():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError as exc:
-        why = f"the browser tests need playwright (pip install 'music3serve[test]'): {exc}"
+        why = f"the browser tests need playwright (pip install -e '.[test]'): {exc}"
     if why is None and shutil.which(CHROMIUM) is None:
         why = f"the browser tests need Debian's chromium at {CHROMIUM} (apt-get install chromium)"
     if why is not None:

@@ -31,7 +31,9 @@ from music3serve import cli, contract
 from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine_limits import MAX_SONGS
+from music3serve.serving.held_songs import caller_id
 from polling import hold, poll_until  # tests/ is on the import path (no package)
 
 SONG = {"caption": "synth pop, 120 bpm", "lyrics": "[verse]\nla la", "seed": 0, "steps": 2}
@@ -703,7 +705,7 @@ def test_cli_serve_without_fastapi_says_what_to_install(monkeypatch, capsys, roo
         monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert cli.main(["serve", "--tiny"]) == 2
-    assert "pip install 'music3serve[serve]'" in capsys.readouterr().err
+    assert "pip install -e '.[serve]'" in capsys.readouterr().err
 
 
 def test_a_client_that_stops_reading_has_its_song_cancelled(monkeypatch):
@@ -842,9 +844,9 @@ def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
 
 
 def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
-    from music3serve.serving import song_service
+    from music3serve.serving import song_registry, song_service
 
-    monkeypatch.setattr(song_service, "KEEP_FINISHED", 2)
+    monkeypatch.setattr(song_registry, "KEEP_FINISHED", 2)
     service = song_service.SongService(None)  # type: ignore[arg-type]
     for song_id in ("a", "b", "a", "c"):  # "a" runs again after "b", then "c"
         song = song_service.SongState(song_id, 1, 100, "wav", 44100)

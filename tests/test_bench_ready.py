@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from music3serve.bench.ready import deploy_for
 from music3serve.errors import Music3Error
@@ -34,5 +35,15 @@ def test_the_ready_bench_measures_each_start_in_a_fresh_process(tiny_dir):
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| float32")]
     assert [row[1].strip() for row in rows] == ["empty", "of the start before"]
     for row in rows:
-        ready, talker, renderer, first_audio, song = (float(cell) for cell in row[2:])
+        ready, talker, renderer, first_audio, song = (float(cell) for cell in row[2:7])
         assert 0 < talker + renderer <= ready and 0 < first_audio <= song
+        assert row[7].strip() == "0 / 0"  # nothing is compiled on the CPU (fusion is CUDA's)
+
+
+def test_compiled_graphs_counts_every_compile():
+    """The bench's count of compiled graphs (a compile while a song plays shows as a stall) rises with each new one."""
+    from music3serve.bench.common import compiled_graphs
+
+    before = compiled_graphs()
+    torch.compile(lambda x: x * 3 + 1, backend="eager", fullgraph=True)(torch.ones(4))
+    assert compiled_graphs() == before + 1

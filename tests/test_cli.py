@@ -476,6 +476,22 @@ def test_serve_leaves_placement_to_the_deploy_config_unless_a_device_is_given(tm
     assert asked == [None, "cpu"]
 
 
+def test_serve_takes_stage_1_precision_from_the_command_line(tmp_path: Path, capsys, monkeypatch):
+    """--acoustic-dtype sets stage 1's dtype of the deploy config the engine gets; without it the config's stays."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    dtypes = []
+
+    def loads(root, deploy, device, progress):
+        dtypes.append(deploy.stages[1].dtype)
+        raise Music3Error("stop here")
+
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained", loads)
+    for extra in ([], ["--acoustic-dtype", "bfloat16"]):
+        run_cli(["serve", "--model", str(tmp_path), "--port", "0", *extra], capsys)
+    assert dtypes == ["float32", "bfloat16"]
+
+
 def test_a_text_file_is_read_only_as_far_as_the_longest_allowed_text(tmp_path: Path, capsys, recorder):
     """--lyrics @FILE with a huge file (or /dev/zero) reads a bounded prefix and is refused as too long."""
     big = tmp_path / "lyrics.txt"

@@ -55,7 +55,7 @@ CASES = {
     "serve-port": (["serve", "--tiny", "--port", "70000"], "70000 is not a TCP port"),
     "serve-config": (["serve", "--tiny", "--config", "/nonexistent/deploy.yaml"], "/nonexistent/deploy.yaml"),
     "serve-model-name": (["serve", "--tiny", "--served-model-name", " "], "--served-model-name must be a name of 1 to"),
-    "serve-ray-only": (["serve", "--tiny", "--replicas", "2"], "--replicas apply to `serve --ray` only"),
+    "serve-ray-only": (["serve", "--tiny", "--replicas", "2"], "--replicas applies to `serve --ray` only"),
     "bench-flags": (["bench", "talker", "--placement", "split"], "apply to `bench e2e` only"),
     "bench-batch": (["bench", "e2e", "--render-batch", "0"], "argument --render-batch: must be at least 1, got 0"),
     "make-tiny-seed": (["make-tiny", "tiny", "--seed", "-1"], "seed must be an integer in [0, 2**64), got -1"),

@@ -298,7 +298,7 @@ def test_a_put_whose_copy_fails_leaves_no_segment(monkeypatch: pytest.MonkeyPatc
 
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
     try:
-        monkeypatch.setattr(shared_memory, "_pack", fail)
+        monkeypatch.setattr(shared_memory, "pack", fail)
         with pytest.raises(RuntimeError, match="copy failed"):
             conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
         assert conn.segments() == []

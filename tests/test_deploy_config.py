@@ -34,7 +34,7 @@ from music3serve.serving.deploy_config import (
     parse_deploy_config,
 )
 from music3serve.serving.deploy_yaml import MAX_DEPTH, read_deploy_yaml
-from music3serve.talker.engine import TalkerConfig
+from music3serve.talker.config import TalkerConfig
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "deploy" / "minimax_music3.yaml"
 SOURCE = "deploy.yaml"

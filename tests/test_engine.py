@@ -30,11 +30,11 @@ from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import (
-    PCM_BYTES_PER_SAMPLE, Accepted, AudioChunk, Done, Engine, Failed, SongRequest, _callers_ids, caller_id
-)
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest
+from music3serve.serving.engine_limits import PCM_BYTES_PER_SAMPLE
 from music3serve.serving.events import Event
 from music3serve.serving.heartbeat import StageWatch
+from music3serve.serving.held_songs import caller_id, callers_ids
 from music3serve.serving.stage1 import LocalStage1
 from failing_prefill import FailingPrefill  # tests/ is on the import path (no package)
 from polling import poll_until
@@ -989,10 +989,10 @@ def test_audio_a_caller_has_read_no_longer_counts_against_the_songs_it_holds(eng
 def test_stage_messages_name_songs_by_the_callers_ids_not_the_engines_keys():
     """A stage quotes a song by its key ('id#n', Engine._key); the caller's Failed names the id it gave."""
     message = "stage 1 lost a window of song 'ab#7' (and of 'c.d-e#12'); 'plain' and 'x#y' are no keys"
-    assert _callers_ids(message) == "stage 1 lost a window of song 'ab' (and of 'c.d-e'); 'plain' and 'x#y' are no keys"
+    assert callers_ids(message) == "stage 1 lost a window of song 'ab' (and of 'c.d-e'); 'plain' and 'x#y' are no keys"
     apostrophe, quotes = "it's", 'say "hi"'  # repr() quotes these with ", and with ' and escapes
     quoted = f"song {apostrophe + '#3'!r} and {quotes + '#4'!r} failed"
-    assert _callers_ids(quoted) == f"song {apostrophe!r} and {quotes!r} failed"
+    assert callers_ids(quoted) == f"song {apostrophe!r} and {quotes!r} failed"
 
 
 def test_a_song_whose_windows_stage_1_answers_within_send_still_ends_done(models, deploy):
@@ -1260,3 +1260,10 @@ def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(e
     invalid = 'music3_refusals_total{reason="invalid"}'
     assert after[invalid] == before[invalid]
     assert "untakeable" not in engine._keys
+
+
+def test_the_engine_says_the_precision_its_talker_really_runs_in(engine, deploy):
+    """The deploy file's bf16 talker runs in float32 on the CPU: the start-up line says so, not the file's dtype."""
+    assert deploy.stages[0].dtype == "bfloat16" and engine.models.language_model.embed.weight.dtype == torch.float32
+    assert engine.precisions()["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
+    assert engine.precisions()["stage 1"] == deploy.precisions()["stage 1"]

@@ -25,7 +25,8 @@ import pytest
 
 from music3serve.errors import InputError
 from music3serve.serving.deploy_config import parse_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest, caller_id
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest
+from music3serve.serving.held_songs import caller_id
 from music3serve.serving.worker import windows_in_flight
 from test_engine import pcm, wait_until  # the engine tests' helpers (tests/ is on the import path: no package)
 

@@ -9,8 +9,9 @@ import torch
 from music3serve.acoustic.renderer import Renderer
 from music3serve.checkpoint import load_models
 from music3serve.models.fusion import _fused, _plain, enable_fusion
+from music3serve.talker.config import TalkerConfig
 from music3serve.talker.depth_inputs import DepthInputs
-from music3serve.talker.engine import Talker, TalkerConfig
+from music3serve.talker.engine import Talker
 from music3serve.talker.frame import talker_frame
 
 

@@ -168,7 +168,7 @@ def test_a_missing_quack_is_named_with_the_extra_to_install(monkeypatch):
     glu_module.quack_import_error.cache_clear()
     monkeypatch.setattr(glu_module.importlib, "import_module", without_quack)
     try:
-        assert "pip install 'music3serve[hopper]'" in glu_module.quack_import_error()
+        assert "pip install -e '.[hopper]'" in glu_module.quack_import_error()
     finally:
         glu_module.quack_import_error.cache_clear()
 

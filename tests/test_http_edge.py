@@ -265,7 +265,7 @@ def test_a_whole_song_whose_client_stops_reading_counts_toward_the_budget_and_is
     240 s songs whose clients stopped reading sat in memory as long as the clients stayed connected. Now the audio
     not yet sent counts toward the budget until the client reads it or is cut after WRITE_STALL_S without reading."""
     from music3serve.serving import song_stream
-    from music3serve.serving.engine import audio_bytes
+    from music3serve.serving.engine_limits import audio_bytes
 
     monkeypatch.setattr(song_stream, "WRITE_STALL_S", 3.0)
     song = {**SONG, "duration": 4, "format": "pcm", "stream": False}  # 0.7 MB, far past the connection's buffers
@@ -343,7 +343,7 @@ def test_schemathesis_finds_the_server_as_its_openapi_schema_says(base_url, engi
     import subprocess
     import sys
 
-    from music3serve.serving.engine import audio_bytes
+    from music3serve.serving.engine_limits import audio_bytes
 
     monkeypatch.setattr(engine, "max_unread_bytes", audio_bytes(50))
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"{base_url}/openapi.json", "--checks", "all",

@@ -33,7 +33,9 @@ from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_captio
 from music3serve.serving import http_guard
 from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import MAX_SONGS, Accepted, AudioChunk, Done, Engine, SongRequest, caller_id
+from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine_limits import MAX_SONGS
+from music3serve.serving.held_songs import caller_id
 from music3serve.serving.request_body import DRAIN_BYTES, MAX_BODY_BYTES, BoundedBody, SongBody
 from polling import poll_until  # tests/ is on the import path (no package)
 
@@ -109,7 +111,7 @@ BAD_BODIES = {
     "caption 7": (raw(caption=7), "caption: Input should be a valid string"),
     "lyrics list": (raw(lyrics=["la"]), "lyrics: Input should be a valid string"),
     "lyrics empty": (raw(lyrics=""), "lyrics must be a non-empty string, got an empty string"),
-    "sample_rate string": (raw(sample_rate="44100"), "sample_rate: Value error, must be an integer, one of 44100, 32000"),
+    "sample_rate string": (raw(sample_rate="44100"), "sample_rate: must be an integer, one of 44100, 32000"),
     "format null": (raw(format=None), "format: Input should be 'wav', 'mp3', 'flac', 'opus', 'aac' or 'pcm'"),
     "caption lone surrogate": (raw(caption='="pop \\ud800 rock"'),
                                "caption is not valid Unicode: a lone surrogate '\\ud800' at character 4"),
@@ -156,7 +158,7 @@ def test_a_body_is_utf8_json_naming_each_key_once(client, engine):
     for content, needle in [
         (raw().encode("utf-16"), "the body is not valid JSON: it must be UTF-8"),
         (b'{"caption": "pop", "lyrics": "la", "seed": 1, "seed": 2}', "the body names 'seed' more than once"),
-        (raw(sample_rate=32000.0).encode(), "sample_rate: Value error, must be an integer, one of 44100, 32000"),
+        (raw(sample_rate=32000.0).encode(), "sample_rate: must be an integer, one of 44100, 32000"),
     ]:
         response = client.post("/v1/songs", content=content, headers=JSON)
         assert response.status_code == 400 and needle in response.json()["error"], response.text

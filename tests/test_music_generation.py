@@ -69,6 +69,7 @@ def test_refusals_come_in_the_envelope_naming_the_field(client, change, needle):
     assert response.status_code == 400, response.text
     body = response.json()
     assert body["base_resp"]["status_code"] == 2013 and needle in body["base_resp"]["status_msg"]
+    assert "Value error" not in body["base_resp"]["status_msg"]  # our words, not pydantic's prefix
     assert body["data"] is None
 
 

@@ -35,7 +35,8 @@ def test_the_launch_keyword_is_only_passed_with_pdl():
 
 def test_the_engine_refuses_a_bad_mode_at_startup(monkeypatch, tiny_dir):
     from music3serve.checkpoint import load_models
-    from music3serve.talker.engine import Talker, TalkerConfig
+    from music3serve.talker.config import TalkerConfig
+    from music3serve.talker.engine import Talker
 
     models = load_models(tiny_dir)
     monkeypatch.setenv("MUSIC3SERVE_PDL", "on")

@@ -16,6 +16,7 @@ from music3serve.prompt import (
     MAX_CAPTION_CHARS,
     MAX_LYRICS_CHARS,
     clean_caption,
+    dropped_lyrics,
     encode_prompt,
     normalize_lyrics,
     prompt_text,
@@ -336,3 +337,22 @@ def test_corrupt_tokenizer_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as error:
         load_tokenizer(tmp_path)
     assert str(tmp_path / "tokenizer.json") in str(error.value)
+
+
+@pytest.mark.parametrize("lyrics, dropped", [
+    ("[verse] Neon skies over the bay\nhold on", ["Neon skies over the bay"]),
+    ("[verse][male vocal] la la\n[chorus]\nhey [x] you\n  [bridge] oh ", ["la la", "oh"]),
+    ("[verse]\nNeon skies\n[chorus]\nHold on", []),
+])
+def test_lyrics_after_a_tag_on_its_line_are_dropped_as_the_reference_does_and_said(tokenizer, caplog, lyrics, dropped):
+    """The reference keeps only the tags of a line that opens with tags; dropped_lyrics names what it loses (none of
+    it reaches the prompt), and encoding such lyrics logs a warning, once, as no user expects the loss."""
+    assert dropped_lyrics(lyrics) == dropped
+    kept = reference._normalize_lyrics(lyrics)
+    assert not any(text in kept for text in dropped)
+    with caplog.at_level("WARNING", logger="music3serve.prompt"):
+        encode_prompt(tokenizer, "synth-pop", lyrics)
+    warned = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(warned) == (1 if dropped else 0)
+    if dropped:
+        assert warned[0].lines == len(dropped) and warned[0].first == dropped[0]

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'music3serve[ray]'")
-serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'music3serve[ray]'")
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[ray]'")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
 httpx = pytest.importorskip("httpx")
 
 from music3serve.acoustic.windows import song_samples  # noqa: E402
@@ -28,7 +28,8 @@ from music3serve.serving.access import HostPolicy  # noqa: E402
 from music3serve.serving.api import create_app  # noqa: E402
 from music3serve.serving.deploy_config import load_deploy_config  # noqa: E402
 from music3serve.prompt import frames_for_duration  # noqa: E402
-from music3serve.serving.engine import Engine, audio_bytes  # noqa: E402
+from music3serve.serving.engine import Engine  # noqa: E402
+from music3serve.serving.engine_limits import audio_bytes  # noqa: E402
 from music3serve.serving.ray_app import APP_NAME, RayAppArgs, build  # noqa: E402
 from polling import poll_until  # noqa: E402
 from test_engine import PCM_MAX_ABS  # noqa: E402
@@ -157,7 +158,7 @@ def test_the_example_configs_are_valid_serve_configs_with_valid_args(example):
 
 
 @pytest.mark.parametrize("argv, error", [
-    (["--replicas", "2"], "--replicas apply to `serve --ray` only"),
+    (["--replicas", "2"], "--replicas applies to `serve --ray` only"),
     (["--ray", "--autoscale", "3:1"], "MIN:MAX replicas with 1 <= MIN <= MAX, got '3:1'"),
     (["--ray", "--replicas", "0"], "an integer >= 1, got '0'"),
 ])
@@ -295,7 +296,7 @@ def test_a_killed_replica_fails_its_own_songs_only_and_is_replaced(cluster):
 
 
 def test_the_replica_benchmark_dry_runs_on_the_tiny_checkpoint(cluster, capsys):
-    """bench/ray_replicas.sh's benchmark (issue: several GPUs of one host), on the CPU with the tiny checkpoint: the
+    """bench/ray_replicas.sh's benchmark (several GPUs of one host), on the CPU with the tiny checkpoint: the
     plain server, one and two replicas (the second added to the running application), the split placement's
     scenarios. It replaces the application of the tests above, so it runs after them."""
     from music3serve.bench.ray_replicas import main
@@ -349,9 +350,15 @@ def test_the_front_has_everything_the_app_asks_of_an_engine():
     from music3serve.serving import api
     from music3serve.serving.ray_front import RemoteEngine
 
-    app = Path(api.__file__)  # api.py and the serving modules it imports (the uvicorn runner, server.py, is not used)
-    modules = [app, *(app.with_name(f"{name}.py") for name in re.findall(r"^from \.(\w+) import", app.read_text(),
-                                                                         re.MULTILINE) if name != "engine")]
+    # api.py and the serving modules it imports, and theirs (the uvicorn runner, server.py, is not used).
+    app = Path(api.__file__)
+    modules, todo = set(), [app]
+    while todo:
+        module = todo.pop()
+        if module not in modules:
+            modules.add(module)
+            todo += [app.with_name(f"{name}.py") for name in re.findall(r"^from \.(\w+) import", module.read_text(),
+                                                                        re.MULTILINE) if name != "engine"]
     used = set()
     for module in modules:
         used |= set(re.findall(r"\bengine\.([a-z_]\w*)", module.read_text())) - {"py"}  # not serving/engine.py
@@ -390,5 +397,7 @@ def test_serve_ray_passes_model_names_and_quantization_to_the_application(monkey
     assert cli.main(argv) == 0
     assert built[0].served_model_names == ["music"] and built[0].quantization == "fp8"
     assert {s.quantization for s in built[0].deploy().stages} == {"fp8"}
+    assert cli.main(["serve", "--tiny", "--ray", "--port", "0", "--acoustic-dtype", "bfloat16"]) == 0
+    assert built[1].deploy().stages[1].dtype == "bfloat16" and built[0].deploy().stages[1].dtype == "float32"
     with pytest.raises(ValueError, match="--served-model-name must be a name"):
         RayAppArgs(tiny=True, served_model_names=[" "])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from music3serve.acoustic.renderer import WindowPayload
+from music3serve.acoustic.payloads import WindowPayload
 from music3serve.acoustic.windows import Window
 from music3serve.errors import Music3Error, NonFiniteAudio
 from music3serve.serving import render_loop

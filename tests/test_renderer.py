@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from music3serve import contract
+from music3serve.acoustic.payloads import WindowPayload
 from music3serve.acoustic.precision import BFLOAT16, FLOAT32, Bf16x3Linear, PrecisionPolicy, float32_matmuls
-from music3serve.acoustic.renderer import Renderer, WindowPayload
+from music3serve.acoustic.renderer import Renderer
 from music3serve.acoustic.solver import FULL_LENGTH, WARMUP_STEPS, Carry, euler_masked, noise, solve, time_grid
 from music3serve.acoustic.windows import Window, song_samples, song_windows
 from music3serve.bench.precision import measure_precision, rel_err, snr_db

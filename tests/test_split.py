@@ -25,7 +25,7 @@ from music3serve.acoustic.renderer import WindowPayload
 from music3serve.acoustic.windows import Window
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
-from music3serve.serving import worker as worker_module
+from music3serve.serving import worker_process
 from music3serve.serving.connectors import ConnectorError, ConnectorTimeout, LostMessage, Message
 from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
 from music3serve.serving import heartbeat
@@ -33,9 +33,9 @@ from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.heartbeat import HEARTBEAT_S, RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
 from music3serve.serving.outbox import Outbox
 from music3serve.serving.stage1 import WorkerStage1
-from music3serve.serving.worker import (
-    PCM, WINDOWS, ChunkDeadlines, RenderWorker, load_acoustic, window_message, windows_in_flight
-)
+from music3serve.serving.worker import ChunkDeadlines, RenderWorker, windows_in_flight
+from music3serve.serving.worker_messages import PCM, WINDOWS, window_message
+from music3serve.serving.worker_process import load_acoustic
 from polling import poll_until  # tests/ is on the import path (no package)
 from test_engine import wait_until  # the engine tests' helper
 
@@ -85,7 +85,7 @@ def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, c
 
 
 def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir, caplog):
-    caplog.set_level("ERROR", logger="music3serve.serving.engine")
+    caplog.set_level("ERROR", logger="music3serve.serving.stage_guard")
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     connector = engine.worker.connector
     try:
@@ -106,7 +106,7 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
     finally:
         engine.close()
     assert not connector.segments()
-    stopped = [r for r in caplog.records if r.name == "music3serve.serving.engine"]
+    stopped = [r for r in caplog.records if r.name == "music3serve.serving.stage_guard"]
     assert stopped and all(r.getMessage() == "engine stage stopped" and not r.exc_info for r in stopped), [
         (r.getMessage(), r.exc_info) for r in stopped]  # the death is one line, not a traceback
     assert "worker died" in stopped[0].error
@@ -846,10 +846,10 @@ def run_worker_main(monkeypatch, connector: Pipes, slots, loop: Callable) -> Non
         def run(self):
             loop(self.inbox)
 
-    monkeypatch.setattr(worker_module.signal, "signal", lambda *args: None)  # pytest's own signal handlers stay
-    monkeypatch.setattr(worker_module, "stage1_renderer", lambda models, stage1: None)
-    monkeypatch.setattr(worker_module, "RenderLoop", Loop)
-    worker_module.worker_main(lambda device: None, "cpu", None, connector, slots)
+    monkeypatch.setattr(worker_process.signal, "signal", lambda *args: None)  # pytest's own signal handlers stay
+    monkeypatch.setattr(worker_process, "stage1_renderer", lambda models, stage1: None)
+    monkeypatch.setattr(worker_process, "RenderLoop", Loop)
+    worker_process.worker_main(lambda device: None, "cpu", None, connector, slots)
 
 
 def test_a_lost_window_gives_its_slot_back_and_the_next_song_still_gets_through(monkeypatch):
@@ -881,7 +881,7 @@ def test_an_orphaned_worker_removes_the_segments_and_stops(monkeypatch):
     """Its engine process gone (say SIGKILLed), the worker cleans the connector up, as nobody else is left to, and
     its render loop is told to stop."""
     connector, taken = Pipes(), []
-    monkeypatch.setattr(worker_module.multiprocessing, "parent_process",
+    monkeypatch.setattr(worker_process.multiprocessing, "parent_process",
                         lambda: SimpleNamespace(is_alive=lambda: False))
     run_worker_main(monkeypatch, connector, threading.Semaphore(1), lambda inbox: taken.append(inbox(True)))
     assert taken == [[("stop",)]] and connector.cleaned
@@ -890,7 +890,7 @@ def test_an_orphaned_worker_removes_the_segments_and_stops(monkeypatch):
 KILLED_CHILD_WITH_A_PROGRESS_BAR = """
 import functools, multiprocessing as mp, os, signal, sys
 from tqdm.auto import tqdm
-from music3serve.serving.worker import worker_main
+from music3serve.serving.worker_process import worker_main
 
 def load(writer, device):
     with tqdm(total=1, disable=True):  # as the checkpoint loader does; a disabled bar too takes tqdm's lock
@@ -921,7 +921,7 @@ def test_a_worker_killed_after_a_progress_bar_leaves_no_semaphore_to_report(lock
     reproduce the warning."""
     script = tmp_path / "killed_child.py"
     script.write_text(textwrap.dedent(KILLED_CHILD_WITH_A_PROGRESS_BAR))
-    src = str(Path(worker_module.__file__).resolve().parents[2])
+    src = str(Path(worker_process.__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script), lock.split()[0]], capture_output=True, text=True,
                           timeout=120, env=env, cwd=tmp_path)

@@ -20,7 +20,9 @@ from music3serve import contract
 from music3serve.acoustic.windows import song_windows
 from music3serve.models.language_model import LanguageModelConfig
 from music3serve.talker import engine as engine_module
-from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
+from music3serve.talker.config import TalkerConfig
+from music3serve.talker.engine import Talker
+from music3serve.talker.events import SongFailed, SongFinished, WindowReady
 
 HIDDEN = 8
 VOCAB = 64

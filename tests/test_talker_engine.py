@@ -16,10 +16,12 @@ from music3serve.checkpoint import load_models
 from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
-from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
+from music3serve.talker.config import TalkerConfig
+from music3serve.talker.engine import Talker
+from music3serve.talker.events import SongFailed, SongFinished, WindowReady
 from music3serve.models.depth_decoder import DepthKV
 from music3serve.talker.depth_inputs import DepthInputs
-from music3serve.talker.engine import device_bytes
+from music3serve.talker.memory_check import device_bytes
 from music3serve.talker.frame import talker_frame
 from music3serve.talker.slots import SlotCache
 
@@ -382,7 +384,7 @@ def test_kv_slots_past_the_machine_memory_fail_at_startup_on_the_cpu(models, mon
     before anything is allocated (they failed with a bare allocator traceback)."""
     from music3serve.errors import Music3Error
 
-    monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: 1 << 20)
+    monkeypatch.setattr("music3serve.talker.memory_check.host_memory", lambda: 1 << 20)
     with pytest.raises(Music3Error, match=r"talker needs .* GiB of KV for 16 rows of .* tokens \+ .* GiB of frame "
                                           r"conditioning for 8 songs, more than this machine's 0\.0 GiB of memory: "
                                           r"lower max_num_seqs or max_model_len"):
@@ -398,10 +400,10 @@ def test_frame_conditioning_is_counted_in_the_memory_check(models, monkeypatch):
     lm, config = models.language_model, TalkerConfig(max_num_seqs=16, max_model_len=256)
     kv = SlotCache.bytes_needed(lm.cfg, 8, 256, lm.embed.weight.dtype)
     conditioning = 8 * 256 * lm.cfg.hidden * 4
-    monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: kv + conditioning - 1)
+    monkeypatch.setattr("music3serve.talker.memory_check.host_memory", lambda: kv + conditioning - 1)
     with pytest.raises(Music3Error, match=r"GiB of frame conditioning for 8 songs, more than this machine's"):
         Talker(lm, models.depth_decoder, models.condition_encoder, config)
-    monkeypatch.setattr("music3serve.talker.engine.host_memory", lambda: kv + conditioning)
+    monkeypatch.setattr("music3serve.talker.memory_check.host_memory", lambda: kv + conditioning)
     Talker(lm, models.depth_decoder, models.condition_encoder, config)
 
 

@@ -8,7 +8,9 @@ import torch
 from music3serve.checkpoint import load_models
 from music3serve.kernels.decode_attention import triton_available
 from music3serve.prompt import encode_prompt
-from music3serve.talker.engine import SongFinished, Talker, TalkerConfig, WindowReady
+from music3serve.talker.config import TalkerConfig
+from music3serve.talker.engine import Talker
+from music3serve.talker.events import SongFinished, WindowReady
 
 pytestmark = pytest.mark.gpu
 

@@ -10,14 +10,14 @@ from typing import Callable
 import pytest
 import torch
 
-from music3serve.acoustic.renderer import WindowPayload
+from music3serve.acoustic.payloads import WindowPayload
 from music3serve.acoustic.windows import Window
 from music3serve.errors import InputError, Music3Error
 from music3serve.serving.heartbeat import StageWatch
 from music3serve.serving.metrics import EngineMetrics
 from music3serve.serving.render_loop import FAILED_CALLS_BEFORE_STOP
 from music3serve.serving.talker_loop import Callers, TalkerLoop
-from music3serve.talker.engine import Event, SongFinished, WindowReady
+from music3serve.talker.events import Event, SongFinished, WindowReady
 
 
 class ScriptedTalker:

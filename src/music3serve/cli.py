@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from .cli_args import ARGUMENT_CHECKS, SERVE_EXTRA, SERVE_PACKAGES, check_port, text_argument
 from .cli_parser import build_parser
-from .errors import Music3Error
+from .errors import Music3Error, install_hint
 from .logs import setup_logging
 from .model_location import cache_root, hf_cache_snapshot, resolve_model, tiny_checkpoint
 from .serving.audio_io import resample, write_audio
@@ -39,7 +39,8 @@ def run_generate(args: argparse.Namespace) -> None:
         encode_prompt(load_tokenizer(root / "tokenizer"), args.caption, args.lyrics)
     log.info("loading model", extra={"path": str(root), "device": device})
     progress = show_progress()
-    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=args.acoustic_dtype, progress=progress,
+    acoustic = args.acoustic_dtype or "float32"
+    pipeline = Pipeline.from_pretrained(root, device=device, acoustic=acoustic, progress=progress,
                                         quantization=args.quantization or "none")
     song = pipeline.generate(args.caption, args.lyrics, args.duration, args.seed, steps=args.steps, progress=progress)
     waveform = resample(song.waveform, song.sample_rate, args.sample_rate)
@@ -59,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> None:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in SERVE_PACKAGES:
             raise
-        raise Music3Error(f"{SERVE_EXTRA} ({exc}): pip install 'music3serve[serve]'") from None
+        raise Music3Error(f"{SERVE_EXTRA} ({exc}): {install_hint('serve')}") from None
     from .serving.access import Access, HostPolicy
     from .serving.engine import Engine
 
@@ -81,12 +82,13 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in ("ray", "fastapi", "starlette", "pydantic", "uvicorn", "h11"):
             raise
-        raise Music3Error(f"--ray needs Ray Serve ({exc}): pip install 'music3serve[ray]'") from None
+        raise Music3Error(f"--ray needs Ray Serve ({exc}): {install_hint('ray')}") from None
     queue = {} if args.max_queued_songs is None else {"max_queued_songs": args.max_queued_songs}
     app = RayAppArgs(model=args.model, tiny=args.tiny, config=args.config, device=args.device,
                      replicas=args.replicas or 1, autoscale=args.autoscale, api_keys=args.api_key,
                      allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, host=args.host,
-                     served_model_names=list(args.served_model_name), quantization=args.quantization, **queue)
+                     served_model_names=list(args.served_model_name), quantization=args.quantization,
+                     acoustic_dtype=args.acoustic_dtype, **queue)
     serve_on_ray(app, args.host, args.port)
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Callable
 
 from . import contract
-from .errors import Music3Error
+from .errors import Music3Error, install_hint
 from .pdl_setting import pdl_mode
 from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, check_seed, check_steps, check_text, frames_for_duration
 from .serving.audio_io import check_output
-from .serving.deploy_config import load_deploy_config, with_quantization
+from .serving.deploy_config import load_deploy_config, with_quantization, with_stage1_dtype
 
 SERVE_PACKAGES = ("fastapi", "starlette", "pydantic", "uvicorn", "h11")  # the serve extra and what fastapi brings
 SERVE_EXTRA = "serving needs fastapi and uvicorn"
@@ -172,17 +172,19 @@ def check_serve(args: argparse.Namespace) -> None:
     ray_only = [f"--{n.replace('_', '-')}" for n in ("replicas", "autoscale", "max_queued_songs")
                 if getattr(args, n) is not None]
     if ray_only and not args.ray:
-        raise Music3Error(f"{', '.join(ray_only)} apply to `serve --ray` only")
+        raise Music3Error(f"{', '.join(ray_only)} {'apply' if len(ray_only) > 1 else 'applies'} to `serve --ray` only")
     missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        raise Music3Error(f"{SERVE_EXTRA} (missing: {', '.join(missing)}): pip install 'music3serve[serve]'")
+        raise Music3Error(f"{SERVE_EXTRA} (missing: {', '.join(missing)}): {install_hint('serve')}")
     if args.ray and importlib.util.find_spec("ray") is None:
-        raise Music3Error("--ray needs Ray Serve (missing: ray): pip install 'music3serve[ray]'")
+        raise Music3Error(f"--ray needs Ray Serve (missing: ray): {install_hint('ray')}")
     args.api_key = args.api_key or env_api_keys()
     args.served_model_name = served_model_names(args.served_model_name)
     args.deploy = load_deploy_config(args.config)
     if args.quantization is not None:
         args.deploy = with_quantization(args.deploy, args.quantization)
+    if args.acoustic_dtype is not None:
+        args.deploy = with_stage1_dtype(args.deploy, args.acoustic_dtype)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # else the cluster's proxy listens, not this host
         check_port(args.host, args.port)
     pdl_mode()

@@ -42,14 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES,
                      help="default: %(default)s")
-    gen.add_argument("--acoustic-dtype", default="float32", choices=["float32", "bfloat16"],
-                     help="stage-1 precision: float32 (the default) is the reference, bfloat16 ~10x faster DiT "
-                          "(docs/precision.md)")
     for sub in (gen, serve := commands.add_parser("serve", help="HTTP API: stream songs to clients while they are "
                                                   "written")):
+        is_gen = sub is gen
+        sub.add_argument("--acoustic-dtype", default=None, choices=["float32", "bfloat16"],
+                         help="stage-1 precision: float32 is the reference, bfloat16 makes DiT calls 13x faster "
+                              "(docs/precision.md); default: "
+                              + ("float32" if is_gen else "the deploy config's stage 1 `dtype` (float32 built in)"))
         sub.add_argument("--quantization", default=None, choices=["none", "fp8"],
                          help="both stages: fp8 = e4m3 weights for the talker, FP8 GEMMs for the DiT (bf16 "
-                              "activations; docs/precision.md). serve: overrides the deploy config's `quantization`")
+                              "activations; docs/precision.md); default: "
+                              + ("none" if is_gen else "the deploy config's `quantization`"))
     for sub in (gen, serve):
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--model", help="checkpoint folder (diffusers layout)")
@@ -96,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="talker and acoustic: fp8 adds FP8 rows beside bf16; e2e: both stages in fp8")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
-    tiny.add_argument("directory")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("directory", help="folder to write it into (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of its random weights (default: %(default)s)")
     tiny.add_argument("--force", action="store_true", help="replace a checkpoint already in the folder")
     for sub in (gen, serve, bench, tiny):  # also accepted after the subcommand
         sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS)

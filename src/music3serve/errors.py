@@ -26,3 +26,8 @@ def error_text(error: BaseException) -> str:
     """An error's text for users: its message alone (a repr such as `RuntimeError('...')` shows internals), or its
     type's name where it has no message."""
     return str(error) or type(error).__name__
+
+
+def install_hint(extra: str) -> str:
+    """How to add one of the package's extras (music3serve installs from its source tree)."""
+    return f"pip install -e '.[{extra}]' in the music3serve source tree"

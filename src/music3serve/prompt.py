@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import unicodedata
@@ -11,6 +12,8 @@ from tokenizers import Tokenizer
 from . import contract
 from .contract import AUDIO_CFG, MAX_PROMPT_TOKENS
 from .errors import InputError
+
+log = logging.getLogger(__name__)
 
 # `<|a b c|>` in a caption: the model never sees user-written special tokens.
 _TAG = re.compile(r"<\|([^|]*)\|>")
@@ -66,6 +69,12 @@ def _keep_line_tags(line: str) -> str:
     return match.group(1).strip() if match else line
 
 
+def dropped_lyrics(text: str) -> list[str]:
+    """Text that normalize_lyrics drops: whatever follows the tags on a line that opens with tags."""
+    rests = (line[match.end() :].strip() for line in text.split("\n") if (match := _LINE_TAGS.match(line)))
+    return [rest for rest in rests if rest]
+
+
 def normalize_lyrics(text: str) -> str:
     """The lyrics exactly as the checkpoint was trained to read them."""
     text = "\n".join(_keep_line_tags(line) for line in text.split("\n"))
@@ -107,6 +116,9 @@ def encode_prompt(tokenizer: Tokenizer, caption: str, lyrics: str) -> tuple[list
     """(cond_ids, uncond_ids) of the prompt; uncond keeps the first and the last two ids, the rest is audio_cfg."""
     check_text("caption", caption, MAX_CAPTION_CHARS)
     check_text("lyrics", lyrics, MAX_LYRICS_CHARS)
+    if dropped := dropped_lyrics(lyrics):  # as the reference does; said, as nobody expects it
+        log.warning("lyrics after a [tag] on the same line are dropped: put them on the next line",
+                    extra={"lines": len(dropped), "first": dropped[0][:80]})
     cond = tokenizer.encode(prompt_text(caption, lyrics), add_special_tokens=True).ids
     if len(cond) > MAX_PROMPT_TOKENS:
         raise InputError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,40 +22,12 @@ from ..models.dit import DiT
 from ..models.fp8 import Fp8Weight
 from ..models.fusion import enable_fusion
 from ..models.vocoder import Vocoder
+from .payloads import RenderedWindow, StreamedSong, WindowPayload, check_payloads, next_state
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
 from .solver import FULL_LENGTH, WARMUP_STEPS, Carry, GraphedSolve, noise, solve
-from .windows import Window, carry_span, crop_waveform, is_song_window, song_windows
+from .windows import crop_waveform, song_windows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WindowPayload:
-    """One window that the talker has finished: its frames' conditioning, mixed over the 8 streams.
-
-    Window i (frames 100 i ..) is not the last once the song has more than 100 i + 200 frames; at the song's end the
-    remaining window goes out with last=True and as many frames as there are (see windows.song_windows)."""
-
-    song: Hashable
-    seed: int
-    window: Window
-    mixed: torch.Tensor  # [window.frames, hidden], ConditionEncoder.mix of the talker's frame conditioning
-    steps: int = contract.DIT_STEPS
-
-
-@dataclass
-class RenderedWindow:
-    song: Hashable
-    window: Window
-    pcm: torch.Tensor  # [2, samples] float32 on the CPU, cropped and clamped to [-1, 1]
-    latent: torch.Tensor  # [channels, latent_length] float32 on the CPU
-
-
-@dataclass
-class _SongState:
-    seed: int
-    next_index: int
-    carry: Carry
 
 
 class Renderer:
@@ -82,7 +53,7 @@ class Renderer:
         self.max_batch = max_batch
         if self.device.type == "cuda" and dit.blocks and dit.blocks[0].glu_pairs:
             log_feed_forward_gate(dit.blocks[0].ff_in.weight)
-        self._songs: dict[Hashable, _SongState] = {}
+        self._songs: dict[Hashable, StreamedSong] = {}
         self._graphed: dict[tuple[int, int], GraphedSolve] = {}
         self._pool = None
 
@@ -116,30 +87,6 @@ class Renderer:
             WindowPayload(song, seed, w, mixed[w.start : w.start + w.frames], steps) for w in song_windows(mixed.shape[0])
         ]
 
-    def _check(self, payloads: list[WindowPayload]) -> None:
-        seen: set[Hashable] = set()
-        for p in payloads:
-            w, name = p.window, f"song {p.song!r}"
-            if p.song in seen:
-                raise ValueError(f"{name} has two windows in one render call; send its windows one call after another")
-            seen.add(p.song)
-            state = self._songs.get(p.song)
-            expected = 0 if state is None else state.next_index
-            if w.index != expected:
-                raise ValueError(f"{name}: window {w.index} arrived out of order, window {expected} is next"
-                                 + (" (the renderer holds no state for this song)" if state is None else ""))
-            if not contract.is_seed(p.seed):
-                raise ValueError(f"{name}: seed must be an integer in [0, 2**64), got {p.seed!r}")
-            if state is not None and p.seed != state.seed:
-                raise ValueError(f"{name}: seed {p.seed} differs from the seed {state.seed} of its earlier windows")
-            if not is_song_window(w):
-                raise ValueError(f"{name}: {w} is not a window of the contract geometry")
-            if tuple(p.mixed.shape) != (w.frames, self.encoder.cfg.hidden):
-                raise ValueError(f"{name}: mixed conditioning is {tuple(p.mixed.shape)}, "
-                                 f"expected ({w.frames}, {self.encoder.cfg.hidden})")
-            if isinstance(p.steps, bool) or not isinstance(p.steps, int) or p.steps < 1:
-                raise ValueError(f"{name}: steps must be a positive integer, got {p.steps!r}")
-
     # Rendering.
     @torch.inference_mode()
     def render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
@@ -152,7 +99,7 @@ class Renderer:
             return self._render(payloads)
 
     def _render(self, payloads: list[WindowPayload]) -> list[RenderedWindow]:
-        self._check(payloads)
+        check_payloads(payloads, self._songs, self.encoder.cfg.hidden)
         carries = [self._songs[p.song].carry if p.song in self._songs else None for p in payloads]
         latents: list[torch.Tensor] = [None] * len(payloads)  # type: ignore[list-item]
         groups: dict[tuple[int, int], list[int]] = {}
@@ -179,7 +126,7 @@ class Renderer:
             for p, latent, crop in zip(payloads, latents, crops)
         ]
         # The songs move on only once every window of the call is done.
-        states = [_next_state(p, latent, condition) for p, latent, condition in zip(payloads, latents, conditions)]
+        states = [next_state(p, latent, condition) for p, latent, condition in zip(payloads, latents, conditions)]
         for p, state in zip(payloads, states):
             if state is None:
                 self._songs.pop(p.song, None)
@@ -278,15 +225,6 @@ class _OfflineSong:
 
     def __repr__(self) -> str:
         return "<offline song>"
-
-
-def _next_state(payload: WindowPayload, latent: torch.Tensor, condition: torch.Tensor) -> _SongState | None:
-    """The song's state after this window: the carry for its next one, None after its last."""
-    if payload.window.last:
-        return None
-    start, end = carry_span(latent.shape[-1])
-    carry = Carry(latent[:, start:end].clone(), condition[start:end].clone())
-    return _SongState(payload.seed, payload.window.index + 1, carry)
 
 
 def _chunks(items: list[int], size: int) -> Iterable[list[int]]:

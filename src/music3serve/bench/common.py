@@ -113,3 +113,10 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a compile while a song plays stalls it)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

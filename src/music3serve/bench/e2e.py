@@ -19,7 +19,7 @@ from ..serving.engine import AudioChunk, Done, Engine, SongRequest
 from ..serving.worker import RenderWorker
 from ..talker.quantize import quantize_talker
 from ..tokenizer import load_tokenizer, write_tokenizer
-from .common import random_module, table
+from .common import compiled_graphs, random_module, table
 
 LYRICS = "[verse]\nCity lights are fading slow\n[chorus]\nHold on, hold on"
 
@@ -106,17 +106,18 @@ def run(
     started = time.perf_counter()
     engine = random_engine(deploy, placement, device)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
-    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time"]
+    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time", "graphs compiled"]
     rows = []
     # If a scenario stalls, every thread's stack goes to stderr (the 2026-11-30 multi-song GPU run stalled).
     faulthandler.dump_traceback_later(90, repeat=True)
     try:
         asyncio.run(scenario(engine, [1.0]))  # warm-up: compiles the prefill shapes
         for label, durations in SCENARIOS:
+            graphs = compiled_graphs()
             results, wall = asyncio.run(scenario(engine, durations))
             audio = sum(r["frames"] for r in results) / 25
             rows.append([label, max(r["first_audio_s"] for r in results), min(r["first_audio_s"] for r in results),
-                         wall, audio / wall])
+                         wall, audio / wall, compiled_graphs() - graphs])
             print(table(headers, rows[-1:]), flush=True)
     finally:
         faulthandler.cancel_dump_traceback_later()

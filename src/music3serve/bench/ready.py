@@ -25,7 +25,7 @@ import torch
 from ..errors import Music3Error
 from ..logs import setup_logging
 from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
-from .common import table
+from .common import compiled_graphs, table
 
 # precision: (stage 1 dtype, quantization of both stages)
 PRECISIONS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "fp8": ("bfloat16", "fp8")}
@@ -60,12 +60,15 @@ def measure(precision: str, checkpoint: Path | None = None) -> dict[str, float]:
     started = time.perf_counter()
     engine = Engine(models, deploy)
     ready = time.perf_counter() - started
+    graphs_at_ready = compiled_graphs()
     try:
         first = asyncio.run(song(engine, SONG_S, 0))
     finally:
         engine.close()
     return {"ready_s": ready, **{f"{part}_s": s for part, s in engine.ready_s.items()},
-            "first_audio_s": first["first_audio_s"], "song_s": first["total_s"]}
+            "first_audio_s": first["first_audio_s"], "song_s": first["total_s"],
+            "graphs_at_ready": graphs_at_ready, "graphs_in_song": compiled_graphs() - graphs_at_ready}
+
 
 
 def measure_in_fresh_process(precision: str, cache: str, checkpoint: Path | None = None) -> dict[str, float]:
@@ -91,14 +94,14 @@ def run(precisions: list[str] | None = None, checkpoint: Path | None = None, war
     for precision in precisions:
         deploy_for(precision)  # a bad name fails before the first run, not after it
     headers = ["stage 1 precision", "compile caches", "ready s", "talker s", "renderer s",
-               f"first audio s ({SONG_S:g} s song)", "song s"]
+               f"first audio s ({SONG_S:g} s song)", "song s", "graphs compiled by ready / in the song"]
     rows = []
     for precision in precisions:
         with tempfile.TemporaryDirectory(prefix="music3serve-ready-") as cache:
             for caches in ["empty", "of the start before"][: 1 + warm]:
                 r = measure_in_fresh_process(precision, cache, checkpoint)
                 rows.append([precision, caches, r["ready_s"], r["talker_s"], r["renderer_s"], r["first_audio_s"],
-                             r["song_s"]])
+                             r["song_s"], f"{r['graphs_at_ready']} / {r['graphs_in_song']}"])
                 print(table(headers, rows[-1:]), flush=True)
     weights = "full-size random weights" if checkpoint is None else f"the checkpoint {checkpoint}"
     return (f"colocated engine of the default deploy file, {weights} (ready: from weights on the device), each start "

@@ -8,7 +8,8 @@ import torch
 
 from .. import contract
 from ..prompt import unconditional_ids
-from ..talker.engine import Talker, TalkerConfig
+from ..talker.config import TalkerConfig
+from ..talker.engine import Talker
 from ..talker.frame import sample_semantic, talker_frame
 from ..talker.quantize import quantize_talker
 from . import attention

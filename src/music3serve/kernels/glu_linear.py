@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import install_hint
+
 __all__ = ["MIN_ROWS", "glu", "glu_linear", "pair_rows", "quack_import_error", "unavailable_reason", "unpair_rows",
            "uses_kernel"]
 
@@ -59,7 +61,7 @@ def quack_import_error() -> str | None:
         importlib.import_module("quack.gemm_interface")
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "quack":
-            return "quack-kernels is not installed (pip install 'music3serve[hopper]')"
+            return f"quack-kernels is not installed ({install_hint('hopper')})"
         return f"quack-kernels does not import: {exc}"
     except Exception as exc:  # a broken install: a CUTLASS DSL without its CUDA libraries, say
         return f"quack-kernels does not import: {type(exc).__name__}: {exc}"

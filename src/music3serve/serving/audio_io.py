@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import contract
-from ..errors import InputError
+from ..errors import InputError, install_hint
 
 CHANNELS = 2
 OUTPUT_RATES = (44_100, 32_000)
@@ -173,7 +173,7 @@ def _soundfile():
     try:
         import soundfile
     except ImportError as exc:
-        raise InputError("writing .flac needs the soundfile package: pip install 'music3serve[audio]'") from exc
+        raise InputError(f"writing .flac needs the soundfile package: {install_hint('audio')}") from exc
     return soundfile
 
 

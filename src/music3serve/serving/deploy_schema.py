@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .. import contract
 
 if TYPE_CHECKING:
-    from ..talker.engine import TalkerConfig
+    from ..talker.config import TalkerConfig
 
 PIPELINE = "minimax_music3"
 CONNECTOR = "connector_of_shared_memory"  # the default connector's name
@@ -206,7 +206,7 @@ class DeployConfig:
 
     def talker_config(self) -> TalkerConfig:
         """Stage 0 as the talker engine's settings. Capture sizes count rows, so only even ones are kept."""
-        from ..talker.engine import TalkerConfig
+        from ..talker.config import TalkerConfig
 
         s0 = self.stages[0]
         sizes = tuple(sorted({s for s in s0.compilation_config.cudagraph_capture_sizes if s % 2 == 0}))

@@ -1,6 +1,6 @@
 """Streaming audio encoders: float32 windows at the model's rate in, the chosen format's bytes out as each window
 arrives. WAV and raw PCM are written here; MP3, Opus, AAC and FLAC go through PyAV (FFmpeg's libmp3lame, libopus,
-aac and flac encoders; `pip install 'music3serve[serve]'`): MP3 as MPEG audio frames, Opus in Ogg at 48 kHz (the
+aac and flac encoders; the `serve` extra): MP3 as MPEG audio frames, Opus in Ogg at 48 kHz (the
 only rate libopus encodes at full band: the song is resampled to it), AAC in ADTS frames, FLAC as a native FLAC
 stream."""
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import Music3Error
+from ..errors import Music3Error, install_hint
 from .audio_io import PcmEncoder, to_pcm16, wav_header
 
 FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm")
@@ -90,7 +90,7 @@ def _av():
     try:
         import av
     except ImportError as exc:
-        raise Music3Error(f"mp3, opus, aac and flac need PyAV ({exc}): pip install 'music3serve[serve]'") from None
+        raise Music3Error(f"mp3, opus, aac and flac need PyAV ({exc}): {install_hint('serve')}") from None
     return av
 
 

@@ -27,8 +27,9 @@ from ..errors import Music3Error
 from ..model_location import resolve_model
 from .access import Access, HostPolicy
 from .api import create_app
-from .deploy_config import DeployConfig, load_deploy_config, with_quantization
-from .engine import MAX_SONGS, Engine
+from .deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
+from .engine import Engine
+from .engine_limits import MAX_SONGS
 from .events import Event, SongRequest
 from .ray_front import Progress, RemoteEngine, ReplicaHeader, with_progress
 from .ray_metrics import RayMetricsCopy
@@ -52,11 +53,14 @@ class EngineArgs(BaseModel):
     device: Literal["cpu", "cuda"] | None = Field(None, description="cpu: replicas take no GPU")
     random_weights: bool = Field(False, description="benchmarks: full-size random weights instead of a checkpoint")
     quantization: Literal["none", "fp8"] | None = Field(None, description="both stages (default: the deploy file's)")
+    acoustic_dtype: Literal["float32", "bfloat16"] | None = Field(None, description="stage 1's dtype (default: the "
+                                                                   "deploy file's)")
 
     def deploy(self) -> DeployConfig:
-        """The deploy config, with `quantization` applied to both stages where given."""
+        """The deploy config, with `quantization` (both stages) and `acoustic_dtype` (stage 1) applied where given."""
         deploy = load_deploy_config(self.config)
-        return deploy if self.quantization is None else with_quantization(deploy, self.quantization)
+        deploy = deploy if self.quantization is None else with_quantization(deploy, self.quantization)
+        return deploy if self.acoustic_dtype is None else with_stage1_dtype(deploy, self.acoustic_dtype)
 
     @property
     def on_cpu(self) -> bool:

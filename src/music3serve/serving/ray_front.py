@@ -26,10 +26,12 @@ from ray.serve.exceptions import BackPressureError, RayServeException, RequestCa
 from ..errors import EngineBusy, InputError, Music3Error
 from ..prompt import frames_for_duration
 from .access import OWNER
-from .engine import MAX_UNREAD_BYTES, Engine, audio_bytes, too_long, unread_refusal
+from .engine import Engine
+from .engine_limits import MAX_UNREAD_BYTES, audio_bytes, too_long, unread_refusal
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .metrics import EngineMetrics
-from .song_service import KEEP_FINISHED, scoped
+from .song_registry import KEEP_FINISHED
+from .song_service import scoped
 
 REPLICA_HEADER = b"x-replica"  # the engine replica that holds the song, on the POST's response
 PROGRESS_EVERY_S = 0.5  # a running song's progress is sent this often while it changes (and with every window)

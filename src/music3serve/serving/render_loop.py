@@ -8,8 +8,9 @@ from collections import defaultdict, deque
 from typing import Any, Callable, Iterable
 
 from .. import contract
+from ..acoustic.payloads import RenderedWindow, WindowPayload
 from ..acoustic.precision import PrecisionPolicy
-from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..acoustic.renderer import Renderer
 from ..errors import Music3Error, NonFiniteAudio, error_text
 from ..memory import GIB, card_share, host_memory
 from .deploy_schema import Stage1Config

@@ -220,8 +220,13 @@ def describe(exc: RequestValidationError) -> str:
             where = "" if why.endswith(" at") else " at"  # json's "Invalid control character at" names no place
             parts.append(f"the body is not valid JSON: {why}{where} character {err['loc'][-1]}")
             continue
-        where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body") or "body"  # a key may be huge
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body")  # a key may be huge
+        message = err.get("msg", "invalid")
+        if err.get("type") == "value_error":  # our own checks' words (naming their field), not pydantic's prefix
+            message = str(err.get("ctx", {}).get("error", message))
+        elif not where:
+            where = "body"
+        parts.append(f"{where}: {message}" if where else message)
     if len(errors) > MAX_ERRORS:
         parts.append(f"and {len(errors) - MAX_ERRORS} more")
     return "; ".join(parts) or "invalid request"

@@ -3,7 +3,8 @@
 A message whose tensors total fewer than ``shm_threshold_bytes`` travels inline through the channel's pipe; at or
 above the threshold its tensors are copied into one shared-memory segment and the pipe carries only the segment's
 name and the tensors' dtypes, shapes and offsets. The receiver maps the segment, copies the tensors out into memory
-of its own, then unlinks the segment. How segments are kept from leaking: :mod:`.shm_segments`.
+of its own, then unlinks the segment. The buffer's layout: :mod:`.tensor_payload`; how segments are kept from
+leaking: :mod:`.shm_segments`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-import numpy as np
-import torch
-
 from . import shm_segments
 from .connector_base import (
     BoundedWait,
@@ -29,77 +27,13 @@ from .connector_base import (
     PeerGone,
     channel_names,
     check_message,
-    tensor_nbytes,
 )
 from .deploy_config import connector_extra
 from .deploy_schema import SharedMemoryExtra
+from .tensor_payload import layout, pack, unpack
 
-_ALIGN = 64  # byte alignment of each tensor inside a payload buffer
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
 _PIPE_BYTES = 1 << 20  # ask for 1 MiB of pipe buffer (the unprivileged maximum by default)
-
-# ------------------------------------------------------------------------------------------------ payload bytes
-
-
-class _Spec(NamedTuple):
-    name: str
-    kind: str  # "torch" or "numpy"
-    dtype: Any  # torch.dtype or numpy.dtype (both pickle)
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def _layout(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> tuple[list[_Spec], int]:
-    """Where each tensor goes in one payload buffer (64-byte aligned), and the buffer's size."""
-    specs, end = [], 0
-    for name, t in tensors.items():
-        offset = -(-end // _ALIGN) * _ALIGN
-        nbytes = tensor_nbytes(t)
-        kind = "torch" if isinstance(t, torch.Tensor) else "numpy"
-        specs.append(_Spec(name, kind, t.dtype, tuple(t.shape), offset, nbytes))
-        end = offset + nbytes
-    return specs, end
-
-
-def _view(spec: _Spec, buf: Any) -> torch.Tensor | np.ndarray:
-    """The tensor of ``spec`` as a view on the buffer (not for empty tensors: frombuffer refuses those)."""
-    if spec.kind == "torch":
-        count = spec.nbytes // spec.dtype.itemsize
-        return torch.frombuffer(buf, dtype=spec.dtype, count=count, offset=spec.offset).view(spec.shape)
-    return np.ndarray(spec.shape, spec.dtype, buffer=buf, offset=spec.offset)
-
-
-def _pack(tensors: Mapping[str, torch.Tensor | np.ndarray], specs: list[_Spec], buf: Any) -> None:
-    """Copy the tensors into a writable buffer at the offsets of ``specs`` (one copy; CUDA tensors included)."""
-    for spec in specs:
-        if spec.nbytes == 0:
-            continue
-        src = tensors[spec.name]
-        if spec.kind == "torch":
-            _view(spec, buf).copy_(src.detach())
-        else:
-            _view(spec, buf)[...] = src
-
-
-def _unpack(specs: list[_Spec], buf: Any, copy: bool) -> dict[str, torch.Tensor | np.ndarray]:
-    """Tensors from a payload buffer: views on it (``copy=False``, the buffer must be writable and private) or
-    copies that do not hold on to it (``copy=True``, for shared memory that is unlinked right after)."""
-    out: dict[str, torch.Tensor | np.ndarray] = {}
-    for spec in specs:
-        if spec.nbytes == 0:
-            empty = torch.empty if spec.kind == "torch" else np.empty
-            out[spec.name] = empty(spec.shape, dtype=spec.dtype)
-        elif not copy:
-            out[spec.name] = _view(spec, buf)
-        elif spec.kind == "torch":
-            out[spec.name] = _view(spec, buf).clone()
-        else:
-            out[spec.name] = _view(spec, buf).copy()
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------- channels
 
 
 class _Channel(NamedTuple):
@@ -200,14 +134,14 @@ class SharedMemoryConnector:
         self._check_open()
         ch = self._channel(channel)
         msg = check_message(message)
-        specs, size = _layout(msg.tensors)  # size: the buffer's, alignment padding included
+        specs, size = layout(msg.tensors)  # size: the buffer's, alignment padding included
         nbytes, segment = sum(spec.nbytes for spec in specs), None
         if nbytes > 0 and nbytes >= self.settings.shm_threshold_bytes:
-            segment = shm_segments.write_segment(self.prefix, size, lambda buf: _pack(msg.tensors, specs, buf))
+            segment = shm_segments.write_segment(self.prefix, size, lambda buf: pack(msg.tensors, specs, buf))
             envelope = (msg.key, msg.meta, specs, segment, None)
         else:
             inline = bytearray(size)
-            _pack(msg.tensors, specs, inline)
+            pack(msg.tensors, specs, inline)
             envelope = (msg.key, msg.meta, specs, None, inline)
         try:
             data = pickle.dumps(envelope, protocol=pickle.HIGHEST_PROTOCOL)
@@ -256,9 +190,9 @@ class SharedMemoryConnector:
     def _decode(self, channel: str, data: bytes) -> Message:
         key, meta, specs, segment, inline = pickle.loads(data)
         if segment is None:
-            return Message(key, meta, _unpack(specs, inline, copy=False))
+            return Message(key, meta, unpack(specs, inline, copy=False))
         try:
-            tensors = shm_segments.read_segment(segment, lambda buf: _unpack(specs, buf, copy=True))
+            tensors = shm_segments.read_segment(segment, lambda buf: unpack(specs, buf, copy=True))
         except FileNotFoundError:
             raise LostMessage(
                 f"message {key!r} on channel {channel!r} lost its shared-memory segment {segment!r}: its sender "

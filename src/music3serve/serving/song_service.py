@@ -1,6 +1,6 @@
 """The songs of the HTTP API: submit one to the engine under its API key, wait for it to be accepted, and send its
-audio as it is encoded (a stream) or once it is done (one response); keeps each song's state for GET /v1/songs/{id}.
-POST /v1/songs, /v1/audio/speech and /v1/music_generation all serve their songs through SongService."""
+audio as it is encoded (a stream) or once it is done (one response); each song's state is kept for GET
+/v1/songs/{id} (serving/song_registry.py). POST /v1/songs, /v1/audio/speech and /v1/music_generation all serve their songs through SongService."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import OrderedDict
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -19,17 +18,17 @@ from ..errors import EngineBusy, InputError, Music3Error
 from .access import OWNER
 from .audio_io import CHANNELS, PcmEncoder
 from .encoders import MEDIA_TYPES, make_encoder
-from .engine import Accepted, AudioChunk, Done, Engine, Event, Failed, SongRequest
+from .engine import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .error_bodies import ErrorReply, error_response
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SongBody
 from .song_feed import SILENCE, next_event, window_slices
+from .song_registry import SongRegistry
 from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
 from .song_types import Framing, SongOrder, SongState, Started
 
 log = logging.getLogger(__name__)
 
-KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
 
 
@@ -54,50 +53,8 @@ def _field_named(message: str) -> str | None:
     return word if word in REQUEST_FIELDS else None
 
 
-class SongService:
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.running: dict[str, SongState] = {}
-        self.pending: dict[str, asyncio.Event] = {}  # client-given ids still waiting for acceptance
-        self.finished: OrderedDict[str, SongState] = OrderedDict()
-
-    def lookup(self, name: str) -> SongState | None:
-        """A running or recently finished song by its engine id (`scoped`)."""
-        return self.running.get(name) or self.finished.get(name)
-
-    def finish(self, song: SongState, state: str, error: str | None = None) -> None:
-        if song.state == "running":
-            song.state, song.error = state, error
-            log.info("song ended", extra={"song": song.name, "state": song.state, "seed": song.seed,
-                                          "frames": song.frames, "ended_by": song.ended_by,
-                                          "samples": song.samples_sent, "error": song.error})
-        if self.running.get(song.name) is song:  # not a newer song that reused the id after this one ended
-            del self.running[song.name]
-        if self.finished.get(song.name) is not song:  # a reused id's newest result goes to the back of the line
-            self.finished.pop(song.name, None)
-            self.finished[song.name] = song
-        while len(self.finished) > KEEP_FINISHED:
-            self.finished.popitem(last=False)
-
-    def refresh(self, song: SongState) -> None:
-        """A running song's frames written and windows rendered, brought up to the engine's counts."""
-        progress = self.engine.progress(song.name) if song.state == "running" else None
-        if progress is not None:
-            song.frames_written, song.windows_rendered = max(song.frames_written, progress[0]), progress[1]
-
-    def client_gone(self, song: SongState) -> None:
-        """The client left: its song is cancelled as by a DELETE; a song the engine has already ended keeps that
-        end (done or failed, as the metrics count it), not delivered."""
-        if song.state == "running" and not song.stop.is_set() and self.engine.cancel(song.name):
-            song.stop.set()
-
-    def cancel(self, name: str) -> None:
-        """DELETE: end the song's response and its work in the engine; a song the engine has already ended goes on
-        to its end (its last audio, or its failure, is on its way to the client)."""
-        song, cancelled = self.running.get(name), self.engine.cancel(name)
-        stop = self.pending.get(name) if song is None else song.stop if cancelled else None
-        if stop is not None:
-            stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
+class SongService(SongRegistry):
+    """Each song from its request to its response, for every endpoint; its state is kept as SongRegistry keeps it."""
 
     async def create(self, body: SongBody, request: Request) -> Response:
         """POST /v1/songs."""
@@ -208,17 +165,6 @@ class SongService:
                             break
         await events.aclose()  # type: ignore[attr-defined]
         self.finish(song, "cancelled")
-
-    def ended(self, song: SongState, event: Done | Failed) -> None:
-        if isinstance(event, Done):
-            self.refresh(song)
-            song.frames = song.frames_written = event.frames
-            song.ended_by, song.timings = event.ended_by, event.timings
-            song.first_audio_s = event.timings.get("first_audio_s")
-            self.finish(song, "done")
-        else:
-            log.error("song failed", extra={"song": song.name, "error": event.message, "samples": song.samples_sent})
-            self.finish(song, "failed", event.message)
 
     async def whole(self, started: Started, request: Request, reply: ErrorReply,
                     framing: Framing | None = None) -> Response:

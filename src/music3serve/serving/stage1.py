@@ -16,7 +16,8 @@ from ..errors import Music3Error
 from .connector_base import ConnectorError, LostMessage, PeerGone
 from .heartbeat import StageWatch
 from .render_loop import RenderLoop
-from .worker import RenderWorker, chunk_window
+from .worker import RenderWorker
+from .worker_messages import chunk_window
 
 OnChunk = Callable[[RenderedWindow], None]
 OnError = Callable[[str, str], None]  # (song key, message): the song fails, and is cancelled everywhere

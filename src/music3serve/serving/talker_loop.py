@@ -11,9 +11,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..acoustic.renderer import WindowPayload
+from ..acoustic.payloads import WindowPayload
 from ..errors import InputError, Music3Error, error_text
-from ..talker.engine import Event, SongFailed, SongFinished, Talker, WindowReady
+from ..talker.engine import Talker
+from ..talker.events import Event, SongFailed, SongFinished, WindowReady
 from .heartbeat import StageWatch
 from .metrics import EngineMetrics
 from .render_loop import FAILED_CALLS_BEFORE_STOP

@@ -1,36 +1,26 @@
-"""Stage 1 in its own process, joined to the engine by the configured connector (the split placement)."""
+"""The engine's side of stage 1 in its own process (the split placement): starting the worker, sending it windows
+and cancels through the configured connector, and reading its PCM within each song's deadlines."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import logging
 import multiprocessing
-import signal
 import threading
 import time
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
-import numpy as np
 import torch
-from tqdm import tqdm
 
 from .. import contract
-from ..acoustic.renderer import RenderedWindow, WindowPayload
-from ..acoustic.windows import Window
-from ..checkpoint import ACOUSTIC, load_component
-from ..errors import Music3Error, error_text
-from .connectors import ConnectorTimeout, LostMessage, Message, make_connector
+from ..acoustic.renderer import WindowPayload
+from ..errors import Music3Error
+from .connectors import ConnectorTimeout, Message, make_connector
 from .deploy_config import ConnectorConfig, Stage1Config
-from .heartbeat import RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
+from .heartbeat import RENDER_LIMIT_PER_WINDOW_S, WorkerWatch, hang_limit
 from .outbox import Outbox
-from .render_loop import RenderLoop, stage1_renderer
+from .worker_messages import PCM, WINDOWS, window_message
+from .worker_process import worker_main
 
-log = logging.getLogger(__name__)
-
-WINDOWS, PCM = "stage0_to_stage1", "stage1_to_engine"
 STARTUP_TIMEOUT_S = 1800.0  # loading 10 GB of acoustic weights and capturing graphs
 # Windows written to the worker and not yet read by it: at least 12 (~40 MB of /dev/shm; Docker's default is 64 MB),
 # and a render batch and some more; others wait in the engine's memory while the worker renders.
@@ -39,108 +29,6 @@ WINDOWS_IN_FLIGHT = 12
 
 def windows_in_flight(render_batch: int) -> int:
     return max(WINDOWS_IN_FLIGHT, render_batch + 4)
-
-
-def window_meta(song: str, w: Window) -> dict[str, Any]:
-    """A window of a song as a message's meta (JSON values)."""
-    return {"song": song, "index": w.index, "start": w.start, "frames": w.frames, "last": w.last}
-
-
-def meta_window(meta: dict[str, Any]) -> Window:
-    return Window(meta["index"], meta["start"], meta["frames"], meta["last"])
-
-
-def window_message(payload: WindowPayload) -> Message:
-    meta = {**window_meta(payload.song, payload.window), "seed": payload.seed, "steps": payload.steps}
-    return Message("window", meta, {"mixed": payload.mixed.float().cpu()})
-
-
-def window_payload(message: Message) -> WindowPayload:
-    m = message.meta
-    return WindowPayload(m["song"], m["seed"], meta_window(m), message.tensors["mixed"], m["steps"])
-
-
-def chunk_message(out: RenderedWindow) -> Message:
-    return Message("chunk", window_meta(out.song, out.window), {"pcm": out.pcm})
-
-
-def chunk_window(message: Message) -> RenderedWindow:
-    pcm = torch.from_numpy(np.asarray(message.tensors["pcm"]))
-    return RenderedWindow(message.meta["song"], meta_window(message.meta), pcm, torch.empty(0))
-
-
-def load_acoustic(root: str, device: str) -> SimpleNamespace:
-    """Stage 1's components of the checkpoint at root, in float32 (the precision policy casts them)."""
-    return SimpleNamespace(**{n: load_component(Path(root), n, device, torch.float32) for n in ACOUSTIC})
-
-
-def use_thread_lock_for_progress_bars() -> None:
-    """tqdm's default lock holds a multiprocessing semaphore, which a worker killed with SIGKILL cannot unregister
-    (the resource tracker then warns of a leaked semaphore when the engine exits). The worker's bars need no lock
-    shared between processes, only one between its threads."""
-    tqdm.set_lock(threading.RLock())
-
-
-def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector, slots) -> None:
-    """The worker process: load(device) the acoustic stage, then render windows until told to stop; each window read
-    gives its slot back (serving/outbox.py).
-
-    SIGTERM and SIGINT are ignored: a stop signal sent to the whole process group (systemd's default, `kill --
-    -PGID`, Ctrl-C) reaches the worker too, and the engine process stops it after its own graceful shutdown (songs
-    get their grace period). Orphaned, the worker stops by itself; `RenderWorker.kill` uses SIGKILL."""
-    use_thread_lock_for_progress_bars()
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop_signal, signal.SIG_IGN)
-    if device.startswith("cuda"):  # streams and graph captures belong to the worker's own GPU ("cuda" alone: 0)
-        torch.cuda.set_device(torch.device(device).index or 0)
-    try:
-        renderer = stage1_renderer(load(device), stage1)
-    except Exception as exc:  # the engine process says why, not only that the worker exited
-        connector.put(PCM, Message("failed", {"error": error_text(exc)}, {}))
-        raise
-    connector.put(PCM, Message("ready", {}, {}))
-    heartbeat = Heartbeat(lambda message: connector.put(PCM, message))
-    parent = multiprocessing.parent_process()
-
-    def inbox(block: bool) -> list[tuple]:
-        if parent is not None and not parent.is_alive():  # orphaned (say the server got SIGKILL)
-            log.warning("the engine process is gone; the stage-1 worker stops")
-            connector.cleanup()  # nobody else is left to remove the segments
-            return [("stop",)]
-        items, wait = [], 0.05 if block else 0
-        while True:
-            try:
-                message = connector.get(WINDOWS, wait)
-            except ConnectorTimeout:
-                return items
-            except LostMessage as exc:  # a window whose segment vanished (say /dev/shm emptied): its song fails
-                message = None
-                slots.release()
-                on_error(exc.meta["song"], f"stage 1 lost a window on its way: {exc}")
-            wait = 0
-            if message is None:
-                continue
-            if message.key == "window":
-                items.append(("window", window_payload(message)))
-                slots.release()
-            else:
-                items.append((message.key, message.meta.get("song")) if message.key == "cancel" else ("stop",))
-
-    def on_chunk(out: RenderedWindow) -> None:
-        connector.put(PCM, chunk_message(out))
-
-    def on_error(song: str, message: str) -> None:
-        connector.put(PCM, Message("failed", {"song": song, "message": message}, {}))
-
-    try:
-        RenderLoop(renderer, inbox, on_chunk, on_error, rendering=heartbeat.rendering).run()
-    except Exception as exc:  # stage 1 stops (say its calls kept failing): the engine says why, not an exit code
-        with contextlib.suppress(Exception):
-            connector.put(PCM, Message("stopped", {"reason": error_text(exc)}, {}))
-        raise
-    finally:
-        heartbeat.stop()
-    connector.close()
 
 
 class ChunkDeadlines:

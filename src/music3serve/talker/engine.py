@@ -6,97 +6,25 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from .. import contract
-from ..acoustic.windows import Window
 from ..errors import InputError, Music3Error
 from ..hashing import as_int64
 from ..kernels.pdl import pdl_mode
-from ..memory import GIB, card_share, host_memory
 from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import enable_fusion
 from ..models.language_model import LanguageModel
-from .depth_inputs import DepthInputs
+from .bookkeeping import InFlightStep, TalkerSong, new_song
+from .config import TalkerConfig
+from .events import Event, SongFailed, SongFinished
+from .memory_check import check_memory
 from .slots import SlotCache
 from .step import FrameStep
-from .windows import WindowTracker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TalkerConfig:
-    max_num_seqs: int = 16  # rows: two per song
-    max_model_len: int = contract.MAX_CONTEXT
-    max_num_batched_tokens: int = contract.MAX_CONTEXT  # prompt tokens prefilled per step, both rows counted
-    capture_sizes: tuple[int, ...] = (2, 4, 8, 16)
-    enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.6
-    fuse: bool = True  # on CUDA, compile the hot elementwise chains (models/fusion.py) before capture
-    # Depth-decoder calls on cached keys instead of recomputing all positions (models/depth_decoder.py): fewer FLOPs,
-    # and as fast or faster on the H200; with them, calls 2..7 of a frame look their new position and first q, k, v
-    # up in a table built at startup (talker/depth_inputs.py, 201 MB at full size). Measured on the H200
-    # (2026-11-30 and 2026-12-02).
-    depth_cache: bool = True
-
-
-@dataclass
-class WindowReady:
-    song: str
-    seed: int
-    window: Window
-    mixed: torch.Tensor  # [frames, hidden] float32: frame conditioning mixed by the condition encoder's weights
-    ready: torch.cuda.Event | None = None  # on CUDA: recorded once `mixed` is written (another stream waits on it)
-
-
-@dataclass
-class SongFinished:
-    song: str
-    frames: int
-    ended_by: str  # "audio_end" or "budget"
-    codes: torch.Tensor  # [frames, 8]
-
-
-@dataclass
-class SongFailed:
-    song: str
-    message: str
-
-
-Event = WindowReady | SongFinished | SongFailed
-
-
-@dataclass
-class _InFlight:
-    """A frame step queued on the device whose results the host has not read yet."""
-
-    songs: list["_Song"]  # the song in each pair when the step was queued
-    buffer: int  # which of the two pinned host buffers its codes and audio_end flags are copied to
-    copied: torch.cuda.Event | None  # recorded after its results and conditioning copies (None on the CPU)
-
-
-@dataclass
-class _Song:
-    id: str
-    seed: int
-    ids: torch.Tensor  # [2, prompt tokens]: cond and uncond rows
-    budget: int
-    pair: int | None = None
-    prefilled: int = 0
-    steps: int = 0  # frame steps whose results were read back; step 0's frame is not emitted
-    launched: int = 0  # frame steps queued on the device (one more than `steps` while a step is in flight)
-    codes: list[torch.Tensor] = field(default_factory=list)
-    # [budget + 1, hidden] on the device: the spare row takes the step already queued when the song ends
-    conditioning: torch.Tensor | None = None
-    windows: WindowTracker = field(default_factory=WindowTracker)
-
-    @property
-    def frames(self) -> int:
-        return len(self.codes)
 
 
 class Talker:
@@ -126,12 +54,12 @@ class Talker:
         pinned = self.device.type == "cuda"
         self._host_codes = torch.empty((2, pairs, contract.NUM_CODEBOOKS), dtype=torch.int64, pin_memory=pinned)
         self._host_ended = torch.empty((2, pairs), dtype=torch.bool, pin_memory=pinned)
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlightStep | None = None
         # Songs whose prefill failed, until step() returns them (kept here: the same step may raise afterwards).
         self._failed: list[SongFailed] = []
-        self.waiting: deque[_Song] = deque()
-        self.active: list[_Song] = []  # song in pair p is active[p]
-        self.songs: dict[str, _Song] = {}
+        self.waiting: deque[TalkerSong] = deque()
+        self.active: list[TalkerSong] = []  # song in pair p is active[p]
+        self.songs: dict[str, TalkerSong] = {}
         self.frames_written = 0  # by every song, those cancelled or failed later included
 
     @torch.inference_mode()
@@ -154,22 +82,10 @@ class Talker:
         """Queue a song; returns its frame budget, fixed now."""
         if song in self.songs:
             raise InputError(f"song id {song!r} is already in use")
-        if len(cond_ids) != len(uncond_ids) or not cond_ids:
-            raise InputError("cond and uncond prompts must be non-empty and of the same length")
-        if not all(0 <= i < self.lm.cfg.vocab for i in (*cond_ids, *uncond_ids)):  # on CUDA: a device assert
-            raise InputError(f"prompt token ids must lie in [0, {self.lm.cfg.vocab}) of the language model's vocabulary")
-        if requested_frames < 1:
-            raise InputError(f"a song needs at least one frame, got {requested_frames} requested")
-        room = self.config.max_model_len - len(cond_ids)
-        if room < 1:
-            raise InputError(
-                f"the prompt has {len(cond_ids)} tokens and leaves no frames within max_model_len {self.config.max_model_len}"
-            )
-        budget = contract.frame_budget(requested_frames, len(cond_ids), self.config.max_model_len)
-        ids = torch.tensor([cond_ids, uncond_ids], dtype=torch.int64, device=self.device)
-        self.songs[song] = _Song(song, seed, ids, budget)
+        self.songs[song] = new_song(song, cond_ids, uncond_ids, seed, requested_frames, self.lm.cfg.vocab,
+                                    self.config.max_model_len, self.device)
         self.waiting.append(self.songs[song])
-        return budget
+        return self.songs[song].budget
 
     @property
     def busy(self) -> bool:
@@ -237,7 +153,7 @@ class Talker:
                 del self.songs[song.id]
                 self._failed.append(SongFailed(song.id, f"stage 0 could not prefill the song: {exc}"))
 
-    def _prefill_chunk(self, song: _Song, limit: int) -> int:
+    def _prefill_chunk(self, song: TalkerSong, limit: int) -> int:
         """Prefill up to `limit` more prompt tokens of the song at the head of the queue, in both rows; once its
         whole prompt is in, it leaves the queue and decodes. Returns the tokens prefilled per row."""
         if song.pair is not None and song.pair != len(self.active):  # pairs were packed since its last chunk
@@ -254,7 +170,7 @@ class Talker:
             self.waiting.popleft()
         return chunk
 
-    def _activate(self, song: _Song, hidden: torch.Tensor) -> None:
+    def _activate(self, song: TalkerSong, hidden: torch.Tensor) -> None:
         p, step = song.pair, self.step_fn
         # First the allocation that can fail: the pair's step buffers are left idle if it does.
         song.conditioning = torch.empty(song.budget + 1, self.lm.cfg.hidden, dtype=torch.float32, device=self.device)
@@ -263,7 +179,7 @@ class Talker:
         step.seeds[p], step.frames[p] = as_int64(song.seed), 0
         self.active.append(song)
 
-    def _launch(self) -> _InFlight:
+    def _launch(self) -> InFlightStep:
         """Queue one frame step for every active song and the copies of its results."""
         step, count = self.step_fn, len(self.active)
         buffer = 0 if self._in_flight is None else 1 - self._in_flight.buffer
@@ -279,9 +195,9 @@ class Talker:
             copied.record()
         for song in self.active:
             song.launched += 1
-        return _InFlight(list(self.active), buffer, copied)
+        return InFlightStep(list(self.active), buffer, copied)
 
-    def _collect(self, done: _InFlight) -> list[Event]:
+    def _collect(self, done: InFlightStep) -> list[Event]:
         """Read back a queued step's codes and audio_end flags; emit the windows it completed and the songs it
         ended. Songs cancelled or finished since it was queued are skipped."""
         if done.copied is not None:
@@ -289,7 +205,7 @@ class Talker:
         count = len(done.songs)
         codes, ended = self._host_codes[done.buffer, :count].clone(), self._host_ended[done.buffer, :count].clone()
         events: list[Event] = []
-        finished: list[_Song] = []
+        finished: list[TalkerSong] = []
         for p, song in enumerate(done.songs):
             if self.songs.get(song.id) is not song:
                 continue
@@ -300,7 +216,7 @@ class Talker:
             elif index > 0:
                 song.codes.append(codes[p])
                 self.frames_written += 1
-                events += [self._payload(song, w, done.copied) for w in song.windows.ready(song.frames)]
+                events += [song.window_ready(w, done.copied) for w in song.windows.ready(song.frames)]
                 if song.frames == song.budget:
                     finished.append(song)
                     events += self._finish(song, "budget", done.copied)
@@ -309,18 +225,14 @@ class Talker:
             self._release(song)
         return events
 
-    def _payload(self, song: _Song, window: Window, ready: torch.cuda.Event | None) -> WindowReady:
-        mixed = song.conditioning[window.start : window.start + window.frames]
-        return WindowReady(song.id, song.seed, window, mixed, ready)
-
-    def _finish(self, song: _Song, ended_by: str, ready: torch.cuda.Event | None) -> list[Event]:
+    def _finish(self, song: TalkerSong, ended_by: str, ready: torch.cuda.Event | None) -> list[Event]:
         if not song.frames:
             return [SongFailed(song.id, "the model ended the song before its first frame (audio_end drawn at once)")]
         log.info("talker song done", extra={"song": song.id, "frames": song.frames, "ended_by": ended_by})
-        windows = [self._payload(song, w, ready) for w in song.windows.finish(song.frames)]
+        windows = [song.window_ready(w, ready) for w in song.windows.finish(song.frames)]
         return [*windows, SongFinished(song.id, song.frames, ended_by, torch.stack(song.codes))]
 
-    def _release(self, song: _Song) -> None:
+    def _release(self, song: TalkerSong) -> None:
         """Free the song's pair; the last active pair moves into the gap so active pairs stay packed."""
         if song.pair is None or song not in self.active:
             return
@@ -337,30 +249,3 @@ class Talker:
         step.positions[2 * last : 2 * last + 2] = self.slots.scratch
         step.hidden[2 * last : 2 * last + 2] = 0
         song.pair = None
-
-
-def device_bytes(lm: LanguageModel, depth: DepthDecoder, config: TalkerConfig) -> int:
-    """The weights and lookup tables the talker keeps on its device, whatever the songs."""
-    weights = sum(t.numel() * t.element_size() for m in (lm, depth) for t in (*m.parameters(), *m.buffers()))
-    return weights + (DepthInputs.bytes_needed(depth) if config.depth_cache else 0)
-
-
-def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: TalkerConfig) -> None:
-    """Weights, KV slots and the decoding songs' frame conditioning must fit in gpu_memory_utilization of the card on
-    CUDA, and the KV slots and conditioning in the machine's memory on the CPU, or startup fails with the numbers."""
-    device = lm.embed.weight.device
-    weights = device_bytes(lm, depth, config)
-    kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
-    frames = contract.frame_budget(contract.MAX_FRAMES, 1, config.max_model_len) + 1  # the longest budget + 1 (_activate)
-    conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song
-    needs = (f"{kv / GIB:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens + "
-             f"{conditioning / GIB:.1f} GiB of frame conditioning for {pairs} songs")
-    rows = kv + conditioning
-    if device.type == "cuda":
-        allowed, share = card_share(device, config.gpu_memory_utilization)
-        if weights + rows > allowed:
-            raise Music3Error(f"talker needs {weights / GIB:.1f} GiB of weights and lookup tables + {needs}, more than "
-                              f"{share}: lower max_num_seqs or max_model_len, or raise the fraction")
-    elif device.type == "cpu" and rows > (memory := host_memory()):
-        raise Music3Error(f"talker needs {needs}, more than this machine's {memory / GIB:.1f} GiB of memory: lower "
-                          "max_num_seqs or max_model_len")

@@ -1,0 +1,143 @@
+"""The songs an engine holds for its callers: each one's record, the claim on its id and on the engine's room for
+songs and unread audio, the key the stages know it by, and the delivery of its events to the caller's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import threading
+from dataclasses import dataclass, field
+
+from ..errors import EngineBusy, InputError
+from ..talker.engine import SongFinished
+from .engine_limits import unread_refusal
+from .events import Event, Failed
+from .metrics import EngineMetrics
+from .stage1 import Stage1
+from .talker_loop import TalkerLoop
+
+
+def deliver(client: "SongClient", event: Event) -> None:
+    """On the caller's loop: queue the event."""
+    client.events.put_nowait(event)
+
+
+def caller_id(key: str) -> str:
+    """The caller's id of a song key the stages know (Engine._key)."""
+    return key.rpartition("#")[0]
+
+
+_QUOTED_KEY = re.compile(r"""(['"])((?:(?!\1).)*)#\d+\1""")  # a key as repr() quotes it: 'id#7', or "it's#7"
+
+
+def callers_ids(message: str) -> str:
+    """A stage's message with the song keys it quotes ('id#7') shown as the callers' ids ('id')."""
+    return _QUOTED_KEY.sub(r"\1\2\1", message)
+
+
+@dataclass
+class SongClient:
+    """A held song as its caller sees it: the loop and queue its events go to, its timings and its audio owed."""
+
+    song: str  # the caller's id; inside the engine the song is known by its key (see Engine._key)
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float
+    first_audio: float | None = None
+    finished: SongFinished | None = None
+    ended: bool = False  # done, failed or cancelled, once: the caller gets nothing after its Done or Failed
+    unread_bytes: int = 0  # PCM the song may still queue: its request's audio (its budget's once Accepted is read)
+    # less the chunks read
+    held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
+    windows: int = 0  # windows stage 1 has rendered
+
+
+class HeldSongs:
+    """The Engine's bookkeeping of the songs it holds, by key and by the caller's id (a mixin of Engine)."""
+
+    max_songs: int
+    max_unread_bytes: int
+    metrics: EngineMetrics
+    talker_loop: TalkerLoop
+    stage1: Stage1
+    _read_audio_held: int
+    _clients: dict[str, SongClient]
+    _keys: dict[str, str]
+    _submissions: itertools.count
+    _failing: threading.Lock
+
+    def _hold(self, key: str, client: SongClient) -> None:
+        """Take the submission if the engine has room for it and its id is free: checked and claimed at once
+        (callers on other threads or loops may race)."""
+        with self._failing:
+            if len(self._clients) >= self.max_songs:
+                raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
+            unread = self.unread_audio()
+            if unread + client.unread_bytes > self.max_unread_bytes:
+                raise unread_refusal(unread, client.unread_bytes, self.max_unread_bytes)
+            if client.song in self._keys:
+                raise InputError(f"request id {client.song!r:.80} is taken by a song whose stream has not ended: "
+                                 "wait for it or pick another")
+            self._clients[key], self._keys[client.song] = client, key
+
+    def hold_read_audio(self, nbytes: int) -> None:
+        """Audio a caller has read from its streams but still holds (say a whole song waiting for a slow client to
+        take it): `nbytes` more (fewer, when negative) count toward max_unread_bytes beside the songs' own."""
+        with self._failing:
+            self._read_audio_held += nbytes
+
+    def unread_audio(self) -> int:
+        """Bytes of audio held for callers: what the songs held may still queue, and what callers hold read."""
+        return sum(held.unread_bytes for held in list(self._clients.values())) + self._read_audio_held
+
+    def _count_cancel(self, key: str) -> bool:
+        """End a held submission as cancelled by its caller, counted once; False if it had already ended."""
+        if self._end(key) is None:
+            return False
+        self.metrics.cancels.inc()
+        return True
+
+    def _end(self, key: str) -> SongClient | None:
+        """The held submission, if this call ends it: each song ends once, as done, failed or cancelled (stage
+        threads and the caller's loop may report the same song at once)."""
+        with self._failing:
+            client = self._clients.get(key)
+            if client is None or client.ended:
+                return None
+            client.ended = True
+            return client
+
+    def _key(self, song: str) -> str:
+        """The name the stages know a submission by: the caller's id and a number of its own, so that a song
+        submitted again under the id of one just cancelled or failed never receives that one's late windows,
+        audio or cancels."""
+        return f"{song}#{next(self._submissions)}"
+
+    def _forget(self, key: str) -> bool:
+        """Drop the submission's client (and its id, if still its own); whether it was held."""
+        client = self._clients.pop(key, None)
+        if client is not None:
+            self._release_id(client.song, key)
+        return client is not None
+
+    def _release_id(self, song: str, key: str) -> None:
+        """The caller's id is free again, if `key` still holds it (the caller's loop and stage threads may race)."""
+        with self._failing:
+            if self._keys.get(song) == key:
+                del self._keys[song]
+
+    def _cancel(self, key: str) -> None:
+        self.talker_loop.cancel(key)  # first: a retry under the same id is a new key anyway
+        self.stage1.drop_waits(key)  # now; again once the talker has stopped sending the song's windows
+        self._emit(key, Failed, "cancelled")
+
+    def _emit(self, key: str, event: type[Event], *args) -> None:
+        """Queue event(caller's id, *args) on the submission's stream, if it still has one."""
+        client = self._clients.get(key)
+        if client is not None:
+            try:
+                client.loop.call_soon_threadsafe(deliver, client, event(client.song, *args))
+            except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
+                self._forget(key)
+                self.talker_loop.cancel(key)

@@ -1,0 +1,66 @@
+"""The guard of an engine's stage threads: a stage loop that dies, or a call the watch finds hung, stops the engine
+serving, and every song it holds fails with the reason instead of waiting forever."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from ..errors import Music3Error, error_text
+from .heartbeat import PAUSE_S, StageWatch
+from .stage_reports import StageReports
+
+log = logging.getLogger(__name__)
+
+
+class StageGuard(StageReports):
+    """The stage threads' wrapper and the watch thread's loop (a mixin of Engine)."""
+
+    device: torch.device
+    stage_watches: dict[str, StageWatch]
+    _stop: threading.Event
+    _broken: str | None
+    _hung_stage: str | None
+
+    def _guarded(self, loop) -> None:
+        """Run a stage loop; if it dies, every open stream fails with the reason instead of waiting forever."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            loop()
+        except BaseException as exc:
+            if isinstance(exc, Music3Error):  # a stop the stage names itself (say its worker died): one line
+                log.error("engine stage stopped", extra={"stage": threading.current_thread().name, "error": str(exc)})
+            else:
+                log.exception("engine thread died")
+            self._stop_serving(f"engine stage stopped ({threading.current_thread().name}): {error_text(exc)}")
+
+    def _stop_serving(self, reason: str) -> None:
+        """The engine cannot serve any more: every song it holds fails with the reason, and so does every submit."""
+        with self._failing:  # the first reason stands (the stage-1 threads may both see a worker that is gone)
+            self._broken = self._broken or reason
+        for key in list(self._clients):
+            self._fail(key, self._broken)
+
+    # The watch: of the stage threads here for a call that never ends, and of stage 1's own needs (the worker).
+    def _watch_loop(self) -> None:
+        last = time.monotonic()
+        # Once the engine is broken (say a stage thread died, mid-call: that is no hang) there is nothing left to watch.
+        while not self._stop.wait(0.05) and self.stage1.loss is None and self._broken is None:
+            now = time.monotonic()
+            if now - last > PAUSE_S:  # this process was paused: that time counts for no call and no song's wait
+                for watch in self.stage_watches.values():
+                    watch.paused(now - last)
+                self.stage1.paused()
+            last = now
+            for stage, watch in self.stage_watches.items():
+                hung = watch.hung()
+                if hung is not None:  # its thread cannot be stopped: the engine stops serving, /health says why
+                    log.error("%s %s: the engine stops serving", stage, hung)
+                    self._hung_stage = stage
+                    self._stop_serving(f"{stage} {hung} and counts as hung; restart the engine's process")
+                    return
+            self.stage1.check()
