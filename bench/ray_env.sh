@@ -1,6 +1,6 @@
-# Sourced by the scripts that run Ray Serve on a GPU machine without network access: bench/gpu_env.sh, then Ray and its Serve dependencies
-# installed once per machine into /tmp/ray_site, from the wheel's first part that bench/ray_stash.sh left in
-# /tmp/raywheels and the rest carried in .ray_b (how both are made: bench/ray_stash.sh).
+# Sourced by the scripts that run Ray Serve on a GPU machine without network access: bench/gpu_env.sh, then Ray and
+# its Serve dependencies installed once per machine into /tmp/ray_site, from the wheel's first part that
+# bench/ray_stash.sh left in /tmp/raywheels and the rest copied along in .ray_b (how both are made: bench/ray_stash.sh).
 source bench/gpu_env.sh
 SITE=/tmp/ray_site
 WHEEL=/tmp/raywheels/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl

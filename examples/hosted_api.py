@@ -1,7 +1,7 @@
 """A song through the MiniMax hosted music API's shape (POST /v1/music_generation), whole and streamed, with httpx.
 Code written for the hosted API needs only the base URL changed (and the model name: start the server with
-`--served-model-name MiniMax-Music3 --served-model-name music-2.6` to take the hosted one as well; the names given
-replace the defaults). Needs httpx (`pip install httpx`).
+`--served-model-name MiniMax-Music3 --served-model-name MiniMaxAI/MiniMax-Music3 --served-model-name music-2.6`
+to take the hosted one as well: the names given replace the defaults). Needs httpx (`pip install httpx`).
 
     python examples/hosted_api.py [http://127.0.0.1:8000]
 """

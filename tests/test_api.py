@@ -31,8 +31,9 @@ from music3serve import cli, contract
 from music3serve.errors import InputError
 from music3serve.pipeline import Pipeline
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import MAX_SONGS
+from music3serve.serving.events import Accepted, AudioChunk, Done, SongRequest
 from music3serve.serving.held_songs import caller_id
 from polling import hold, poll_until  # tests/ is on the import path (no package)
 
@@ -98,7 +99,7 @@ def parse_wav(body: bytes, streaming: bool) -> tuple[int, np.ndarray]:
 
 
 def engine_idle(engine: Engine, song: str) -> bool:
-    return song not in engine._keys and not engine.talker.busy
+    return engine.held.key_of(song) is None and not engine.talker.busy
 
 
 # --- audio ------------------------------------------------------------------------------------------------
@@ -412,7 +413,7 @@ def test_a_whole_song_cut_at_shutdown_gets_a_json_503(engine, client):
     poster = threading.Thread(target=post)
     poster.start()
     try:
-        poll_until(lambda: "cut-1" in engine._keys)
+        poll_until(lambda: engine.held.key_of("cut-1") is not None)
         server.should_exit = True
         poster.join(timeout=30)
         thread.join(timeout=30)
@@ -541,7 +542,7 @@ def test_a_delete_before_acceptance_answers_409(client, engine, monkeypatch, cap
     post = threading.Thread(target=lambda: result.append(client.post("/v1/songs", json={**SONG, "id": "early"})))
     result: list = []
     post.start()
-    poll_until(lambda: "early" in engine._keys)
+    poll_until(lambda: engine.held.key_of("early") is not None)
     assert client.delete("/v1/songs/early").status_code == 204
     post.join(60)
     assert result[0].status_code == 409 and "cancelled before it was accepted" in result[0].json()["error"]
@@ -792,7 +793,7 @@ def test_an_engine_closing_before_acceptance_answers_503(tiny_dir: Path, serve_h
 
             thread = threading.Thread(target=post)
             thread.start()
-            poll_until(lambda: "closing" in engine._keys)
+            poll_until(lambda: engine.held.key_of("closing") is not None)
             engine.close()
             thread.join(30)
     finally:
@@ -839,7 +840,7 @@ def test_a_stream_whose_headers_cannot_be_sent_ends_its_song():
         return service, engine
 
     service, engine = asyncio.run(scenario())
-    assert service.lookup("gone").state == "cancelled" and "gone" not in service.running
+    assert service.songs.lookup("gone").state == "cancelled" and "gone" not in service.songs.running
     assert engine.closed
 
 
@@ -850,10 +851,10 @@ def test_a_reused_ids_newest_result_is_kept_longest(monkeypatch):
     service = song_service.SongService(None)  # type: ignore[arg-type]
     for song_id in ("a", "b", "a", "c"):  # "a" runs again after "b", then "c"
         song = song_service.SongState(song_id, 1, 100, "wav", 44100)
-        service.running[song_id] = song
-        service.finish(song, "done")
-    assert service.lookup("a") is not None and service.lookup("c") is not None
-    assert service.lookup("b") is None
+        service.songs.running[song_id] = song
+        service.songs.finish(song, "done")
+    assert service.songs.lookup("a") is not None and service.songs.lookup("c") is not None
+    assert service.songs.lookup("b") is None
 
 
 def test_a_served_song_is_logged_under_its_id_once_it_ends(client, caplog):
@@ -941,7 +942,7 @@ def test_a_second_ctrl_c_still_cuts_the_streams_and_closes_the_engine_quietly(ti
             thread.start()
             poll_until(lambda: server.started)
             listener.start()
-            poll_until(lambda: "forced" in own._keys)
+            poll_until(lambda: own.held.key_of("forced") is not None)
             server.force_exit = server.should_exit = True  # what uvicorn's handler sets on the second SIGINT
             thread.join(timeout=30)
             listener.join(timeout=30)

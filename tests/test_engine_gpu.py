@@ -13,7 +13,8 @@ from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
 from music3serve.serving.deploy_config import load_deploy_config
-from music3serve.serving.engine import AudioChunk, Done, Engine, Failed, SongRequest
+from music3serve.serving.engine import Engine
+from music3serve.serving.events import AudioChunk, Done, Failed, SongRequest
 
 pytestmark = pytest.mark.gpu
 

@@ -25,7 +25,8 @@ import pytest
 
 from music3serve.errors import InputError
 from music3serve.serving.deploy_config import parse_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, Failed, SongRequest
+from music3serve.serving.engine import Engine
+from music3serve.serving.events import Accepted, AudioChunk, Done, Failed, SongRequest
 from music3serve.serving.held_songs import caller_id
 from music3serve.serving.worker import windows_in_flight
 from test_engine import pcm, wait_until  # the engine tests' helpers (tests/ is on the import path: no package)
@@ -190,7 +191,8 @@ class Storm:
     async def cancel_early(self, act: Act) -> None:
         """Cancel as soon as the engine holds the id: before the talker took the song, or just after."""
         events = asyncio.ensure_future(self.whole(act.request))
-        await wait_until(lambda: act.request.id in self.engine._keys, "the engine holds the song", EVENT_TIMEOUT)
+        held = self.engine.held
+        await wait_until(lambda: held.key_of(act.request.id) is not None, "the engine holds the song", EVENT_TIMEOUT)
         self.cancel_id(act.request.id)
         check_stream(await events, act.request.id, (Failed, Done))
 
@@ -270,7 +272,7 @@ def leftovers(engine: Engine) -> dict[str, object]:
     """Everything the engine or a stage still holds for some song (empty when all is freed)."""
     talker = engine.talker
     held = {
-        "engine clients": list(engine._clients), "engine ids": list(engine._keys),
+        "engine clients": engine.held.held_keys(), "engine ids": engine.held.held_ids(),
         "talker songs": list(talker.songs), "talker active": [s.id for s in talker.active],
         "talker waiting": [s.id for s in talker.waiting], "talker busy": talker.busy,
     }

@@ -20,15 +20,15 @@ def models(tiny_dir):
     return load_models(tiny_dir, talker_dtype=torch.float32)
 
 
-def frames_and_window(models, depth_cache: bool | str):
+def frames_and_window(models, depth_cache: bool | str, songs: int = 3):
     """depth_cache "table": cached depth calls taking their new positions from DepthInputs, as the engine runs them
     (the table built with the hot paths of the moment, as the engine builds it)."""
     inputs = DepthInputs(models.depth_decoder) if depth_cache == "table" else None
     with torch.inference_mode():
         gen = torch.Generator().manual_seed(0)
-        hidden = torch.randn(6, models.language_model.cfg.hidden, generator=gen)
-        frame = talker_frame(models.language_model, models.depth_decoder, hidden, torch.tensor([1, 2, 3]),
-                             torch.tensor([4, 5, 6]), bool(depth_cache), inputs)
+        hidden = torch.randn(2 * songs, models.language_model.cfg.hidden, generator=gen)
+        frame = talker_frame(models.language_model, models.depth_decoder, hidden, torch.arange(1, songs + 1),
+                             torch.arange(4, songs + 4), bool(depth_cache), inputs)
         return frame, rendered_window(models, gen)
 
 
@@ -39,12 +39,14 @@ def rendered_window(models, gen: torch.Generator):
     return window
 
 
+@pytest.mark.parametrize("songs", [3, 1])
 @pytest.mark.parametrize("depth_cache", [False, True, "table"], ids=["recomputed", "cached", "looked up"])
-def test_hot_paths_trace_whole_and_match_plain(models, depth_cache):
-    plain_frame, plain_window = frames_and_window(models, depth_cache)
+def test_hot_paths_trace_whole_and_match_plain(models, depth_cache, songs):
+    """One song too: its frame runs the graph of every song count (fusion.share_graphs_across_sizes)."""
+    plain_frame, plain_window = frames_and_window(models, depth_cache, songs)
     enable_fusion(backend="aot_eager")
     assert set(_fused) == set(_plain)
-    frame, window = frames_and_window(models, depth_cache)
+    frame, window = frames_and_window(models, depth_cache, songs)
     assert torch.equal(frame.codes, plain_frame.codes)
     torch.testing.assert_close(frame.conditioning, plain_frame.conditioning, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(window.latent, plain_window.latent, rtol=1e-5, atol=1e-6)
@@ -153,3 +155,20 @@ def test_every_capture_size_shares_the_talkers_compiled_graphs(models):
             talker.step_fn.run_eager(rows)
     assert compiled > 0
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_fusion_leaves_torchs_shape_settings_as_it_found_them():
+    """enable_fusion sets torch's process-wide shape settings for its graphs; disable_fusion puts back what was there
+    (other code's torch.compile in the process broadcasts size-1 dimensions again)."""
+    from music3serve.models import fusion
+
+    shapes = torch.fx.experimental._config
+    before = {key: getattr(shapes, key) for key in fusion.SHARED_SHAPE_SETTINGS}
+    assert before != fusion.SHARED_SHAPE_SETTINGS
+    for _ in range(2):  # twice: the second enable must not save the first one's values as torch's
+        enable_fusion(backend="aot_eager")
+    assert {key: getattr(shapes, key) for key in before} == fusion.SHARED_SHAPE_SETTINGS
+    fusion.disable_fusion()
+    assert {key: getattr(shapes, key) for key in before} == before
+    compiled = torch.compile(lambda x, y: x + y, backend="aot_eager", dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(torch.ones(3, 4), torch.ones(1, 4)), torch.full((3, 4), 2.0))

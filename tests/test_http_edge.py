@@ -274,7 +274,7 @@ def test_a_whole_song_whose_client_stops_reading_counts_toward_the_budget_and_is
         poll_until(lambda: client.get("/v1/songs/stalled", headers=ONE).json().get("state") == "done")
         busy = client.post("/v1/songs", headers=ONE, json={**song, "id": "second"})
         assert busy.status_code == 429 and "not read" in busy.json()["error"], busy.text
-        poll_until(lambda: engine._read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
+        poll_until(lambda: engine.held.read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
         stalled.settimeout(10)
         got = b""
         with pytest.raises(ConnectionResetError):  # cut short: a reset, so the client cannot mistake it for the end
@@ -299,8 +299,8 @@ def test_whole_speech_and_music_responses_are_held_and_cut_as_songs_are(base_url
 
     monkeypatch.setattr(song_stream, "WRITE_STALL_S", 3.0)
     with reader_that_stops(base_url, post_bytes(body, path=path)) as stalled:
-        poll_until(lambda: engine._read_audio_held > 4 * 44100)  # the song's audio, held for the client
-        poll_until(lambda: engine._read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
+        poll_until(lambda: engine.held.read_audio_held > 4 * 44100)  # the song's audio, held for the client
+        poll_until(lambda: engine.held.read_audio_held == 0, 30)  # cut after 3 s without a read: its audio given back
         stalled.settimeout(10)
         with pytest.raises(ConnectionResetError):
             while stalled.recv(1 << 20):

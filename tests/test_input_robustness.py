@@ -33,8 +33,9 @@ from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, clean_captio
 from music3serve.serving import http_guard
 from music3serve.serving.api import create_app
 from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
-from music3serve.serving.engine import Accepted, AudioChunk, Done, Engine, SongRequest
+from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import MAX_SONGS
+from music3serve.serving.events import Accepted, AudioChunk, Done, SongRequest
 from music3serve.serving.held_songs import caller_id
 from music3serve.serving.request_body import DRAIN_BYTES, MAX_BODY_BYTES, BoundedBody, SongBody
 from polling import poll_until  # tests/ is on the import path (no package)
@@ -58,7 +59,7 @@ def requests_total(engine: Engine) -> float:
 
 
 def idle(engine: Engine, song: str) -> bool:
-    return song not in engine._keys and song not in callers(engine.talker.songs) and not engine.talker.busy
+    return engine.held.key_of(song) is None and song not in callers(engine.talker.songs) and not engine.talker.busy
 
 
 async def events_of(engine: Engine, request: SongRequest) -> list:
@@ -384,7 +385,7 @@ def test_a_full_engine_answers_429_with_retry_after(client, engine):
         return engine.metrics.registry.get_sample_value("music3_refusals_total", {"reason": "busy"})
 
     before = busy_refusals()
-    engine.max_songs = len(engine._clients)
+    engine.max_songs = len(engine.held)
     try:
         response = client.post("/v1/songs", json=SONG)
         with pytest.raises(EngineBusy, match="its limit; try again when one ends"):
@@ -500,7 +501,7 @@ def test_engine_refuses_bad_request_objects_with_input_error(engine, request_, n
 def test_submit_after_close_raises_at_once(closed_engine):
     with pytest.raises(Music3Error, match="the engine is closed; it takes no more songs"):
         run(events_of(closed_engine, SongRequest("pop", "la", 0.5, 0, 1, id="late")), timeout=10)
-    assert not closed_engine._clients and requests_total(closed_engine) == 0
+    assert not closed_engine.held and requests_total(closed_engine) == 0
 
 
 def test_songs_beyond_the_talker_rows_wait_and_all_finish(models):

@@ -18,7 +18,8 @@ av = pytest.importorskip("av")
 
 from music3serve import contract
 from music3serve.serving.audio_io import resample, to_pcm16
-from music3serve.serving.engine import AudioChunk, Engine, SongRequest
+from music3serve.serving.engine import Engine
+from music3serve.serving.events import AudioChunk, SongRequest
 from decoding import assert_song_audio, decode  # tests/ is on the import path (no package)
 
 LYRICS, CAPTION = "[verse]\nla la", "synth pop, 120 bpm"

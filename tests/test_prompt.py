@@ -17,6 +17,7 @@ from music3serve.prompt import (
     MAX_LYRICS_CHARS,
     clean_caption,
     dropped_lyrics,
+    warn_dropped_lyrics,
     encode_prompt,
     normalize_lyrics,
     prompt_text,
@@ -339,20 +340,21 @@ def test_corrupt_tokenizer_file(tmp_path: Path) -> None:
     assert str(tmp_path / "tokenizer.json") in str(error.value)
 
 
-@pytest.mark.parametrize("lyrics, dropped", [
-    ("[verse] Neon skies over the bay\nhold on", ["Neon skies over the bay"]),
-    ("[verse][male vocal] la la\n[chorus]\nhey [x] you\n  [bridge] oh ", ["la la", "oh"]),
+@pytest.mark.parametrize("lyrics, lines", [
+    ("[verse] Neon skies over the bay\nhold on", [1]),
+    ("[verse][male vocal] la la\n[chorus]\nhey [x] you\n  [bridge] oh ", [1, 4]),
     ("[verse]\nNeon skies\n[chorus]\nHold on", []),
 ])
-def test_lyrics_after_a_tag_on_its_line_are_dropped_as_the_reference_does_and_said(tokenizer, caplog, lyrics, dropped):
-    """The reference keeps only the tags of a line that opens with tags; dropped_lyrics names what it loses (none of
-    it reaches the prompt), and encoding such lyrics logs a warning, once, as no user expects the loss."""
-    assert dropped_lyrics(lyrics) == dropped
-    kept = reference._normalize_lyrics(lyrics)
-    assert not any(text in kept for text in dropped)
+def test_lyrics_after_a_tag_on_its_line_are_dropped_as_the_reference_does_and_said(caplog, lyrics, lines):
+    """The reference keeps only the tags of a line that opens with tags; dropped_lyrics numbers the lines that lose
+    text (none of it reaches the prompt), and warn_dropped_lyrics logs them by number, without the lyrics."""
+    assert dropped_lyrics(lyrics) == lines
+    kept, split = reference._normalize_lyrics(lyrics), lyrics.split("\n")
+    for n in lines:
+        lost = split[n - 1][split[n - 1].rindex("]") + 1 :].strip()
+        assert lost and lost not in kept
     with caplog.at_level("WARNING", logger="music3serve.prompt"):
-        encode_prompt(tokenizer, "synth-pop", lyrics)
+        warn_dropped_lyrics(lyrics, song="s1")
     warned = [r for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(warned) == (1 if dropped else 0)
-    if dropped:
-        assert warned[0].lines == len(dropped) and warned[0].first == dropped[0]
+    assert [(r.lines, r.song) for r in warned] == ([(lines, "s1")] if lines else [])
+    assert all(word not in r.getMessage() for r in warned for word in ("Neon", "la la", "oh"))

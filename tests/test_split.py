@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from music3serve.acoustic.renderer import WindowPayload
+from music3serve.acoustic.payloads import WindowPayload
 from music3serve.acoustic.windows import Window
 from music3serve.checkpoint import load_models
 from music3serve.errors import Music3Error
 from music3serve.serving import worker_process
 from music3serve.serving.connectors import ConnectorError, ConnectorTimeout, LostMessage, Message
-from music3serve.serving.engine import AudioChunk, Engine, Failed, SongRequest
+from music3serve.serving.engine import Engine
+from music3serve.serving.events import AudioChunk, Failed, SongRequest
 from music3serve.serving import heartbeat
 from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.heartbeat import HEARTBEAT_S, RENDER_LIMIT_PER_WINDOW_S, Heartbeat, WorkerWatch, hang_limit
@@ -85,7 +86,7 @@ def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, c
 
 
 def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir, caplog):
-    caplog.set_level("ERROR", logger="music3serve.serving.stage_guard")
+    caplog.set_level("ERROR", logger="music3serve.serving.engine")
     engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
     connector = engine.worker.connector
     try:
@@ -106,7 +107,7 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
     finally:
         engine.close()
     assert not connector.segments()
-    stopped = [r for r in caplog.records if r.name == "music3serve.serving.stage_guard"]
+    stopped = [r for r in caplog.records if r.name == "music3serve.serving.engine"]
     assert stopped and all(r.getMessage() == "engine stage stopped" and not r.exc_info for r in stopped), [
         (r.getMessage(), r.exc_info) for r in stopped]  # the death is one line, not a traceback
     assert "worker died" in stopped[0].error

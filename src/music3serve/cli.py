@@ -112,7 +112,7 @@ def run_make_tiny(args: argparse.Namespace) -> None:
             raise Music3Error(f"{target} holds files and no checkpoint; make-tiny replaces only a checkpoint folder")
         if not args.force:
             raise Music3Error(f"{target} holds a checkpoint; pass --force to replace it")
-    from .tiny_placement import write_tiny
+    from .tiny import write_tiny
 
     write_tiny(target, seed=args.seed)
     print(f"wrote a tiny random MiniMax-Music3 checkpoint to {target}")

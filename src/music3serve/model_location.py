@@ -32,7 +32,7 @@ def tiny_checkpoint() -> Path:
     """The tiny random checkpoint in the cache folder, written on first use."""
     target = cache_root() / "tiny-v1"
     if not (target / "modular_model_index.json").is_file():
-        from .tiny_placement import write_tiny
+        from .tiny import write_tiny
 
         log.info("writing the tiny checkpoint", extra={"path": str(target)})
         write_tiny(target, replace=False)

@@ -19,7 +19,7 @@ from .checkpoint import Music3Models, load_models
 from .errors import InputError
 from .hashing import as_int64
 from .models.language_model import KVCache
-from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration
+from .prompt import check_seed, check_steps, encode_prompt, frames_for_duration, warn_dropped_lyrics
 from .serving.deploy_schema import describe_precision, precision_log_level
 from .talker.frame import talker_frame
 
@@ -85,6 +85,7 @@ class Pipeline:
     ) -> Song:
         requested, seed, steps = frames_for_duration(duration), check_seed(seed), check_steps(steps)
         cond_ids, uncond_ids = encode_prompt(self.models.tokenizer, caption, lyrics)
+        warn_dropped_lyrics(lyrics)
         budget = contract.frame_budget(requested, len(cond_ids))
         started = time.perf_counter()
         codes, conditioning, ended_by = self.talk(cond_ids, uncond_ids, budget, seed, progress)

@@ -69,10 +69,19 @@ def _keep_line_tags(line: str) -> str:
     return match.group(1).strip() if match else line
 
 
-def dropped_lyrics(text: str) -> list[str]:
-    """Text that normalize_lyrics drops: whatever follows the tags on a line that opens with tags."""
-    rests = (line[match.end() :].strip() for line in text.split("\n") if (match := _LINE_TAGS.match(line)))
-    return [rest for rest in rests if rest]
+def dropped_lyrics(text: str) -> list[int]:
+    """The lines (numbered from 1) whose text normalize_lyrics drops: whatever follows the tags of a line that opens
+    with tags."""
+    lines = enumerate(text.split("\n"), start=1)
+    return [n for n, line in lines if (match := _LINE_TAGS.match(line)) and line[match.end() :].strip()]
+
+
+def warn_dropped_lyrics(lyrics: str, **context: object) -> None:
+    """Log which lines lose their text after a [tag], as the reference drops it and no user expects it (by line
+    number: no lyrics in the log)."""
+    if lines := dropped_lyrics(lyrics):
+        log.warning("lyrics after a [tag] on the same line are dropped: put them on the next line",
+                    extra={"lines": lines[:20], **context})
 
 
 def normalize_lyrics(text: str) -> str:
@@ -116,9 +125,6 @@ def encode_prompt(tokenizer: Tokenizer, caption: str, lyrics: str) -> tuple[list
     """(cond_ids, uncond_ids) of the prompt; uncond keeps the first and the last two ids, the rest is audio_cfg."""
     check_text("caption", caption, MAX_CAPTION_CHARS)
     check_text("lyrics", lyrics, MAX_LYRICS_CHARS)
-    if dropped := dropped_lyrics(lyrics):  # as the reference does; said, as nobody expects it
-        log.warning("lyrics after a [tag] on the same line are dropped: put them on the next line",
-                    extra={"lines": len(dropped), "first": dropped[0][:80]})
     cond = tokenizer.encode(prompt_text(caption, lyrics), add_special_tokens=True).ids
     if len(cond) > MAX_PROMPT_TOKENS:
         raise InputError(

@@ -1,47 +1,15 @@
-"""Put a tiny random checkpoint in place of a folder safely: written whole into a staging folder beside it, then
-renamed into place; a folder already there is moved aside and removed only once the new one is in, and staging
-folders whose writer is gone are cleaned up."""
+"""How `tiny.write_tiny` puts a checkpoint in place of a folder safely: written whole into a staging folder beside
+it, then renamed into place; a folder already there is moved aside and removed only once the new one is in, and
+staging folders whose writer is gone are cleaned up."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 
 from .errors import Music3Error
-from .tiny import write_tiny_checkpoint
-
-
-def write_tiny(target: Path, seed: int = 0, replace: bool = True) -> None:
-    """A tiny random checkpoint written whole into a staging folder beside `target`, then put in its place (the
-    staging folder goes on any failure or interrupt; what `target` held is replaced only at the end). replace
-    False: a complete checkpoint another process put there meanwhile stays (it may be loading from it)."""
-    blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise Music3Error(f"cannot write a checkpoint to {target}: {blocking} is a file, not a folder")
-    target = Path(os.path.realpath(target))  # "." or a link: the folder it names, whose parent holds the staging
-    here = current_folder()
-    if here is not None and target.exists() and target in (here, *here.parents):
-        raise Music3Error(f"{target} is the current folder or holds it, and a checkpoint replaces its folder whole: "
-                          "run from another folder")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_orphaned_staging(target.parent)
-        staging = target.parent / f"{STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        staging.mkdir()  # as mkdir(1) makes a folder (0o777 less the umask; mkdtemp's are 0o700)
-    except OSError as exc:
-        raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
-    try:
-        write_tiny_checkpoint(staging, seed=seed)
-        if replace or not (target / "modular_model_index.json").is_file():
-            refuse_foreign_entries(target, staging)
-            put_in_place(staging, target)
-    except OSError as exc:  # named by the target, not by the staging folder the user never asked for
-        raise Music3Error(f"cannot write a checkpoint to {target}: {exc.strerror or exc}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; here on a failure or a lost race
 
 
 STAGING_PREFIX = ".tiny-new-"  # then the writer's pid, a dash and a random suffix

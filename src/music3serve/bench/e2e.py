@@ -106,7 +106,7 @@ def run(
     started = time.perf_counter()
     engine = random_engine(deploy, placement, device)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
-    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time", "graphs compiled"]
+    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time", "graphs compiled (this process)"]
     rows = []
     # If a scenario stalls, every thread's stack goes to stderr (the 2026-11-30 multi-song GPU run stalled).
     faulthandler.dump_traceback_later(90, repeat=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -154,25 +155,23 @@ def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
     return table(["weight", "rows", "default tile", "us", "best tile", "us", "x copy bw"], out)
 
 
+EXAMPLE_24GB = Path(__file__).resolve().parents[3] / "examples" / "deploy" / "fp8_24gb.yaml"  # in the source tree
+
+
 def memory(device: str = "cuda", cap_gib: float = 22.0, seconds: float = 20.0) -> str:
-    """The engine colocated in FP8 (2 songs: max_num_seqs 4, max_model_len 10240) under
-    torch.cuda.set_per_process_memory_fraction of `cap_gib`: one song, then the peak memory reserved."""
+    """The engine colocated as examples/deploy/fp8_24gb.yaml says (FP8, 2 songs at max_model_len 10240) under
+    torch.cuda.set_per_process_memory_fraction of `cap_gib`: one song, then the peak memory reserved. The file's
+    shares are of the whole card here, so only the cap binds."""
     import asyncio
     import time
 
-    from ..serving.deploy_config import load_deploy_config, with_quantization
+    from ..serving.deploy_config import load_deploy_config
     from ..serving.engine import Engine
     from .e2e import random_models, song
 
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, torch.device(device).index or 0)
-    deploy = with_quantization(load_deploy_config(), "fp8")
-    s0, s1 = deploy.stages
-    s0 = replace(s0, max_num_seqs=4, max_model_len=contract.MAX_CONTEXT,
-                 compilation_config=replace(s0.compilation_config, cudagraph_capture_sizes=(2, 4)))
-    s1 = replace(s1, max_num_seqs=2, max_num_batched_tokens=2,
-                 compilation_config=replace(s1.compilation_config, cudagraph_capture_sizes=(1, 2)))
-    deploy = replace(deploy, stages=(s0, s1))
+    deploy = load_deploy_config(EXAMPLE_24GB)
     started = time.perf_counter()
     engine = Engine(random_models(device, quantize=True), deploy)
     ready = time.perf_counter() - started

@@ -70,7 +70,6 @@ def measure(precision: str, checkpoint: Path | None = None) -> dict[str, float]:
             "graphs_at_ready": graphs_at_ready, "graphs_in_song": compiled_graphs() - graphs_at_ready}
 
 
-
 def measure_in_fresh_process(precision: str, cache: str, checkpoint: Path | None = None) -> dict[str, float]:
     """measure() in a child process whose inductor and Triton caches live in `cache`; its log goes to this process's
     stderr, its printout to stdout."""

@@ -12,8 +12,8 @@ from typing import Callable, TypeVar
 
 import torch
 import torch._dynamo.config
-import torch.fx.experimental._config
 import torch._inductor.config
+import torch.fx.experimental._config
 
 from ..kernels.pdl import inductor_pdl
 
@@ -22,6 +22,8 @@ _plain: dict[str, Callable] = {}
 _fused: dict[str, Callable] = {}
 _between_library_calls: set[str] = set()
 RECOMPILE_LIMIT = 64
+SHARED_SHAPE_SETTINGS = {"backed_size_oblivious": True, "use_duck_shape": False}  # torch.fx.experimental._config
+_saved_shape_settings: dict[str, object] = {}
 
 
 def _name(fn: Callable) -> str:
@@ -29,7 +31,9 @@ def _name(fn: Callable) -> str:
 
 
 def hot(fn: F) -> F:
-    """Register fn as fusable; calls go to its compiled version once fusion is enabled."""
+    """Register fn as fusable; calls go to its compiled version once fusion is enabled. Its graph serves every size
+    of its inputs, one included (share_graphs_across_sizes): never broadcast an input's dimension because it has
+    size 1; make broadcast dimensions inside the function (`[:, None]`, `keepdim=True`)."""
     name = _name(fn)
     _plain[name] = fn
 
@@ -71,9 +75,13 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
 def share_graphs_across_sizes() -> None:
     """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
     sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
-    this halves their number (tests/test_fusion.py counts them)."""
-    torch.fx.experimental._config.backed_size_oblivious = True
-    torch.fx.experimental._config.use_duck_shape = False
+    this cuts their number by about 40% (tests/test_fusion.py). Process-wide while fusion is on (torch's shape
+    settings are global); disable_fusion restores them."""
+    shapes = torch.fx.experimental._config
+    for key, value in SHARED_SHAPE_SETTINGS.items():
+        if hasattr(shapes, key):  # a torch without the setting compiles as before
+            _saved_shape_settings.setdefault(key, getattr(shapes, key))
+            setattr(shapes, key, value)
 
 
 def _inductor_options(name: str) -> dict[str, bool]:
@@ -84,4 +92,8 @@ def _inductor_options(name: str) -> dict[str, bool]:
 
 
 def disable_fusion() -> None:
+    """Calls go to the plain functions again, and torch's shape settings are as they were before enable_fusion."""
     _fused.clear()
+    for key, value in _saved_shape_settings.items():
+        setattr(torch.fx.experimental._config, key, value)
+    _saved_shape_settings.clear()

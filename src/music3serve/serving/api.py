@@ -98,17 +98,17 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
     @app.get("/v1/songs/{song_id}", operation_id="song_status", response_model=SongStatus,
              responses=error_responses((401, 404)))
     async def song_status(song_id: str, request: Request) -> JSONResponse:
-        song = service.lookup(scoped(song_id, request.scope.get(OWNER)))
+        song = service.songs.lookup(scoped(song_id, request.scope.get(OWNER)))
         if song is None:  # also another key's song: its id is not told apart from an unknown one
             # An id is at most 128 characters: a longer path is quoted cut short, not echoed whole.
             return error_response(404, f"no song {song_id!r:.132} is running or finished recently")
-        service.refresh(song)
+        service.songs.refresh(song)
         return JSONResponse(song.public())
 
     @app.delete("/v1/songs/{song_id}", status_code=204, response_model=None, response_class=Response,
                 operation_id="cancel_song", responses=error_responses((401,)))
     async def cancel_song(song_id: str, request: Request) -> Response:
-        service.cancel(scoped(song_id, request.scope.get(OWNER)))
+        service.songs.cancel(scoped(song_id, request.scope.get(OWNER)))
         return Response(status_code=204)
 
     async def health() -> Response:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .deploy_compilation import CUDAGRAPH_MODES
 from .deploy_errors import ConfigError, bad, quote
 from .deploy_schema import (
     CONNECTOR,
@@ -38,12 +39,13 @@ from .deploy_schema import (
     Stage1Sampling,
 )
 from .deploy_section import Section, is_int
-from .deploy_stages import STAGE_EXTRA, STAGE_KEYS, parse_stage0, parse_stage1
+from .deploy_stages import STAGE0_DTYPES, STAGE1_DTYPES, STAGE_EXTRA, STAGE_KEYS, parse_stage0, parse_stage1
 from .deploy_yaml import read_deploy_yaml
 
 __all__ = [
     "CONNECTOR",
     "CONNECTOR_CLASSES",
+    "CUDAGRAPH_MODES",
     "MAX_GPU_INDEX",
     "MAX_NUM_BATCHED_TOKENS",
     "MAX_NUM_SEQS",
@@ -53,6 +55,8 @@ __all__ = [
     "MIN_STAGE0_MAX_TOKENS",
     "PIPELINE",
     "SEED_LIMIT",
+    "STAGE0_DTYPES",
+    "STAGE1_DTYPES",
     "CfgArgs",
     "CompilationConfig",
     "ConfigError",
@@ -64,8 +68,10 @@ __all__ = [
     "Stage1Config",
     "Stage1Sampling",
     "load_deploy_config",
+    "connector_extra",
     "parse_deploy_config",
     "with_quantization",
+    "with_stage1_dtype",
 ]
 
 CONNECTOR_CLASSES = ("SharedMemoryConnector",)

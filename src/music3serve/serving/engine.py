@@ -8,12 +8,9 @@ writing frames while it renders) or a worker process (split). A watch thread cat
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import threading
 import time
-import uuid
 from functools import partial
 from pathlib import Path
 from typing import AsyncIterator
@@ -23,32 +20,33 @@ import torch
 from ..acoustic.precision import PrecisionPolicy, apply_policy
 from ..checkpoint import Music3Models, load_models
 from ..errors import InputError, Music3Error
-from ..prompt import check_seed, check_steps, encode_prompt, frames_for_duration
+from ..prompt import encode_prompt, warn_dropped_lyrics
 from ..talker.engine import Talker
 from ..talker.quantize import quantize_talker
 from .deploy_config import DeployConfig, load_deploy_config
 from .deploy_schema import precision_log_level
-from .engine_limits import MAX_SONGS, MAX_UNREAD_BYTES, audio_bytes, too_long
+from .engine_limits import MAX_SONGS, MAX_UNREAD_BYTES, audio_bytes, checked_request, too_long
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import (
     RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
 )
-from .held_songs import SongClient
+from .held_songs import HeldSongs, SongClient
 from .metrics import EngineMetrics
 from .render_loop import stage1_renderer
 from .stage1 import LocalStage1, Stage1, WorkerStage1
 from .stage_devices import stage_devices
 from .stage_guard import StageGuard
-from .talker_loop import Callers, TalkerLoop
+from .stage_reports import StageReports
+from .talker_loop import TalkerLoop
 from .worker import RenderWorker
 from .worker_process import load_acoustic
 
 log = logging.getLogger(__name__)
 
 
-class Engine(StageGuard):
-    """Both stages behind one API. Its bases hold the rest: the songs held for callers (held_songs.py), the
-    stages' reports on them (stage_reports.py) and the guard of the stage threads (stage_guard.py)."""
+class Engine:
+    """Both stages behind one API. Its parts: the songs held for callers (`held`, held_songs.py), the stages'
+    reports on them (`reports`, stage_reports.py) and the guard of the stage threads (`guard`, stage_guard.py)."""
 
     def __init__(self, models: Music3Models, deploy: DeployConfig | None = None, worker: RenderWorker | None = None):
         """Colocated: both stages here (models hold all five components). Split: stage 1 runs in `worker`."""
@@ -65,9 +63,8 @@ class Engine(StageGuard):
         policy_s, started = time.perf_counter() - started, time.perf_counter()  # stage 1's part, before the talker's
         if deploy.stages[0].quantization == "fp8":
             quantize_talker(models.language_model, models.depth_decoder)
-        self.talker = Talker(
-            models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config()
-        )
+        self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder,
+                             deploy.talker_config())
         talker_ready = time.perf_counter()
         self.worker = worker  # (split) and self.renderer (colocated): for callers and tests; the engine uses stage1
         if worker is None:
@@ -77,35 +74,29 @@ class Engine(StageGuard):
         if worker is None:
             self.ready_s["renderer"] = policy_s + time.perf_counter() - talker_ready
         log.info("engine ready", extra={f"{part}_s": s for part, s in self.ready_s.items()})
-        self.metrics = EngineMetrics(lambda: len(self._clients), lambda: len(self.talker.waiting), self.unread_audio)
-        self.max_songs, self.max_unread_bytes = MAX_SONGS, MAX_UNREAD_BYTES
-        self._read_audio_held = 0  # audio callers have read but still hold (hold_read_audio)
-        self._clients: dict[str, SongClient] = {}  # by key
-        self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
-        self._submissions = itertools.count()
+        self.metrics = EngineMetrics(lambda: len(self.held), lambda: len(self.talker.waiting), self.unread_audio)
+        # A song whose caller's loop is gone: its talker rows go (stage 1 drops its windows as the talker stops).
+        self.held = HeldSongs(MAX_SONGS, MAX_UNREAD_BYTES, self.metrics, lambda key: self.talker_loop.cancel(key))
+        self.reports = StageReports(self.held, deploy.connector.extra.codec_streaming, self.metrics, self._cancel)
         self._stop = threading.Event()
         self._closed = False
-        self._failing = threading.Lock()
-        self._broken: str | None = None  # why a stage thread died; the engine then refuses work
         # The stage threads of this process, watched for a call that never ends (the worker has its own watch).
         limit = partial(hang_limit, self.device.type)
         self.stage_watches = {"stage 0": StageWatch(limit(TALKER_STEP_LIMIT_S), TALKER_CALL)}
         if worker is None:
             self.stage_watches["stage 1"] = StageWatch(limit(RENDER_LIMIT_PER_WINDOW_S), RENDER_CALL)
-            self.stage1: Stage1 = LocalStage1(
-                self.renderer, self._on_chunk, self._fail_and_cancel, self._stop, self.stage_watches["stage 1"]
-            )
+            self.stage1: Stage1 = LocalStage1(self.renderer, self.reports.on_chunk, self.reports.fail_and_cancel,
+                                              self._stop, self.stage_watches["stage 1"])
         else:
-            self.stage1 = WorkerStage1(worker, self.device, self._on_chunk, self._fail_and_cancel, self._stop)
-        self._hung_stage: str | None = None  # the stage whose thread the watch found stuck in one call
-        callers = Callers(live=self._live, accepted=self._accepted, refused=self._refused, finished=self._finished,
-                          fail=self._fail)
-        self.talker_loop = TalkerLoop(self.talker, callers, self.stage1, self.stage_watches["stage 0"], self.metrics,
-                                      self._stop, deploy.async_chunk)
+            self.stage1 = WorkerStage1(worker, self.device, self.reports.on_chunk, self.reports.fail_and_cancel,
+                                       self._stop)
+        self.talker_loop = TalkerLoop(self.talker, self.reports.callers(), self.stage1, self.stage_watches["stage 0"],
+                                      self.metrics, self._stop, deploy.async_chunk)
+        self.guard = StageGuard(self.device, self.stage_watches, self.stage1, self._stop, self.reports.fail_all)
         self._threads = [
-            threading.Thread(target=self._guarded, args=(self.talker_loop.run,), name="music3-talker", daemon=True),
-            threading.Thread(target=self._guarded, args=(self.stage1.run,), name="music3-stage1", daemon=True),
-            threading.Thread(target=self._guarded, args=(self._watch_loop,), name="music3-watch", daemon=True),
+            threading.Thread(target=self.guard.guarded, args=(loop,), name=name, daemon=True)
+            for name, loop in (("music3-talker", self.talker_loop.run), ("music3-stage1", self.stage1.run),
+                               ("music3-watch", self.guard.watch_loop))
         ]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # start-up work on the default stream is done before the stages run
@@ -124,8 +115,7 @@ class Engine(StageGuard):
     @classmethod
     def from_pretrained(
         cls, root: Path | str, deploy: DeployConfig | None = None, device: str | torch.device | None = None,
-        split: bool | None = None,
-        progress: bool = False,
+        split: bool | None = None, progress: bool = False,
     ) -> "Engine":
         """Stages whose `devices` differ run split (stage 1 in a worker process); `device` overrides both stages'
         devices (e.g. "cpu" for tests); `split` forces the placement either way. Without CUDA both stages run on the
@@ -157,17 +147,19 @@ class Engine(StageGuard):
             raise InputError(f"submit takes a SongRequest, got {type(request).__name__}: {request!r:.80}")
         # Tokenizing a long caption takes a while: off the caller's event loop (the other streams keep flowing).
         cond, uncond = await asyncio.to_thread(encode_prompt, self.tokenizer, request.caption, request.lyrics)
-        song, budget_request, seed, steps = self._validate(request)
+        default_seed = self.deploy.stages[0].default_sampling_params.seed
+        song, budget_request, seed, steps = checked_request(request, default_seed)
         audio = audio_bytes(budget_request)
         if audio > self.max_unread_bytes:
             raise too_long(request.duration_s, audio, self.max_unread_bytes)
         client = SongClient(song, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), unread_bytes=audio)
-        key = self._key(song)
-        self._hold(key, client)
-        if self._stop.is_set() or self._broken:  # after registering: close() and a dying stage fail all they see
-            self._forget(key)
-            raise Music3Error(self._broken or "the engine is closed; it takes no more songs")
+        key = self.held.new_key(song)
+        self.held.hold(key, client)
+        if self._stop.is_set() or self.guard.broken:  # after registering: close() and a dying stage fail all they see
+            self.held.forget(key)
+            raise Music3Error(self.guard.broken or "the engine is closed; it takes no more songs")
         self.talker_loop.submit(key, cond, uncond, seed, budget_request, steps)
+        warn_dropped_lyrics(request.lyrics, song=song)
         ended = False
         try:
             while not ended:
@@ -182,8 +174,8 @@ class Engine(StageGuard):
                 yield event
         finally:
             if not ended:  # the caller stopped reading before the end
-                self._count_cancel(key)
-            if self._forget(key):
+                self.held.count_cancel(key)
+            if self.held.forget(key):
                 self._cancel(key)
 
     def cancel(self, song: str) -> bool:
@@ -193,10 +185,10 @@ class Engine(StageGuard):
         then): cancelling it earlier returns False; closing the unread stream is how to drop it."""
         if not isinstance(song, str):
             raise InputError(f"cancel takes a song's id (a string), got {type(song).__name__}: {song!r:.80}")
-        key = self._keys.get(song)
-        if key is None or not self._count_cancel(key):
+        key = self.held.key_of(song)
+        if key is None or not self.held.count_cancel(key):
             return False
-        self._release_id(song, key)  # the id is free at once (its stream still ends with Failed("cancelled"))
+        self.held.release_id(song, key)  # the id is free at once (its stream still ends with Failed("cancelled"))
         self._cancel(key)
         return True
 
@@ -204,18 +196,31 @@ class Engine(StageGuard):
         """(frames written, windows rendered) of the song held under the caller's id `song`, or None. Read from
         the caller's thread while the stages run: each count may be a step behind, and frames read 0 once the
         talker has let the song go (its Done carries the final count)."""
-        key = self._keys.get(song)
-        client = self._clients.get(key) if key is not None else None
+        key = self.held.key_of(song)
+        client = self.held.client(key) if key is not None else None
         if client is None:
             return None
         finished, decoding = client.finished, self.talker.songs.get(key)
         frames = finished.frames if finished is not None else decoding.frames if decoding is not None else 0
         return frames, client.windows
 
+    # The engine's room, settable (HeldSongs keeps it): songs held at once, and audio held for callers.
+    max_songs = property(lambda self: self.held.max_songs, lambda self, songs: setattr(self.held, "max_songs", songs))
+    max_unread_bytes = property(lambda self: self.held.max_unread_bytes,
+                                lambda self, nbytes: setattr(self.held, "max_unread_bytes", nbytes))
+
+    def hold_read_audio(self, nbytes: int) -> None:
+        """HeldSongs.hold_read_audio: audio a caller has read but still holds counts toward max_unread_bytes."""
+        self.held.hold_read_audio(nbytes)
+
+    def unread_audio(self) -> int:
+        """Bytes of audio held for callers (HeldSongs.unread_audio)."""
+        return self.held.unread_audio()
+
     def unavailable(self) -> str | None:
         """Why the engine takes no songs (closed, or a stage died), or None while it serves."""
-        if self._broken:
-            return self._broken
+        if self.guard.broken:
+            return self.guard.broken
         return "the engine is closed" if self._stop.is_set() else None
 
     def __enter__(self) -> "Engine":
@@ -231,27 +236,20 @@ class Engine(StageGuard):
             return
         self._closed = True
         self._stop.set()  # first, so a submit racing with close either sees it or is failed below
-        for key in list(self._clients):
-            self._emit(key, Failed, "engine closed")
+        for key in self.held.held_keys():
+            self.held.emit(key, Failed, "engine closed")
         self.talker_loop.wake()
         self.stage1.stop()
         talker, stage1, watch = self._threads
         # A thread the watch found stuck is not waited for (it may never return; it is a daemon).
-        stuck = {"stage 0": talker, "stage 1": stage1}.get(self._hung_stage)
+        stuck = {"stage 0": talker, "stage 1": stage1}.get(self.guard.hung_stage)
         talker.join(timeout=0 if talker is stuck else 30)
         self.stage1.close()
         for thread in (stage1, watch):
             thread.join(timeout=0 if thread is stuck else 30)
 
-    def _validate(self, request: SongRequest) -> tuple[str, int, int, int]:
-        """The song's id, requested frames, seed and Euler steps, checked."""
-        requested = frames_for_duration(request.duration_s)
-        seed = request.seed
-        if seed is None:
-            seed = self.deploy.stages[0].default_sampling_params.seed
-        seed = check_seed(secrets.randbits(64) if seed is None else seed)
-        steps = check_steps(request.steps)
-        song = uuid.uuid4().hex if request.id is None else request.id
-        if not isinstance(song, str) or not song:
-            raise InputError(f"request id must be a non-empty string, got {song!r:.80}")
-        return song, requested, seed, steps
+    def _cancel(self, key: str) -> None:
+        """Stop a song's work in both stages; its stream, if still open, gets Failed("cancelled")."""
+        self.talker_loop.cancel(key)  # first: a retry under the same id is a new key anyway
+        self.stage1.drop_waits(key)  # now; again once the talker has stopped sending the song's windows
+        self.held.emit(key, Failed, "cancelled")

@@ -1,12 +1,18 @@
-"""How much one engine holds: songs, and audio its callers have not read yet; the refusals past those limits."""
+"""How much one engine holds: songs, and audio its callers have not read yet; the refusals past those limits; the
+checks of a submitted request."""
 
 from __future__ import annotations
+
+import secrets
+import uuid
 
 import numpy as np
 
 from ..acoustic.windows import song_samples
 from ..errors import EngineBusy, InputError
+from ..prompt import check_seed, check_steps, frames_for_duration
 from .audio_io import CHANNELS
+from .events import SongRequest
 
 # Songs one engine holds, running and waiting: beyond the talker's rows they queue, and past this many a submit
 # raises EngineBusy (HTTP 429) instead of growing the queue without bound.
@@ -36,3 +42,18 @@ def unread_refusal(unread: int, song: int, limit: int) -> EngineBusy:
                       f"this song's {song / 2**20:.1f} MiB would pass the engine's {limit / 2**30:.2f} GiB: try "
                       "again when they have read it")
 
+
+
+def checked_request(request: SongRequest, default_seed: int | None) -> tuple[str, int, int, int]:
+    """The song's id, requested frames, seed and Euler steps, checked (no id: a random one; no seed: `default_seed`,
+    or a random one)."""
+    requested = frames_for_duration(request.duration_s)
+    seed = request.seed
+    if seed is None:
+        seed = default_seed
+    seed = check_seed(secrets.randbits(64) if seed is None else seed)
+    steps = check_steps(request.steps)
+    song = uuid.uuid4().hex if request.id is None else request.id
+    if not isinstance(song, str) or not song:
+        raise InputError(f"request id must be a non-empty string, got {song!r:.80}")
+    return song, requested, seed, steps

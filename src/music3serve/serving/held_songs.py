@@ -8,14 +8,13 @@ import itertools
 import re
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from ..errors import EngineBusy, InputError
-from ..talker.engine import SongFinished
+from ..talker.events import SongFinished
 from .engine_limits import unread_refusal
-from .events import Event, Failed
+from .events import Event
 from .metrics import EngineMetrics
-from .stage1 import Stage1
-from .talker_loop import TalkerLoop
 
 
 def deliver(client: "SongClient", event: Event) -> None:
@@ -24,7 +23,7 @@ def deliver(client: "SongClient", event: Event) -> None:
 
 
 def caller_id(key: str) -> str:
-    """The caller's id of a song key the stages know (Engine._key)."""
+    """The caller's id of a song key the stages know (HeldSongs.new_key)."""
     return key.rpartition("#")[0]
 
 
@@ -40,7 +39,7 @@ def callers_ids(message: str) -> str:
 class SongClient:
     """A held song as its caller sees it: the loop and queue its events go to, its timings and its audio owed."""
 
-    song: str  # the caller's id; inside the engine the song is known by its key (see Engine._key)
+    song: str  # the caller's id; inside the engine the song is known by its key (see HeldSongs.new_key)
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     submitted: float
@@ -54,23 +53,50 @@ class SongClient:
 
 
 class HeldSongs:
-    """The Engine's bookkeeping of the songs it holds, by key and by the caller's id (a mixin of Engine)."""
+    """The songs an engine holds, by key and by the caller's id, within its room for songs (`max_songs`) and for
+    audio not yet read (`max_unread_bytes`). Callers on other threads or loops and the stage threads may race: each
+    check-and-change is made under one lock."""
 
-    max_songs: int
-    max_unread_bytes: int
-    metrics: EngineMetrics
-    talker_loop: TalkerLoop
-    stage1: Stage1
-    _read_audio_held: int
-    _clients: dict[str, SongClient]
-    _keys: dict[str, str]
-    _submissions: itertools.count
-    _failing: threading.Lock
+    def __init__(self, max_songs: int, max_unread_bytes: int, metrics: EngineMetrics,
+                 loop_gone: Callable[[str], None]):
+        """loop_gone(key): a song whose caller's event loop is gone has been forgotten; its stages' work is not
+        wanted any more."""
+        self.max_songs, self.max_unread_bytes = max_songs, max_unread_bytes
+        self.metrics, self.loop_gone = metrics, loop_gone
+        self.read_audio_held = 0  # audio callers have read but still hold (hold_read_audio)
+        self._clients: dict[str, SongClient] = {}  # by key
+        self._keys: dict[str, str] = {}  # the caller's id -> the key of its song now held
+        self._submissions = itertools.count()
+        self._lock = threading.Lock()
 
-    def _hold(self, key: str, client: SongClient) -> None:
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def held_keys(self) -> list[str]:
+        """The keys of the songs held now."""
+        return list(self._clients)
+
+    def held_ids(self) -> list[str]:
+        """The callers' ids of the songs held now."""
+        return list(self._keys)
+
+    def client(self, key: str) -> SongClient | None:
+        return self._clients.get(key)
+
+    def key_of(self, song: str) -> str | None:
+        """The key of the song held under the caller's id `song`, if any."""
+        return self._keys.get(song)
+
+    def new_key(self, song: str) -> str:
+        """The name the stages know a submission by: the caller's id and a number of its own, so that a song
+        submitted again under the id of one just cancelled or failed never receives that one's late windows,
+        audio or cancels."""
+        return f"{song}#{next(self._submissions)}"
+
+    def hold(self, key: str, client: SongClient) -> None:
         """Take the submission if the engine has room for it and its id is free: checked and claimed at once
         (callers on other threads or loops may race)."""
-        with self._failing:
+        with self._lock:
             if len(self._clients) >= self.max_songs:
                 raise EngineBusy(f"the engine holds {len(self._clients)} songs, its limit; try again when one ends")
             unread = self.unread_audio()
@@ -84,60 +110,54 @@ class HeldSongs:
     def hold_read_audio(self, nbytes: int) -> None:
         """Audio a caller has read from its streams but still holds (say a whole song waiting for a slow client to
         take it): `nbytes` more (fewer, when negative) count toward max_unread_bytes beside the songs' own."""
-        with self._failing:
-            self._read_audio_held += nbytes
+        with self._lock:
+            self.read_audio_held += nbytes
 
     def unread_audio(self) -> int:
         """Bytes of audio held for callers: what the songs held may still queue, and what callers hold read."""
-        return sum(held.unread_bytes for held in list(self._clients.values())) + self._read_audio_held
+        return sum(held.unread_bytes for held in list(self._clients.values())) + self.read_audio_held
 
-    def _count_cancel(self, key: str) -> bool:
+    def live(self, key: str) -> bool:
+        """Whether the song is held and has not ended (done, failed or cancelled)."""
+        client = self._clients.get(key)
+        return client is not None and not client.ended
+
+    def count_cancel(self, key: str) -> bool:
         """End a held submission as cancelled by its caller, counted once; False if it had already ended."""
-        if self._end(key) is None:
+        if self.end(key) is None:
             return False
         self.metrics.cancels.inc()
         return True
 
-    def _end(self, key: str) -> SongClient | None:
+    def end(self, key: str) -> SongClient | None:
         """The held submission, if this call ends it: each song ends once, as done, failed or cancelled (stage
         threads and the caller's loop may report the same song at once)."""
-        with self._failing:
+        with self._lock:
             client = self._clients.get(key)
             if client is None or client.ended:
                 return None
             client.ended = True
             return client
 
-    def _key(self, song: str) -> str:
-        """The name the stages know a submission by: the caller's id and a number of its own, so that a song
-        submitted again under the id of one just cancelled or failed never receives that one's late windows,
-        audio or cancels."""
-        return f"{song}#{next(self._submissions)}"
-
-    def _forget(self, key: str) -> bool:
+    def forget(self, key: str) -> bool:
         """Drop the submission's client (and its id, if still its own); whether it was held."""
         client = self._clients.pop(key, None)
         if client is not None:
-            self._release_id(client.song, key)
+            self.release_id(client.song, key)
         return client is not None
 
-    def _release_id(self, song: str, key: str) -> None:
+    def release_id(self, song: str, key: str) -> None:
         """The caller's id is free again, if `key` still holds it (the caller's loop and stage threads may race)."""
-        with self._failing:
+        with self._lock:
             if self._keys.get(song) == key:
                 del self._keys[song]
 
-    def _cancel(self, key: str) -> None:
-        self.talker_loop.cancel(key)  # first: a retry under the same id is a new key anyway
-        self.stage1.drop_waits(key)  # now; again once the talker has stopped sending the song's windows
-        self._emit(key, Failed, "cancelled")
-
-    def _emit(self, key: str, event: type[Event], *args) -> None:
+    def emit(self, key: str, event: type[Event], *args: Any) -> None:
         """Queue event(caller's id, *args) on the submission's stream, if it still has one."""
         client = self._clients.get(key)
         if client is not None:
             try:
                 client.loop.call_soon_threadsafe(deliver, client, event(client.song, *args))
             except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
-                self._forget(key)
-                self.talker_loop.cancel(key)
+                self.forget(key)
+                self.loop_gone(key)

@@ -7,16 +7,17 @@ import asyncio
 import logging
 from collections import OrderedDict
 
-from .engine import Done, Engine, Failed
+from .engine import Engine
+from .events import Done, Failed
 from .song_types import SongState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("music3serve.serving.song_service")  # the songs' lines, under the name users filter on
 
 KEEP_FINISHED = 1024  # outcomes of finished songs kept for GET /v1/songs/{id}
 
 
 class SongRegistry:
-    """The songs' states, and their cancels as the client's leaving or a DELETE asks (SongService is one)."""
+    """The songs' states, and their cancels as the client's leaving or a DELETE asks (SongService keeps one)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine

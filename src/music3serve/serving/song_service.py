@@ -1,6 +1,7 @@
 """The songs of the HTTP API: submit one to the engine under its API key, wait for it to be accepted, and send its
 audio as it is encoded (a stream) or once it is done (one response); each song's state is kept for GET
-/v1/songs/{id} (serving/song_registry.py). POST /v1/songs, /v1/audio/speech and /v1/music_generation all serve their songs through SongService."""
+/v1/songs/{id} (serving/song_registry.py). POST /v1/songs, /v1/audio/speech and /v1/music_generation all serve
+their songs through SongService."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from ..errors import EngineBusy, InputError, Music3Error
 from .access import OWNER
 from .audio_io import CHANNELS, PcmEncoder
 from .encoders import MEDIA_TYPES, make_encoder
-from .engine import Accepted, AudioChunk, Done, Event, Failed, SongRequest
+from .engine import Engine
 from .error_bodies import ErrorReply, error_response
+from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SongBody
 from .song_feed import SILENCE, next_event, window_slices
@@ -53,8 +55,11 @@ def _field_named(message: str) -> str | None:
     return word if word in REQUEST_FIELDS else None
 
 
-class SongService(SongRegistry):
-    """Each song from its request to its response, for every endpoint; its state is kept as SongRegistry keeps it."""
+class SongService:
+    """Each song from its request to its response, for every endpoint; the songs' states are kept in `songs`."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.songs = engine, SongRegistry(engine)
 
     async def create(self, body: SongBody, request: Request) -> Response:
         """POST /v1/songs."""
@@ -82,7 +87,7 @@ class SongService(SongRegistry):
         except Music3Error as exc:  # PyAV missing
             return reply(500, str(exc), param="format")
         events, stop = self.engine.submit(song_request), asyncio.Event()
-        owner = name is not None and self.pending.setdefault(name, stop) is stop
+        owner = name is not None and self.songs.pending.setdefault(name, stop) is stop
         try:
             first = await asyncio.wait_for(anext(events), ACCEPT_TIMEOUT_S)
         except TimeoutError:
@@ -101,7 +106,7 @@ class SongService(SongRegistry):
             raise
         finally:
             if owner:
-                del self.pending[name]
+                del self.songs.pending[name]
         if stop.is_set():  # a DELETE of its id came before the POST could answer (accepted or not)
             await events.aclose()
             log.info("song cancelled before it was accepted", extra={"song": name})
@@ -117,7 +122,7 @@ class SongService(SongRegistry):
             return reply(500, message)
         song = SongState(public_id or first.song, first.seed, first.budget_frames, order.format, encoder.sample_rate,
                          prompt_tokens=first.prompt_tokens, stop=stop, name=first.song)
-        self.running[song.name] = song
+        self.songs.running[song.name] = song
         headers = {
             "X-Song-Id": song.id, "X-Seed": str(song.seed), "X-Frame-Budget": str(song.frame_budget),
             "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
@@ -130,7 +135,7 @@ class SongService(SongRegistry):
         framing = framing or Framing()
         headers = {**started.headers, "X-Accel-Buffering": "no"}  # ask proxies not to buffer the stream
         song, events = started.song, started.events
-        return SongStream(self.stream(started, framing), song, lambda: self.client_gone(song),
+        return SongStream(self.stream(started, framing), song, lambda: self.songs.client_gone(song),
                           lambda: self.abandon(song, events), headers=headers,
                           media_type=framing.media_type or MEDIA_TYPES[song.format])
 
@@ -161,10 +166,10 @@ class SongService(SongRegistry):
                 async with asyncio.timeout(ENDING_S):
                     async for event in events:  # its Done or Failed is on its way
                         if isinstance(event, (Done, Failed)):
-                            self.ended(song, event)
+                            self.songs.ended(song, event)
                             break
         await events.aclose()  # type: ignore[attr-defined]
-        self.finish(song, "cancelled")
+        self.songs.finish(song, "cancelled")
 
     async def whole(self, started: Started, request: Request, reply: ErrorReply,
                     framing: Framing | None = None) -> Response:
@@ -174,7 +179,7 @@ class SongService(SongRegistry):
         stops reading."""
         framing = framing or Framing()
         song, events, encoder, headers = started.song, started.events, started.encoder, started.headers
-        watcher = asyncio.ensure_future(watch_disconnect(request, lambda: self.client_gone(song)))
+        watcher = asyncio.ensure_future(watch_disconnect(request, lambda: self.songs.client_gone(song)))
         held, size = HeldAudio(self.engine.hold_read_audio), 0
         try:
             async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
@@ -208,10 +213,10 @@ class SongService(SongRegistry):
         while song.state == "running":
             event = await next_event(events, song.stop)
             if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
-                self.finish(song, "cancelled")
+                self.songs.finish(song, "cancelled")
             elif isinstance(event, (AudioChunk, Done)):
                 if isinstance(event, AudioChunk):
-                    self.refresh(song)
+                    self.songs.refresh(song)
                 feeds = (window_slices(event.pcm, event.last, first=event.window == 0) if isinstance(event, AudioChunk)
                          else [(SILENCE, True)])
                 for pcm, last in feeds:
@@ -223,6 +228,6 @@ class SongService(SongRegistry):
                         end = min(start + SEND_PIECE_BYTES, len(data))
                         yield data[start:end], samples * end // len(data) - samples * start // len(data)
                 if isinstance(event, Done):
-                    self.ended(song, event)
+                    self.songs.ended(song, event)
             elif isinstance(event, Failed):
-                self.ended(song, event)
+                self.songs.ended(song, event)

@@ -11,7 +11,8 @@ from typing import Callable, NoReturn
 
 import torch
 
-from ..acoustic.renderer import RenderedWindow, Renderer, WindowPayload
+from ..acoustic.payloads import RenderedWindow, WindowPayload
+from ..acoustic.renderer import Renderer
 from ..errors import Music3Error
 from .connector_base import ConnectorError, LostMessage, PeerGone
 from .heartbeat import StageWatch

@@ -9,7 +9,7 @@ import torch
 from ..errors import Music3Error
 from .deploy_schema import DeployConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("music3serve.serving.engine")  # the engine's lines, under the name users filter on
 
 
 def stage_devices(deploy: DeployConfig, device: str | torch.device | None) -> tuple[str, str]:

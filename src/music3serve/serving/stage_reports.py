@@ -4,50 +4,56 @@ refused, a window rendered (an AudioChunk, or held until the last with codec_str
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
-from ..acoustic.renderer import RenderedWindow
-from ..talker.engine import SongFinished
-from .deploy_schema import DeployConfig
+from ..acoustic.payloads import RenderedWindow
+from ..talker.events import SongFinished
 from .events import Accepted, AudioChunk, Done, Failed
 from .held_songs import HeldSongs, SongClient, callers_ids
+from .metrics import EngineMetrics
+from .talker_loop import Callers
 
 
-class StageReports(HeldSongs):
-    """The callbacks the talker loop and stage 1 call from their threads (a mixin of Engine)."""
+class StageReports:
+    """The callbacks the talker loop (`callers`) and stage 1 (`on_chunk`, `fail_and_cancel`) call from their
+    threads, told to the songs held in `held`."""
 
-    deploy: DeployConfig
+    def __init__(self, held: HeldSongs, codec_streaming: bool, metrics: EngineMetrics, cancel: Callable[[str], None]):
+        """codec_streaming: whether a song's audio goes out window by window (else whole, at its end); cancel(key):
+        stop a song's work in both stages."""
+        self.held, self.codec_streaming, self.metrics, self.cancel = held, codec_streaming, metrics, cancel
 
-    def _live(self, key: str) -> bool:
-        client = self._clients.get(key)
-        return client is not None and not client.ended
+    def callers(self) -> Callers:
+        return Callers(live=self.held.live, accepted=self.accepted, refused=self.refused, finished=self.finished,
+                       fail=self.fail)
 
-    def _accepted(self, key: str, seed: int, budget: int, prompt_tokens: int) -> None:
-        self._emit(key, Accepted, seed, budget, prompt_tokens)
+    def accepted(self, key: str, seed: int, budget: int, prompt_tokens: int) -> None:
+        self.held.emit(key, Accepted, seed, budget, prompt_tokens)
 
-    def _refused(self, key: str, message: str) -> None:
-        if self._end(key) is not None:  # ends once: a cancel now is too late, and counts nothing
-            self._emit(key, Failed, message, True)
+    def refused(self, key: str, message: str) -> None:
+        if self.held.end(key) is not None:  # ends once: a cancel now is too late, and counts nothing
+            self.held.emit(key, Failed, message, True)
 
-    def _finished(self, event: SongFinished) -> None:
-        client = self._clients.get(event.song)
+    def finished(self, event: SongFinished) -> None:
+        client = self.held.client(event.song)
         if client:
             client.finished = event
 
-    def _fail_and_cancel(self, key: str, message: str) -> None:
+    def fail_and_cancel(self, key: str, message: str) -> None:
         """A song stage 1 cannot finish (its render failed, its audio was lost or late): it fails and is cancelled."""
-        self._fail(key, message)
-        self._cancel(key)  # stops its talker rows and drops its later windows
+        self.fail(key, message)
+        self.cancel(key)  # stops its talker rows and drops its later windows
 
-    def _on_chunk(self, out: RenderedWindow) -> None:
+    def on_chunk(self, out: RenderedWindow) -> None:
         self.metrics.windows.inc()
         now = time.perf_counter()
-        client = self._clients.get(out.song)
+        client = self.held.client(out.song)
         if client is None or client.ended:
             return
         client.windows += 1
-        if not self.deploy.connector.extra.codec_streaming:  # the client gets the song in one piece at the end
+        if not self.codec_streaming:  # the client gets the song in one piece at the end
             client.held_pcm.append(out.pcm.numpy())
             if not out.window.last:
                 return
@@ -55,9 +61,9 @@ class StageReports(HeldSongs):
             client.first_audio = now
             self.metrics.first_audio.observe(now - client.submitted)
         if client.held_pcm:
-            self._emit(out.song, AudioChunk, 0, np.concatenate(client.held_pcm, axis=-1), True)
+            self.held.emit(out.song, AudioChunk, 0, np.concatenate(client.held_pcm, axis=-1), True)
         else:
-            self._emit(out.song, AudioChunk, out.window.index, out.pcm.numpy(), out.window.last)
+            self.held.emit(out.song, AudioChunk, out.window.index, out.pcm.numpy(), out.window.last)
         if out.window.last:
             self._done(out.song, client, now)
 
@@ -67,15 +73,20 @@ class StageReports(HeldSongs):
         # breach fails it.
         finished = client.finished
         assert finished is not None, f"{key}: its last window came before its SongFinished"
-        if self._end(key) is None:  # cancelled or failed since its last window was taken
+        if self.held.end(key) is None:  # cancelled or failed since its last window was taken
             return
         timings = {"first_audio_s": client.first_audio - client.submitted, "total_s": now - client.submitted}
         self.metrics.song_seconds.observe(timings["total_s"])
-        self._emit(key, Done, finished.frames, finished.ended_by, timings)
+        self.held.emit(key, Done, finished.frames, finished.ended_by, timings)
 
-    def _fail(self, key: str, message: str) -> None:
+    def fail(self, key: str, message: str) -> None:
         """Fail a held submission (counted once, however many stages report it)."""
-        if self._end(key) is None:
+        if self.held.end(key) is None:
             return
         self.metrics.failures.inc()
-        self._emit(key, Failed, callers_ids(message))
+        self.held.emit(key, Failed, callers_ids(message))
+
+    def fail_all(self, message: str) -> None:
+        """Fail every song held (the engine stops serving)."""
+        for key in self.held.held_keys():
+            self.fail(key, message)

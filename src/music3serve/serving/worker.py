@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .. import contract
-from ..acoustic.renderer import WindowPayload
+from ..acoustic.payloads import WindowPayload
 from ..errors import Music3Error
 from .connectors import ConnectorTimeout, Message, make_connector
 from .deploy_config import ConnectorConfig, Stage1Config
@@ -101,8 +101,8 @@ class ChunkDeadlines:
 
 class RenderWorker:
     """Starts the worker process and carries windows to it and PCM back. `load(device)` runs in the worker and
-    returns its models (a module-level function or partial, as the process is spawned): load_acoustic for a
-    checkpoint."""
+    returns its models (a module-level function or partial, as the process is spawned): worker_process.py's
+    load_acoustic for a checkpoint."""
 
     def __init__(self, load: Callable[[str], Any], device: str, stage1: Stage1Config, connector: ConnectorConfig):
         extra = connector.extra

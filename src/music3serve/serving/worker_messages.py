@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..acoustic.renderer import RenderedWindow, WindowPayload
+from ..acoustic.payloads import RenderedWindow, WindowPayload
 from ..acoustic.windows import Window
 from .connectors import Message
 

@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+from multiprocessing.synchronize import Semaphore
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -15,16 +16,16 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from ..acoustic.renderer import RenderedWindow
+from ..acoustic.payloads import RenderedWindow
 from ..checkpoint import ACOUSTIC, load_component
 from ..errors import error_text
-from .connectors import ConnectorTimeout, LostMessage, Message
+from .connectors import ConnectorTimeout, LostMessage, Message, SharedMemoryConnector
 from .deploy_config import Stage1Config
 from .heartbeat import Heartbeat
 from .render_loop import RenderLoop, stage1_renderer
 from .worker_messages import PCM, WINDOWS, chunk_message, window_payload
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("music3serve.serving.worker")  # the worker's lines, under the name users filter on
 
 
 def load_acoustic(root: str, device: str) -> SimpleNamespace:
@@ -39,7 +40,8 @@ def use_thread_lock_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector, slots) -> None:
+def worker_main(load: Callable[[str], Any], device: str, stage1: Stage1Config, connector: SharedMemoryConnector,
+                slots: Semaphore) -> None:
     """The worker process: load(device) the acoustic stage, then render windows until told to stop; each window read
     gives its slot back (serving/outbox.py).
 

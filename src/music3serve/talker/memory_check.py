@@ -18,14 +18,19 @@ def device_bytes(lm: LanguageModel, depth: DepthDecoder, config: TalkerConfig) -
     return weights + (DepthInputs.bytes_needed(depth) if config.depth_cache else 0)
 
 
+def row_bytes(lm: LanguageModel, pairs: int, config: TalkerConfig) -> tuple[int, int]:
+    """The KV slots of `pairs` songs and their frame conditioning buffers, in bytes."""
+    kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
+    frames = contract.frame_budget(contract.MAX_FRAMES, 1, config.max_model_len) + 1  # the longest budget + 1 (_activate)
+    return kv, pairs * frames * lm.cfg.hidden * 4  # conditioning: float32, one buffer per decoding song
+
+
 def check_memory(lm: LanguageModel, depth: DepthDecoder, pairs: int, config: TalkerConfig) -> None:
     """Weights, KV slots and the decoding songs' frame conditioning must fit in gpu_memory_utilization of the card on
     CUDA, and the KV slots and conditioning in the machine's memory on the CPU, or startup fails with the numbers."""
     device = lm.embed.weight.device
     weights = device_bytes(lm, depth, config)
-    kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
-    frames = contract.frame_budget(contract.MAX_FRAMES, 1, config.max_model_len) + 1  # the longest budget + 1 (_activate)
-    conditioning = pairs * frames * lm.cfg.hidden * 4  # float32, one buffer per decoding song
+    kv, conditioning = row_bytes(lm, pairs, config)
     needs = (f"{kv / GIB:.1f} GiB of KV for {2 * pairs} rows of {config.max_model_len} tokens + "
              f"{conditioning / GIB:.1f} GiB of frame conditioning for {pairs} songs")
     rows = kv + conditioning
