@@ -1263,11 +1263,13 @@ def test_a_song_stage_0_cannot_take_fails_alone_and_the_engine_serves_the_next(e
     assert engine.held.key_of("untakeable") is None
 
 
-def test_the_engine_says_the_precision_its_talker_really_runs_in(engine, deploy):
+def test_the_start_up_line_names_the_talkers_real_dtype(engine, deploy):
     """The deploy file's bf16 talker runs in float32 on the CPU: the start-up line says so, not the file's dtype."""
     assert deploy.stages[0].dtype == "bfloat16" and engine.models.language_model.embed.weight.dtype == torch.float32
-    assert engine.precisions()["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
-    assert engine.precisions()["stage 1"] == deploy.precisions()["stage 1"]
+    said = deploy.precisions(talker_dtype="float32")
+    assert said["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
+    assert said["stage 1"] == deploy.precisions()["stage 1"]
+    assert deploy.precisions(talker_dtype="bfloat16") == deploy.precisions()
 
 
 def test_a_song_whose_lyrics_lose_text_after_a_tag_is_logged_by_id(engine, caplog):

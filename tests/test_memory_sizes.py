@@ -58,7 +58,8 @@ def test_the_readme_gives_the_acoustic_decoders_weight_bytes_the_code_holds():
 def test_the_24gb_example_fits_its_shares_of_a_22_gib_card():
     """examples/deploy/fp8_24gb.yaml: what each stage's start-up check counts (the talker's weights, lookup table, KV
     and frame conditioning; stage 1's weights in FP8) fits its gpu_memory_utilization of a card with 22 GiB usable,
-    and the two shares leave room for activations and graphs. Measured under a 22 GiB cap: `bench/gpu_fp8.sh`."""
+    and the two shares leave room for activations and graphs. The peak under a 22 GiB cap is for `bench/gpu_fp8.sh`
+    (`python -m music3serve.bench.fp8 memory`) to measure."""
     deploy = load_deploy_config(ROOT / "examples" / "deploy" / "fp8_24gb.yaml")
     s0, s1 = deploy.stages
     assert (s0.quantization, s1.quantization, s0.max_model_len) == ("fp8", "fp8", contract.MAX_CONTEXT)
@@ -72,6 +73,18 @@ def test_the_24gb_example_fits_its_shares_of_a_22_gib_card():
     assert talker <= s0.gpu_memory_utilization * card
     assert gigabytes(*stage1) * 1e9 <= s1.gpu_memory_utilization * card
     assert s0.gpu_memory_utilization + s1.gpu_memory_utilization <= 0.9
+    # docs/configuration.md's table says these numbers, in GiB
+    kv, conditioning = row_bytes(lm, s0.max_num_seqs // 2, config)
+    said = {stage: [float(x) for x in re.findall(r"([\d.]+) GiB", row)] for stage, row in config_table_rows().items()}
+    assert said["0"] == [round(x / GIB, 1) for x in (s0.gpu_memory_utilization * card, talker - kv - conditioning, kv,
+                                                     conditioning, talker)]
+    assert said["1"] == [round(x, 1) for x in (s1.gpu_memory_utilization * 22, gigabytes(*stage1) * 1e9 / GIB)]
+
+
+def config_table_rows() -> dict[str, str]:
+    """docs/configuration.md, section "A 24 GB card": its table's rows by stage."""
+    section = (ROOT / "docs" / "configuration.md").read_text().split("## A 24 GB card")[1].split("\n## ")[0]
+    return {line.split("|")[1].strip(): line for line in section.splitlines() if re.match(r"\| [01] \|", line)}
 
 
 def test_the_24gb_example_serves_songs_as_written(tiny_dir):
@@ -96,3 +109,14 @@ def test_the_24gb_example_serves_songs_as_written(tiny_dir):
     finally:
         engine.close()
     assert all(isinstance(events[-1], Done) for events in songs)
+
+
+def test_the_readme_gives_a_songs_kv_bytes_the_code_holds():
+    """Two rows of the full context a song (cond + uncond); FP8 keeps the KV in bf16."""
+    from music3serve.talker.slots import SlotCache
+
+    lm = full_size("language_model", torch.bfloat16)
+    per_song = [SlotCache.bytes_needed(lm.cfg, 1, contract.MAX_CONTEXT, dtype) / GIB
+                for dtype in (torch.bfloat16, torch.bfloat16, torch.float32)]
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| talker KV cache"))
+    assert [float(x) for x in re.findall(r"\| ([\d.]+) GiB", row)] == [round(x, 1) for x in per_song]

@@ -15,7 +15,8 @@ import torch
 from ..checkpoint import ACOUSTIC, Music3Models
 from ..errors import Music3Error
 from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
-from ..serving.engine import AudioChunk, Done, Engine, SongRequest
+from ..serving.engine import Engine
+from ..serving.events import AudioChunk, Done, SongRequest
 from ..serving.worker import RenderWorker
 from ..talker.quantize import quantize_talker
 from ..tokenizer import load_tokenizer, write_tokenizer
@@ -106,7 +107,8 @@ def run(
     started = time.perf_counter()
     engine = random_engine(deploy, placement, device)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (fusion compile, graph capture)", flush=True)
-    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time", "graphs compiled (this process)"]
+    headers = ["scenario", "worst first audio s", "best first audio s", "total s", "x real time",
+               "graphs compiled (this process)"]
     rows = []
     # If a scenario stalls, every thread's stack goes to stderr (the 2026-11-30 multi-song GPU run stalled).
     faulthandler.dump_traceback_later(90, repeat=True)

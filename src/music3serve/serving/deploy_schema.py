@@ -198,11 +198,14 @@ class DeployConfig:
         back)."""
         return self.connectors[self.stages[0].output_connectors["to_stage_1"]]
 
-    def precisions(self) -> dict[str, str]:
-        """What each stage runs in, as the engine says at start."""
+    def precisions(self, talker_dtype: str | None = None) -> dict[str, str]:
+        """What each stage runs in, as the engine says at start; `talker_dtype`: its weights' dtype where they are
+        loaded (the CPU runs the talker in float32, whatever the file says)."""
         s0, s1 = self.stages
-        return {"stage 0": describe_precision(s0.dtype, s0.quantization, talker=True),
-                "stage 1": describe_precision(s1.dtype, s1.quantization, talker=False)}
+        talker = describe_precision(s0.dtype, s0.quantization, talker=True)
+        if s0.quantization == "none" and talker_dtype not in (None, s0.dtype):
+            talker = f"{talker_dtype} (its weights here; the deploy file's {s0.dtype} is for GPUs)"
+        return {"stage 0": talker, "stage 1": describe_precision(s1.dtype, s1.quantization, talker=False)}
 
     def talker_config(self) -> TalkerConfig:
         """Stage 0 as the talker engine's settings. Capture sizes count rows, so only even ones are kept."""

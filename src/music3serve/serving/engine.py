@@ -55,7 +55,7 @@ class Engine:
         self.tokenizer = models.tokenizer
         self.device = models.language_model.embed.weight.device
         log.log(precision_log_level(deploy.stages[1].precision, self.device.type), "stage precision",
-                extra=self.precisions())
+                extra=deploy.precisions(str(models.language_model.embed.weight.dtype).removeprefix("torch.")))
         started = time.perf_counter()
         if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
             apply_policy(models.condition_encoder, models.dit, models.vocoder,
@@ -102,15 +102,6 @@ class Engine:
             torch.cuda.synchronize(self.device)  # start-up work on the default stream is done before the stages run
         for thread in self._threads:
             thread.start()
-
-    def precisions(self) -> dict[str, str]:
-        """What each stage runs in: the deploy file's words, the talker's corrected where its weights differ (the CPU
-        runs it in float32)."""
-        precisions, s0 = self.deploy.precisions(), self.deploy.stages[0]
-        held = str(self.models.language_model.embed.weight.dtype).removeprefix("torch.")
-        if s0.quantization == "none" and held != s0.dtype:
-            precisions["stage 0"] = f"{held} (its weights here; the deploy file's {s0.dtype} is for GPUs)"
-        return precisions
 
     @classmethod
     def from_pretrained(
@@ -159,9 +150,9 @@ class Engine:
             self.held.forget(key)
             raise Music3Error(self.guard.broken or "the engine is closed; it takes no more songs")
         self.talker_loop.submit(key, cond, uncond, seed, budget_request, steps)
-        warn_dropped_lyrics(request.lyrics, song=song)
         ended = False
         try:
+            warn_dropped_lyrics(request.lyrics, song=song)
             while not ended:
                 if asyncio.get_running_loop() is not client.loop:
                     raise RuntimeError("a song's stream is read on the event loop that started it, not another")
@@ -204,10 +195,23 @@ class Engine:
         frames = finished.frames if finished is not None else decoding.frames if decoding is not None else 0
         return frames, client.windows
 
-    # The engine's room, settable (HeldSongs keeps it): songs held at once, and audio held for callers.
-    max_songs = property(lambda self: self.held.max_songs, lambda self, songs: setattr(self.held, "max_songs", songs))
-    max_unread_bytes = property(lambda self: self.held.max_unread_bytes,
-                                lambda self, nbytes: setattr(self.held, "max_unread_bytes", nbytes))
+    @property
+    def max_songs(self) -> int:
+        """Songs held at once (HeldSongs keeps it; the server lowers it to its file limit)."""
+        return self.held.max_songs
+
+    @max_songs.setter
+    def max_songs(self, songs: int) -> None:
+        self.held.max_songs = songs
+
+    @property
+    def max_unread_bytes(self) -> int:
+        """Audio held for callers that have not read it yet, in bytes."""
+        return self.held.max_unread_bytes
+
+    @max_unread_bytes.setter
+    def max_unread_bytes(self, nbytes: int) -> None:
+        self.held.max_unread_bytes = nbytes
 
     def hold_read_audio(self, nbytes: int) -> None:
         """HeldSongs.hold_read_audio: audio a caller has read but still holds counts toward max_unread_bytes."""

@@ -43,7 +43,6 @@ def unread_refusal(unread: int, song: int, limit: int) -> EngineBusy:
                       "again when they have read it")
 
 
-
 def checked_request(request: SongRequest, default_seed: int | None) -> tuple[str, int, int, int]:
     """The song's id, requested frames, seed and Euler steps, checked (no id: a random one; no seed: `default_seed`,
     or a random one)."""

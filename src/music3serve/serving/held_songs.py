@@ -55,7 +55,7 @@ class SongClient:
 class HeldSongs:
     """The songs an engine holds, by key and by the caller's id, within its room for songs (`max_songs`) and for
     audio not yet read (`max_unread_bytes`). Callers on other threads or loops and the stage threads may race: each
-    check-and-change is made under one lock."""
+    check-and-change spanning several fields is made under one lock (single dict operations rely on their atomicity)."""
 
     def __init__(self, max_songs: int, max_unread_bytes: int, metrics: EngineMetrics,
                  loop_gone: Callable[[str], None]):

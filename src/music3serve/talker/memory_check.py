@@ -21,7 +21,7 @@ def device_bytes(lm: LanguageModel, depth: DepthDecoder, config: TalkerConfig) -
 def row_bytes(lm: LanguageModel, pairs: int, config: TalkerConfig) -> tuple[int, int]:
     """The KV slots of `pairs` songs and their frame conditioning buffers, in bytes."""
     kv = SlotCache.bytes_needed(lm.cfg, pairs, config.max_model_len, lm.embed.weight.dtype)
-    frames = contract.frame_budget(contract.MAX_FRAMES, 1, config.max_model_len) + 1  # the longest budget + 1 (_activate)
+    frames = contract.frame_budget(contract.MAX_FRAMES, 1, config.max_model_len) + 1  # the longest budget + 1
     return kv, pairs * frames * lm.cfg.hidden * 4  # conditioning: float32, one buffer per decoding song
 
 
