@@ -20,8 +20,8 @@ from music3serve.kernels.decode_attention import (
     _choose_num_splits,
     _decode_attention_triton,
     decode_attention,
-    decode_attention_reference,
 )
+from music3serve.kernels.decode_attention_reference import decode_attention_reference
 
 FILLED = (1024, 5120, 10240)
 ROWS = (2, 16)

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from music3serve.bench.common import COPY_BW, graphed, table, time_ms
 from music3serve.kernels.skinny_linear import (
     gated_silu_reference,
-    run_kernel,
     skinny_gated_silu,
     skinny_linear,
     tile_config,
 )
+from music3serve.kernels.skinny_linear_kernel import run_kernel
 
 # (name, N, K, calls per frame for one song, gated): Qwen3-8B backbone, then the depth decoder (7 calls x 4 blocks).
 # gate_up runs gated (SiLU * up in the kernel), against the torch ops (cuBLAS, then one elementwise kernel).

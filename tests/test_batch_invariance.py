@@ -20,6 +20,7 @@ from music3serve.talker.engine import Talker, TalkerConfig
 
 attention = sys.modules["music3serve.kernels.decode_attention"]
 skinny = sys.modules["music3serve.kernels.skinny_linear"]
+skinny_kernel = sys.modules["music3serve.kernels.skinny_linear_kernel"]
 
 
 class Launches:
@@ -43,7 +44,7 @@ def test_the_attentions_split_count_follows_the_capacity_never_the_row_count(mon
     row's share of its filled length, and the order its partial results merge in, is the same whatever the rows."""
     split, combine = Launches(), Launches()
     fake_triton = SimpleNamespace(next_power_of_2=lambda n: 1 << max(0, n - 1).bit_length())
-    monkeypatch.setattr(attention, "_kernels", lambda: (fake_triton, split, combine))
+    monkeypatch.setattr(attention, "triton_kernels", lambda: (fake_triton, split, combine))
     monkeypatch.setattr(attention, "uses_pdl", lambda device: False)
     with FakeTensorMode():
         for rows in (1, 2, 3, 16, 17, 64, 128):
@@ -108,12 +109,13 @@ def test_the_skinny_kernels_launch_takes_its_tiles_from_the_weight_never_the_row
     """Every row count runs the same program on tiles of 16 rows (up to 16 rows) or 32 (beyond): the column and K tiles,
     warps and stages follow the weight's shape alone."""
     launches = Launches()
-    monkeypatch.setattr(skinny, "_kernel", lambda: launches)
-    monkeypatch.setattr(skinny, "uses_pdl", lambda device: False)
+    monkeypatch.setattr(skinny_kernel, "_kernel", lambda: launches)
+    monkeypatch.setattr(skinny_kernel, "uses_pdl", lambda device: False)
     with FakeTensorMode():
         w = torch.empty(12288, 4096, dtype=torch.bfloat16, device="cuda")
         for rows in (1, 2, 16, 17, 32, 64, 128):
-            skinny.run_kernel(torch.empty(rows, 4096, dtype=torch.bfloat16, device="cuda"), w, skinny.tile_config(*w.shape))
+            x = torch.empty(rows, 4096, dtype=torch.bfloat16, device="cuda")
+            skinny_kernel.run_kernel(x, w, skinny.tile_config(*w.shape))
     assert [c["BLOCK_M"] for c in launches.constants] == [16, 16, 16, 32, 32, 32, 32]
     assert [g[0] for g in launches.grids] == [1, 1, 1, 1, 1, 2, 4]
     assert len({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for c in launches.constants}) == 1

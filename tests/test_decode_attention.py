@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from music3serve.kernels import decode_attention, decode_attention_reference, triton_available
-from music3serve.kernels.decode_attention import _decode_attention_triton, store_new_kv
+from music3serve.kernels.decode_attention import _decode_attention_triton
+from music3serve.kernels.decode_attention_reference import store_new_kv
 
 # Qwen3-8B talker attention: 32 query heads over 8 KV heads (GQA group 4), head_dim 128.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

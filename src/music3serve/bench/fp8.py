@@ -131,6 +131,7 @@ def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
     """Time the skinny kernel on e4m3 weights for each talker shape over SWEEP (BLOCK_N per half when gated) and put
     the fastest in skinny_linear.MEASURED_FP8_TILES for this process; returns the table."""
     from ..kernels import skinny_linear as sl
+    from ..kernels.skinny_linear_kernel import run_kernel
     from ..models.fp8 import quantize
 
     out = []
@@ -142,8 +143,8 @@ def sweep_tiles(device: str = "cuda", rows: int = 16) -> str:
         times = {}
         for config in dict.fromkeys([default, *SWEEP]):
             try:
-                times[config] = time_ms(graphed(lambda c=config: [sl.run_kernel(x, q.codes, c, gated=gated,
-                                                                                 scale=q.scale) for q in fp8]))
+                times[config] = time_ms(graphed(lambda c=config: [run_kernel(x, q.codes, c, gated=gated,
+                                                                              scale=q.scale) for q in fp8]))
             except Exception as exc:  # a tile past the shared memory or register budget
                 print(f"{name} {config}: {type(exc).__name__}")
         best = min(times, key=times.get)
