@@ -29,7 +29,7 @@ from music3serve.checkpoint import load_models
 from music3serve.errors import EngineBusy, InputError, Music3Error
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
-from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config
+from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_config, with_quantization
 from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import PCM_BYTES_PER_SAMPLE
 from music3serve.serving.events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
@@ -1267,7 +1267,9 @@ def test_the_start_up_line_names_the_talkers_real_dtype(engine, deploy):
     """The deploy file's bf16 talker runs in float32 on the CPU: the start-up line says so, not the file's dtype."""
     assert deploy.stages[0].dtype == "bfloat16" and engine.models.language_model.embed.weight.dtype == torch.float32
     said = deploy.precisions(talker_dtype="float32")
-    assert said["stage 0"].startswith("float32 (its weights here; the deploy file's bfloat16")
+    assert said["stage 0"] == "float32 (on this device; the deploy file's bfloat16 applies on GPUs)"
+    fp8 = with_quantization(deploy, "fp8").precisions(talker_dtype="float32")["stage 0"]
+    assert fp8.startswith("fp8:") and "float32 activations and KV" in fp8  # FP8 on the CPU too
     assert said["stage 1"] == deploy.precisions()["stage 1"]
     assert deploy.precisions(talker_dtype="bfloat16") == deploy.precisions()
 

@@ -62,6 +62,7 @@ def test_an_instrumental_needs_no_lyrics(client):
                                                                     "sample_rate"),
         ({"audio_setting": {"bitrate": 100}}, "bitrate"), ({"audio_setting": {"format": "flac"}}, "format"),
         ({"seed": -1}, "seed"), ({"max_new_tokens": 9001}, "max_new_tokens"), ({"stream": 1}, "stream"),
+        ({"lyrics": "[verse]\n" + "q7 " * 6000}, "the prompt (prompt + lyrics) is "),
     ],
 )
 def test_refusals_come_in_the_envelope_naming_the_field(client, change, needle):

@@ -162,6 +162,10 @@ def test_the_sdk_raises_its_typed_errors(sdk):
     with pytest.raises(openai.NotFoundError) as error:
         sdk.audio.speech.create(model="tts-1", voice="default", input=LYRICS, instructions=CAPTION)
     assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as error:  # past the prompt's tokens: this endpoint's field names
+        sdk.audio.speech.create(model="MiniMax-Music3", voice="default", input="[verse]\n" + "q7 " * 6000,
+                                instructions=CAPTION, extra_body=EXTRA)
+    assert error.value.body["message"].startswith("the prompt (instructions + input) is ")
 
 
 SPEECH = {"model": "MiniMax-Music3", "input": LYRICS, "instructions": CAPTION, **EXTRA}

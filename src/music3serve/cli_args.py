@@ -157,8 +157,16 @@ def env_api_keys() -> list[str]:
 
 # Argument checks: each command's run only after its check, and no check imports torch or the engine (importing
 # them takes seconds), so that a mistake is answered at once. A new flag's check goes into its command's function.
+def check_precision_flags(args: argparse.Namespace) -> None:
+    """--quantization fp8 runs stage 1 on bf16 activations: an explicit --acoustic-dtype float32 asks otherwise."""
+    if args.quantization == "fp8" and args.acoustic_dtype == "float32":
+        raise Music3Error("--quantization fp8 runs stage 1 on bf16 activations: drop --acoustic-dtype float32, or "
+                          "use --quantization none for a float32 stage 1")
+
+
 def check_generate(args: argparse.Namespace) -> None:
     check_output(args.output)
+    check_precision_flags(args)
     # The pipeline checks these again; here they fail before anything loads.
     frames_for_duration(args.duration)
     check_seed(args.seed)
@@ -181,6 +189,7 @@ def check_serve(args: argparse.Namespace) -> None:
     args.api_key = args.api_key or env_api_keys()
     args.served_model_name = served_model_names(args.served_model_name)
     args.deploy = load_deploy_config(args.config)
+    check_precision_flags(args)
     if args.quantization is not None:
         args.deploy = with_quantization(args.deploy, args.quantization)
     if args.acoustic_dtype is not None:

@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="GPU benchmarks on full-size models with random weights")
     bench.add_argument("stage", choices=["talker", "acoustic", "precision", "e2e", "ready"],
-                       help="ready: seconds to a ready engine per stage-1 precision, each in a fresh process")
+                       help="talker: the frame step; acoustic: the DiT call and vocoder; precision: bf16 (and FP8) "
+                            "error against float32; e2e: whole songs through the engine; ready: seconds to a ready "
+                            "engine per stage-1 precision, each in a fresh process")
     bench.add_argument("--no-peers", action="store_true",
                        help="talker and acoustic: skip the diffusers reference run (e2e and precision have none)")
     bench.add_argument("--placement", default=None, choices=["colocated", "split", "split-one-gpu"],

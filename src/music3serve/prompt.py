@@ -14,6 +14,7 @@ from .contract import AUDIO_CFG, MAX_PROMPT_TOKENS
 from .errors import InputError
 
 log = logging.getLogger(__name__)
+PROMPT_FIELDS = "caption + lyrics"  # as the token-limit error names them; other endpoints rename them
 
 # `<|a b c|>` in a caption: the model never sees user-written special tokens.
 _TAG = re.compile(r"<\|([^|]*)\|>")
@@ -128,7 +129,7 @@ def encode_prompt(tokenizer: Tokenizer, caption: str, lyrics: str) -> tuple[list
     cond = tokenizer.encode(prompt_text(caption, lyrics), add_special_tokens=True).ids
     if len(cond) > MAX_PROMPT_TOKENS:
         raise InputError(
-            f"the prompt (caption + lyrics) is {len(cond)} tokens long; the limit is {MAX_PROMPT_TOKENS} tokens"
+            f"the prompt ({PROMPT_FIELDS}) is {len(cond)} tokens long; the limit is {MAX_PROMPT_TOKENS} tokens"
         )
     return cond, unconditional_ids(cond)
 

@@ -202,9 +202,10 @@ class DeployConfig:
         """What each stage runs in, as the engine says at start; `talker_dtype`: its weights' dtype where they are
         loaded (the CPU runs the talker in float32, whatever the file says)."""
         s0, s1 = self.stages
-        talker = describe_precision(s0.dtype, s0.quantization, talker=True)
-        if s0.quantization == "none" and talker_dtype not in (None, s0.dtype):
-            talker = f"{talker_dtype} (its weights here; the deploy file's {s0.dtype} is for GPUs)"
+        held = talker_dtype or s0.dtype
+        talker = describe_precision(held, s0.quantization, talker=True)
+        if s0.quantization == "none" and held != s0.dtype:
+            talker = f"{held} (on this device; the deploy file's {s0.dtype} applies on GPUs)"
         return {"stage 0": talker, "stage 1": describe_precision(s1.dtype, s1.quantization, talker=False)}
 
     def talker_config(self) -> TalkerConfig:

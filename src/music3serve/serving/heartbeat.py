@@ -13,7 +13,7 @@ from .connectors import Message
 HEARTBEAT_S = 1.0  # the worker's pulse
 SILENCE_LIMIT_S = 30.0  # no pulse this long: the worker process is frozen (its pulse thread cannot run)
 # A render call longer than this per window of its batch (times the Euler-step scale, steps / 30) is stuck. One
-# window of 30 steps takes ~0.4 s in bf16 and ~4.6 s in IEEE float32 on an H200 (DiT calls and vocoder,
+# window of 30 steps takes ~0.4 s in bf16 and ~5.2 s in IEEE float32 on an H200 (DiT calls and vocoder,
 # docs/performance.md): room for a GPU ten times slower.
 RENDER_LIMIT_PER_WINDOW_S = 60.0
 # A talker frame step (or prefill chunk) longer than this is stuck: a step takes ~7 ms on an H200, a prefill chunk

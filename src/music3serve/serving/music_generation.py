@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import contract
-from ..prompt import MAX_STEPS, duration_for_frames
+from ..prompt import MAX_STEPS, PROMPT_FIELDS, duration_for_frames
 from .audio_io import CHANNELS, PcmEncoder
 from .error_bodies import MODELS_PATH, MUSIC_PATH, minimax_error
 from .events import SongRequest
@@ -150,7 +150,7 @@ def music_error(status: int, message: str, headers: dict[str, str] | None = None
     names = {"caption": "prompt", "duration": "max_new_tokens"}
     if param in names:
         message = names[param] + message[len(param):]
-    return minimax_error(status, message, headers, param)
+    return minimax_error(status, message.replace(PROMPT_FIELDS, "prompt + lyrics"), headers, param)
 
 
 def add_music_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import contract
-from ..prompt import MAX_STEPS, duration_for_frames
+from ..prompt import MAX_STEPS, PROMPT_FIELDS, duration_for_frames
 from .encoders import FORMATS
 from .error_bodies import MODELS_PATH, SPEECH_PATH, openai_error
 from .events import SongRequest
@@ -118,6 +118,7 @@ def speech_error(status: int, message: str, headers: dict[str, str] | None = Non
     lower max_new_tokens helps."""
     if param in FIELD_NAMES:
         message, param = FIELD_NAMES[param] + message[len(param):], FIELD_NAMES[param]
+    message = message.replace(PROMPT_FIELDS, "instructions + input")
     if status == 429:
         message += ("; the engine reserves room for a song's unread audio by its max_new_tokens (9000 frames, "
                     "127 MB, by default): a lower one reserves less")
