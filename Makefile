@@ -10,6 +10,12 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+# tests/test_kernels_interpreted.py runs the Triton kernels on the CPU through Triton's interpreter, with Triton from a
+# folder of its own that only that test's child process puts on its path: the rest of the suite, torch.compile's CPU
+# path included, runs as without Triton. Installed once (about 640 MB); where no wheel exists (Triton is built for
+# Linux only) that test skips, except on CI.
+TRITON ?= triton>=3.6,<3.7
+TRITON_SITE := $(VENV)/triton-interpret
 # Test worker processes, each handed whole files (their module fixtures build engines once): CI has two cores, and
 # the tests run single-threaded (tests/conftest.py); about 10.5 min in one process, 6.5 min in two on two cores.
 TEST_WORKERS ?= 2
@@ -24,8 +30,12 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)" -e ".[tiny,audio,serve]"
 
-install-test: $(BIN)/python
+install-test: $(BIN)/python $(TRITON_SITE)/triton/__init__.py
 	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test]"
+
+$(TRITON_SITE)/triton/__init__.py: | $(BIN)/python
+	$(BIN)/pip install --quiet --no-deps --upgrade --target $(TRITON_SITE) "$(TRITON)" \
+		|| echo "Triton did not install: tests/test_kernels_interpreted.py will skip"
 
 demo: install
 	$(BIN)/music3serve generate --tiny --caption "Warm lo-fi hip hop, mellow piano, soft female vocals" \
@@ -47,4 +57,5 @@ browser:
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
 test: install-test browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	MUSIC3SERVE_TRITON_SITE=$(TRITON_SITE) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests

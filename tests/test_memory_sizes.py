@@ -10,9 +10,8 @@ import torch
 
 from music3serve import contract
 from music3serve.acoustic.precision import BFLOAT16, FLOAT32, FP8, PrecisionPolicy, apply_policy
-from music3serve.bench.common import FULL_CONFIGS
-from music3serve.checkpoint_layout import COMPONENTS
-from music3serve.memory import GIB
+from music3serve.bench.common import full_size
+from music3serve.memory import GIB, module_bytes
 from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.talker.memory_check import device_bytes, row_bytes
 from music3serve.talker.quantize import quantize_talker
@@ -21,14 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
-def full_size(name: str, dtype: torch.dtype) -> torch.nn.Module:
-    component = COMPONENTS[name]
-    with torch.device("meta"):
-        return component.model(component.config(FULL_CONFIGS[name])).to(dtype)
-
-
 def gigabytes(*modules: torch.nn.Module) -> float:
-    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())) / 1e9
+    return module_bytes(*modules) / 1e9
 
 
 def readme_row(label: str) -> list[float]:

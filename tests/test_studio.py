@@ -240,6 +240,9 @@ def test_errors_show_beside_their_fields(page, engine):
     page.fill("#seed", "12x")
     page.click("#generate")
     assert "seed must be a whole number" in page.inner_text("#seed-error")
+    page.fill("#seed", str(2**64))  # one past the server's range: refused in the page, never sent
+    page.click("#generate")
+    assert "0 to 2^64 - 1" in page.inner_text("#seed-error")
 
     page.fill("#seed", "")
     page.click("summary")

@@ -9,6 +9,11 @@ import torch
 GIB = 1 << 30
 
 
+def module_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the modules' parameters and buffers, on whatever device (meta included) they are."""
+    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+
+
 def host_memory() -> int:
     """Bytes of physical memory of this machine."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..models.layers import apply_rope
 from .decode_attention import triton_available
 
-__all__ = ["split_rope", "split_rope_reference"]
+__all__ = ["split_rope", "split_rope_reference", "uses_kernel"]
 
 
 def split_rope_reference(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -31,6 +31,11 @@ def split_rope_reference(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> t
     b, t, _ = qkv.shape
     q, k, v = (p.reshape(b, t, heads, -1) for p in qkv.chunk(3, dim=-1))
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def uses_kernel(qkv: Tensor) -> bool:
+    """Whether split_rope rotates qkv with the Triton kernel (else the torch ops)."""
+    return qkv.is_cuda and triton_available()
 
 
 def split_rope(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -47,7 +52,7 @@ def split_rope(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tenso
     if not qkv.is_contiguous():
         raise ValueError("split_rope: qkv must be contiguous (it is rotated in place)")
     q, k, v = qkv.view(b, t, 3, heads, head_dim).unbind(2)
-    if not (qkv.is_cuda and triton_available()):
+    if not uses_kernel(qkv):
         rotated_q, rotated_k, _ = split_rope_reference(qkv, cos, sin, heads)
         q.copy_(rotated_q)
         k.copy_(rotated_k)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .decode_attention import triton_available
 
-__all__ = ["MAX_COLUMNS", "kth_largest", "kth_largest_reference"]
+__all__ = ["MAX_COLUMNS", "kth_largest", "kth_largest_reference", "uses_kernel"]
 
 # One row per program, held in registers. One pass over a whole 16385-column semantic row (padded to 32768)
 # took ~0.2 ms a call on the H200 (2026-11-30); such rows take two passes of CHUNK columns per program instead.
@@ -57,8 +57,8 @@ def kth_largest(x: Tensor, k: int, num_warps: int = 4) -> Tensor:
     _check(x, k)
     rows, columns = x.shape
     keep = _keep(k)
-    candidates = -(-columns // CHUNK) * keep if columns > MAX_COLUMNS else columns
-    if not (x.is_cuda and x.dtype == torch.float32 and candidates <= MAX_COLUMNS and triton_has_topk()):
+    candidates = _candidates(columns, keep)
+    if not uses_kernel(x, k):
         return kth_largest_reference(x, k).contiguous()
     one_pass, chunk_top = _kernels()
     x = x.contiguous()
@@ -69,6 +69,18 @@ def kth_largest(x: Tensor, k: int, num_warps: int = 4) -> Tensor:
     out = torch.empty(rows, 1, dtype=x.dtype, device=x.device)
     one_pass[(rows,)](x, out, columns, k, BLOCK=max(keep, _pow2(columns)), KEEP=keep, num_warps=num_warps)
     return out
+
+
+def uses_kernel(x: Tensor, k: int) -> bool:
+    """Whether kth_largest runs the Triton kernels for x [rows, columns] (else torch.topk): float32 CUDA rows whose
+    candidates fit one program."""
+    return (x.is_cuda and x.dtype == torch.float32 and _candidates(x.shape[-1], _keep(k)) <= MAX_COLUMNS
+            and triton_has_topk())
+
+
+def _candidates(columns: int, keep: int) -> int:
+    """Values the last pass ranks: the whole row, or each CHUNK's top `keep` side by side."""
+    return -(-columns // CHUNK) * keep if columns > MAX_COLUMNS else columns
 
 
 def _pow2(n: int) -> int:

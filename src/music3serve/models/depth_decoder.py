@@ -11,7 +11,7 @@ from torch import nn
 
 from ..kernels.decode_attention import decode_attention, takes_rotation
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, linear, residual_mlp, rms_norm
+from .layers import GatedMLP, RMSNorm, Weight, linear, residual_mlp, rms_norm
 from .weights import Source, require
 
 
@@ -79,7 +79,7 @@ class DepthBlock(nn.Module):
 
 
 @hot
-def depth_qkv(x, attn_norm_w, qkv_w, eps: float) -> torch.Tensor:
+def depth_qkv(x: torch.Tensor, attn_norm_w: torch.Tensor, qkv_w: Weight, eps: float) -> torch.Tensor:
     """q | k | v [rows, t, 3 * hidden] of positions x [rows, t, hidden]."""
     return linear(rms_norm(x, attn_norm_w, eps), qkv_w)
 

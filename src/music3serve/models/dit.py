@@ -18,7 +18,7 @@ from ..kernels.glu_linear import uses_kernel as uses_glu_kernel
 from ..kernels.split_rope import split_rope
 from .fp8 import Fp8Weight, scaled_linear
 from .fusion import between_library_calls, hot
-from .layers import rope_angles
+from .layers import Weight, rope_angles
 from .weights import Source, require
 
 ROPE_THETA = 10_000.0
@@ -103,7 +103,7 @@ class DiTBlock(nn.Module):
 FF_IN = ("ff_in.weight", "ff_in.bias")
 
 
-def _ff_in_rows_saved_in_checkpoint_order(block: DiTBlock, state_dict: dict, prefix: str, _metadata) -> None:
+def _ff_in_rows_saved_in_checkpoint_order(block: DiTBlock, state_dict: dict, prefix: str, _metadata: object) -> None:
     if block.glu_pairs:
         for name in FF_IN:
             if prefix + name in state_dict:  # an FP8 ff_in holds codes and scales instead (models/fp8.py)
@@ -133,8 +133,9 @@ def dit_qkv(
 @between_library_calls
 @hot
 def dit_block_output(
-    x, attn, o_w, norm_w, norm_b, ff_in_w, ff_in_b, ff_out_w, ff_out_b, eps: float, kernel: bool, pairs: bool,
-    fused_glu: bool,
+    x: torch.Tensor, attn: torch.Tensor, o_w: Weight, norm_w: torch.Tensor, norm_b: torch.Tensor, ff_in_w: Weight,
+    ff_in_b: torch.Tensor | None, ff_out_w: Weight, ff_out_b: torch.Tensor | None, eps: float, kernel: bool,
+    pairs: bool, fused_glu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, tokens, width]. `pairs`:
     ff_in's rows are in (gate, value) pairs; `fused_glu`: glu_linear's fused GEMM takes them."""
@@ -144,14 +145,17 @@ def dit_block_output(
     return x, block_linear(act.to(ff_out_w.dtype), ff_out_w, ff_out_b)
 
 
-def block_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def block_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or for an FP8 weight the FP8 GEMM with x quantized per token (models/fp8.py)."""
     if isinstance(weight, Fp8Weight):
         return scaled_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def add_norm(x, delta, norm_w, norm_b, eps: float, out_dtype: torch.dtype, kernel: bool):
+def add_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, norm_b: torch.Tensor, eps: float,
+    out_dtype: torch.dtype, kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its layer norm in out_dtype): the one-pass kernel, or the torch ops for inductor to fuse."""
     if kernel:
         return add_layer_norm(x, delta, norm_w, norm_b, eps, out_dtype)

@@ -75,7 +75,7 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
 def share_graphs_across_sizes() -> None:
     """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
     sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
-    this cuts their number by about 40% (tests/test_fusion.py). Process-wide while fusion is on (torch's shape
+    capture sizes share their graphs (tests/test_fusion.py). Process-wide while fusion is on (torch's shape
     settings are global); disable_fusion restores them."""
     shapes = torch.fx.experimental._config
     for key, value in SHARED_SHAPE_SETTINGS.items():

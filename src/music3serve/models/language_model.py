@@ -12,7 +12,7 @@ from torch import nn
 from .. import contract
 from ..errors import CheckpointError
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, apply_rope, linear, normed, residual_mlp, rms_norm, rope_angles
+from .layers import GatedMLP, RMSNorm, Weight, apply_rope, linear, normed, residual_mlp, rms_norm, rope_angles
 from .weights import Source, require
 
 
@@ -121,7 +121,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
 
-    def inputs(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def inputs(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated, normed queries and keys, and values, of already-normed inputs."""
         return attention_inputs(
             x, self.qkv.weight, self.q_norm.weight, self.k_norm.weight, *rope, self.cfg.eps, self.cfg.heads,
@@ -129,7 +131,9 @@ class Attention(nn.Module):
         )
 
 
-def projections(x, qkv_w, heads: int, kv_heads: int, head_dim: int):
+def projections(
+    x: torch.Tensor, qkv_w: Weight, heads: int, kv_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [b, t, heads, head_dim], k and v [b, t, kv_heads, head_dim] of already-normed inputs, as projected."""
     b, t, _ = x.shape
     q, k, v = linear(x, qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -137,7 +141,10 @@ def projections(x, qkv_w, heads: int, kv_heads: int, head_dim: int):
 
 
 @hot
-def attention_inputs(x, qkv_w, q_norm_w, k_norm_w, cos, sin, eps: float, heads: int, kv_heads: int):
+def attention_inputs(
+    x: torch.Tensor, qkv_w: Weight, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float, heads: int, kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = projections(x, qkv_w, heads, kv_heads, q_norm_w.shape[0])
     return apply_rope(rms_norm(q, q_norm_w, eps), cos, sin), apply_rope(rms_norm(k, k_norm_w, eps), cos, sin), v
 
@@ -150,7 +157,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.eps)
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
-    def forward(self, x: torch.Tensor, rope, attend: AttentionBackend, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: AttentionBackend, layer: int,
+    ) -> torch.Tensor:
         eps, cfg = self.attn.cfg.eps, self.attn.cfg
         h = normed(x, self.attn_norm.weight, eps)
         if getattr(attend, "takes_projections", False):

@@ -72,7 +72,10 @@ def swiglu(x: torch.Tensor, gate_up: Weight, down: Weight, residual: torch.Tenso
 
 
 @hot
-def residual_mlp(x, attn_out, o_w, norm_w, gate_up_w, down_w, eps: float) -> torch.Tensor:
+def residual_mlp(
+    x: torch.Tensor, attn_out: torch.Tensor, o_w: Weight, norm_w: torch.Tensor, gate_up_w: Weight, down_w: Weight,
+    eps: float,
+) -> torch.Tensor:
     """x + o(attn_out), then + SwiGLU(norm(.)): the second half of a pre-norm decoder block (backbone and depth
     decoder)."""
     x = linear(attn_out, o_w, residual=x)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import defaultdict, deque
 from typing import Any, Callable, Iterable
@@ -12,7 +11,7 @@ from ..acoustic.payloads import RenderedWindow, WindowPayload
 from ..acoustic.precision import PrecisionPolicy
 from ..acoustic.renderer import Renderer
 from ..errors import Music3Error, NonFiniteAudio, error_text
-from ..memory import GIB, card_share, host_memory
+from ..memory import GIB, card_share, host_memory, module_bytes
 from .deploy_schema import Stage1Config
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ def check_weights_fit(renderer: Renderer, share: float) -> None:
     (on the CPU: in the machine's memory), or startup fails with the numbers. The activations of a render batch and
     the graphs' memory come on top and are not measured."""
     modules = (renderer.encoder, renderer.dit, renderer.vocoder)
-    weights = sum(t.numel() * t.element_size() for m in modules for t in itertools.chain(m.parameters(), m.buffers()))
+    weights = module_bytes(*modules)
     advice = ["run stage 1 in bfloat16"] if renderer.policy.name == "float32" else []
     if renderer.device.type == "cuda":
         (allowed, where), advice = card_share(renderer.device, share), ["raise it", *advice]

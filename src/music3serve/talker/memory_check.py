@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import contract
 from ..errors import Music3Error
-from ..memory import GIB, card_share, host_memory
+from ..memory import GIB, card_share, host_memory, module_bytes
 from ..models.depth_decoder import DepthDecoder
 from ..models.language_model import LanguageModel
 from .config import TalkerConfig
@@ -14,8 +14,7 @@ from .slots import SlotCache
 
 def device_bytes(lm: LanguageModel, depth: DepthDecoder, config: TalkerConfig) -> int:
     """The weights and lookup tables the talker keeps on its device, whatever the songs."""
-    weights = sum(t.numel() * t.element_size() for m in (lm, depth) for t in (*m.parameters(), *m.buffers()))
-    return weights + (DepthInputs.bytes_needed(depth) if config.depth_cache else 0)
+    return module_bytes(lm, depth) + (DepthInputs.bytes_needed(depth) if config.depth_cache else 0)
 
 
 def row_bytes(lm: LanguageModel, pairs: int, config: TalkerConfig) -> tuple[int, int]:

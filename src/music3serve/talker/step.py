@@ -81,7 +81,7 @@ class FrameStep:
         """Record one graph per capture size on the stage's stream; buffers are left as they were (rows idle)."""
         saved = [t.clone() for t in (self.hidden, self.positions, self.seeds, self.frames)]
         pool = torch.cuda.graph_pool_handle()
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.hidden.device))
         with torch.cuda.stream(self.stream):
             for size in self.capture_sizes:  # warm-up: kernel selection, Triton compilation
                 self.run_eager(size)

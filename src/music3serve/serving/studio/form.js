@@ -1,7 +1,7 @@
 // The song form: its values, errors beside their fields, the lyrics' tag warning and the examples.
 
 const $ = (id) => document.getElementById(id);
-const MAX_SEED = 2n ** 63n; // the server's range: [0, 2^63)
+const MAX_SEED = 2n ** 64n; // the server's range: [0, 2^64)
 
 // A line opening with section tags keeps only the tags: text after them on that line never reaches the model
 // (the checkpoint's lyrics rule, music3serve/prompt.py).
@@ -101,7 +101,7 @@ export function showErrors(problems) {
 export function readRequest() {
   const seed = $("seed").value.trim();
   if (seed && (!/^\d+$/.test(seed) || BigInt(seed) >= MAX_SEED)) {
-    showErrors([{ field: "seed", text: "seed must be a whole number from 0 to 2^63 - 1, or empty for a random one" }]);
+    showErrors([{ field: "seed", text: "seed must be a whole number from 0 to 2^64 - 1, or empty for a random one" }]);
     return null;
   }
   const number = (id) => ($(id).value.trim() === "" ? null : Number($(id).value));

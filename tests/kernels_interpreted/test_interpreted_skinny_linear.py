@@ -1,0 +1,94 @@
+"""The skinny decode GEMM kernel under the interpreter: bf16 and e4m3 weights (per-channel scales), the gated SiLU
+half, the residual (per row, broadcast), strided rows, masked column and K tails, and a row's bits independent of
+the rows beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from music3serve.kernels.skinny_linear import gated_silu_reference, tile_config
+from music3serve.kernels.skinny_linear_kernel import ROW_TILE, run_kernel
+from music3serve.models.fp8 import Fp8Weight, quantize, weight_only_reference
+
+# Neither a multiple of the column tile (16) nor of the K tile (128 bf16, 256 e4m3): both tails are masked.
+N, K = 100, 200
+STEP = 2.0**-7  # one bf16 step, relative to the value
+
+
+def weight(n: int = N, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A bf16 weight [n, K], or its e4m3 codes and float32 scales."""
+    w = (torch.randn(n, K) * K**-0.5).to(torch.bfloat16)
+    if not fp8:
+        return w, None
+    q = quantize(w)
+    return q.codes, q.scale
+
+
+def linear(x, w, scale, **options):
+    """The kernel on the op's tile for this weight."""
+    return run_kernel(x, w, tile_config(w.shape[0], K, options.get("gated", False), scale is not None), scale=scale,
+                      **options)
+
+
+def within_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The kernel and the torch ops add the same float32 products in another order and round each intermediate to
+    bf16, so a value may land one bf16 step away (tests/test_fp8_gpu.py measured such steps on the H200): at most two
+    steps of the largest value, one step of the norm. A wrong mask, index or scale is off by O(1)."""
+    diff, largest = (got.float() - want.float()).abs(), want.float().abs().max()
+    assert diff.max() <= 2 * STEP * largest, (diff.max(), largest)
+    assert diff.norm() <= STEP * want.float().norm(), (diff.norm(), want.float().norm())
+
+
+def product(x, w, scale):
+    """The torch ops' x @ w.T: F.linear, or the e4m3 weight's reference product."""
+    return F.linear(x, w) if scale is None else weight_only_reference(x, Fp8Weight(w, scale))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("rows", [1, 2, 5, ROW_TILE, 2 * ROW_TILE + 3])  # the last: tiles of 32 rows, one partial
+def test_the_product_is_the_torch_ops_within_rounding(rows, fp8):
+    w, scale = weight(fp8=fp8)
+    x = torch.randn(rows, K).to(torch.bfloat16)
+    got = linear(x, w, scale)
+    assert got.shape == (rows, N) and got.dtype == torch.bfloat16
+    within_rounding(got, product(x, w, scale))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_gated_half_is_the_torch_ops_within_rounding(rows, fp8):
+    gate_up, scale = weight(2 * N, fp8=fp8)
+    x = torch.randn(rows, K).to(torch.bfloat16)
+    got = linear(x, gate_up, scale, gated=True)
+    assert got.shape == (rows, N)
+    within_rounding(got, gated_silu_reference(x, gate_up, scale))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+def test_the_residual_is_added_to_the_rounded_product_as_the_torch_add_does(fp8):
+    w, scale = weight(fp8=fp8)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    residual = (torch.randn(3, N) * 4).to(torch.bfloat16)
+    alone = linear(x, w, scale)
+    assert torch.equal(linear(x, w, scale, residual=residual), residual + alone)
+    row = residual[1]
+    assert torch.equal(linear(x, w, scale, residual=row.expand(3, N)), row + alone)  # stride 0: one row for all
+
+
+def test_rows_sliced_from_a_longer_sequence_give_the_bits_of_their_copy():
+    w, _ = weight()
+    last = torch.randn(3, 2, K).to(torch.bfloat16)[:, -1]
+    assert not last.is_contiguous()
+    assert torch.equal(linear(last, w, None), linear(last.contiguous(), w, None))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(gated):
+    w, _ = weight(2 * N if gated else N)
+    x = torch.randn(ROW_TILE, K).to(torch.bfloat16)
+    full = linear(x, w, None, gated=gated)
+    for rows in (1, 2, 7):
+        assert torch.equal(linear(x[:rows].clone(), w, None, gated=gated), full[:rows])
+    assert torch.equal(linear(x.flip(0).contiguous(), w, None, gated=gated), full.flip(0))
