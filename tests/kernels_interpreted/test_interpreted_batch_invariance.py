@@ -41,13 +41,17 @@ def launches(monkeypatch) -> dict[str, list[tuple[int, ...]]]:
     """The launchers' device checks answered for the CPU as for CUDA: decode attention and the depth decoder's first
     call take the Triton path, bf16 rows the skinny ops, and those ops' own rule (row counts, dtypes, strides) decides
     about CUDA tensors of the same shapes, dtypes and strides. Returns the shape of each launch's first input, per
-    launcher: the tests check that the kernels ran."""
-    shapes: dict[str, list[tuple[int, ...]]] = {"attention": [], "skinny": []}
+    launcher, and under "refused" those of the GEMM inputs the rule sent to the torch ops: the tests check that the
+    kernels ran, and for every row count."""
+    shapes: dict[str, list[tuple[int, ...]]] = {"attention": [], "skinny": [], "refused": []}
     rule = skinny.uses_kernel
 
     def uses_kernel_on_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
         with FakeTensorMode():
-            return rule(*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda") for t in (x, w)))
+            taken = rule(*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda") for t in (x, w)))
+        if not taken:
+            shapes["refused"].append(tuple(x.shape))
+        return taken
 
     def recorded(name: str, launcher: Callable) -> Callable:
         def launch(x: torch.Tensor, *args, **kwargs):
@@ -60,8 +64,9 @@ def launches(monkeypatch) -> dict[str, list[tuple[int, ...]]]:
     monkeypatch.setattr(depth_decoder, "takes_rotation", lambda device: True)
     monkeypatch.setattr(layers, "_skinny", lambda x: x.dtype == torch.bfloat16)
     monkeypatch.setattr(skinny, "uses_kernel", uses_kernel_on_cuda)
-    for module, name, launcher in ((attention, "attention", "_decode_attention_triton"), (skinny, "skinny", "run_kernel")):
-        monkeypatch.setattr(module, launcher, recorded(name, getattr(module, launcher)))
+    monkeypatch.setattr(attention, "_decode_attention_triton",
+                        recorded("attention", attention._decode_attention_triton))
+    monkeypatch.setattr(skinny, "run_kernel", recorded("skinny", skinny.run_kernel))
     return shapes
 
 
@@ -180,7 +185,7 @@ def test_the_depth_blocks_gemms_give_a_row_the_same_bits_for_every_row_count_of_
             x[at] = row[0]
             for got, want in zip(gemms(x), alone):
                 assert torch.equal(got[at : at + 1], want), f"{positions} positions, beside {rows - 1} rows"
-    assert len(launches["skinny"]) == 4 * 2 * 7 and (64, 2, DEPTH.hidden) in launches["skinny"]  # all in the kernel
+    assert not launches["refused"] and (64, 2, DEPTH.hidden) in launches["skinny"]
 
 
 def depth_frame(decoder: DepthDecoder, first: torch.Tensor, later: torch.Tensor) -> list[torch.Tensor]:
@@ -205,4 +210,5 @@ def test_the_depth_decoders_calls_give_a_row_the_same_bits_beside_any_rows(fp8, 
         for at, i in enumerate(call):
             for n, out in enumerate(outs if i < len(alone) else ()):
                 assert torch.equal(out[at : at + 1], alone[i][n]), f"output {n} beside {len(call) - 1} rows"
-    assert (rows, 2, DEPTH.hidden) in launches["skinny"] and (rows, DEPTH.heads, DEPTH.hidden) in launches["attention"]
+    assert not launches["refused"] and (rows, 2, DEPTH.hidden) in launches["skinny"]
+    assert (rows, DEPTH.heads, DEPTH.hidden) in launches["attention"]
