@@ -188,27 +188,32 @@ def test_the_depth_blocks_gemms_give_a_row_the_same_bits_for_every_row_count_of_
     assert not launches["refused"] and (64, 2, DEPTH.hidden) in launches["skinny"]
 
 
-def depth_frame(decoder: DepthDecoder, first: torch.Tensor, later: torch.Tensor) -> list[torch.Tensor]:
-    """A frame's first two depth calls as talker/frame.py makes them with its cache: the first two positions, then one
-    more on the cached keys (as each later call); each call's last hidden state and its codebook's logits."""
-    cache, outs = DepthKV(), []
-    for codebook, positions in enumerate((first, later), start=1):
+def depth_frame(decoder: DepthDecoder, first: torch.Tensor, later: torch.Tensor, cached: bool) -> list[torch.Tensor]:
+    """A frame's first two depth calls as talker/frame.py makes them: the first two positions, then one more, on the
+    cached keys (as each later call) or with the whole sequence recomputed (depth_cache off); each call's last hidden
+    state and its codebook's logits."""
+    cache, outs = DepthKV() if cached else None, []
+    for codebook, positions in enumerate((first, later if cached else torch.cat((first, later), dim=1)), start=1):
         hidden = decoder(positions, cache, positioned=True)[:, -1]
         outs += [hidden, decoder.head_logits(hidden, codebook, widen=False)]
     return outs
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
-def test_the_depth_decoders_calls_give_a_row_the_same_bits_beside_any_rows(fp8, launches):
-    """The first call's attention runs decode attention a position at a time, the later call appends to the cache's
-    buffers (which start uninitialized); the GEMMs take the skinny kernel. Four rows tracked, in calls of up to 16."""
+@pytest.mark.parametrize("fp8,cached", [(False, True), (True, True), (False, False)],
+                         ids=["bf16", "e4m3", "bf16-recomputed"])
+def test_the_depth_decoders_calls_give_a_row_the_same_bits_beside_any_rows(fp8, cached, launches):
+    """The first call's attention runs decode attention a position at a time (so does a recomputed call), a cached call
+    appends to the cache's buffers (which start uninitialized); the GEMMs take the skinny kernel. Four rows tracked,
+    in calls of up to 16."""
     decoder, rows = depth_decoder_of(fp8), max(COMPANY)
     first, later = (torch.randn(rows, positions, DEPTH.hidden).to(torch.bfloat16) for positions in (2, 1))
-    alone = [depth_frame(decoder, first[i : i + 1], later[i : i + 1]) for i in range(4)]
-    for call in calls(rows, len(alone)):
-        outs = depth_frame(decoder, first[call], later[call])
+    alone = [depth_frame(decoder, first[i : i + 1], later[i : i + 1], cached) for i in range(4)]
+    seated = calls(rows, len(alone))
+    for call in seated:
+        outs = depth_frame(decoder, first[call], later[call], cached)
         for at, i in enumerate(call):
             for n, out in enumerate(outs if i < len(alone) else ()):
                 assert torch.equal(out[at : at + 1], alone[i][n]), f"output {n} beside {len(call) - 1} rows"
     assert not launches["refused"] and (rows, 2, DEPTH.hidden) in launches["skinny"]
-    assert (rows, DEPTH.heads, DEPTH.hidden) in launches["attention"]
+    per_frame = 2 if cached else 3  # one launch for each position after the first that a call attends from
+    assert len(launches["attention"]) == per_frame * (len(alone) + len(seated))
