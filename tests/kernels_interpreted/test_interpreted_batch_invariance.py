@@ -5,7 +5,9 @@ of a frame. Each row's result is compared bit for bit alone and beside 1, 3, 7 a
 of other contents and lengths, with fresh garbage past every row's length.
 
 The CPU stands in for CUDA: the launchers' own device checks are answered as for CUDA tensors, the kernels and their
-launch choices are untouched."""
+launch choices are untouched. That proves the launch side (grids, tiles, split shares, which rows a program reads);
+the interpreter's float32 dot is not the GPU's, so that a 16- and a 32-row tile multiply a row alike on the GPU is
+for tests/test_batch_invariance_gpu.py."""
 
 from __future__ import annotations
 
