@@ -8,9 +8,9 @@ captured for a batch shape replays correctly as the lengths grow.
 On CUDA with Triton importable the work runs as flash-decoding, in two kernels:
 
 1. ``split``: grid ``(num_splits, kv_heads, rows)``. Each program takes one KV head of one row and one contiguous
-   share of that row's filled length (the share is ``ceil(blocks(L) / num_splits)`` blocks of ``BLOCK_N``
-   positions, computed on the device from ``lengths[r]``), and all query heads of that head's GQA group together,
-   so each K/V block is loaded once for the whole group. It runs an online softmax in fp32 (exp2 domain) and
+   share of that row's filled length (the share is ``max(split_blocks, ceil(blocks(L) / num_splits))`` blocks of
+   ``BLOCK_N`` positions, computed on the device from ``lengths[r]``), and all query heads of that head's GQA group
+   together, so each K/V block is loaded once for the whole group. It runs an online softmax in fp32 (exp2 domain) and
    writes its normalised partial output and its log-sum-exp. Programs whose share starts at or beyond
    ``lengths[r]`` run no loop iterations and store nothing, so the cost follows the filled length, not the
    capacity; positions at or beyond ``lengths[r]`` are never loaded (masked loads), so whatever sits there (stale
