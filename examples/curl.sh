@@ -5,29 +5,43 @@ set -eu
 URL=${1:-http://127.0.0.1:8000}
 AUTH="Authorization: Bearer ${MUSIC3_API_KEY:-}"
 
+# fetch FILE CURL-ARGS...: the response body into FILE; on an HTTP error, the body on stderr and the script stops.
+fetch() {
+  out=$1
+  shift
+  if ! curl -s --fail-with-body -H "$AUTH" "$@" -o "$out"; then
+    cat "$out" >&2 && echo >&2
+    rm -f "$out"
+    exit 1
+  fi
+}
+
 # POST /v1/songs: stream a WAV into a file (-N: write each piece as it arrives; -D -: print the headers).
-curl -sN --fail-with-body -D - -H "$AUTH" -H 'Content-Type: application/json' \
+fetch song.wav -N -D - -H 'Content-Type: application/json' \
   -d '{"caption": "Dreamy synth-pop, female vocals, 110 bpm", "lyrics": "[verse]\nneon skies\n[chorus]\nhey", "duration": 10, "seed": 7}' \
-  "$URL/v1/songs" -o song.wav
+  "$URL/v1/songs"
 
 # The same song as MP3, played while it is written (ffplay reads the stream from stdin).
 # curl -sN -H 'Content-Type: application/json' -d '{"caption": "lofi hip hop", "lyrics": "[verse]\nrain", "format": "mp3"}' \
 #   "$URL/v1/songs" | ffplay -nodisp -autoexit -
 
 # POST /v1/audio/speech, the official server's contract: 32 kHz WAV, seed 0 unless given.
-curl -s --fail-with-body -H "$AUTH" -H 'Content-Type: application/json' \
+fetch speech.wav -H 'Content-Type: application/json' \
   -d '{"model": "MiniMax-Music3", "input": "[verse]\nneon skies", "instructions": "synth-pop", "max_new_tokens": 250}' \
-  "$URL/v1/audio/speech" -o speech.wav
+  "$URL/v1/audio/speech"
 
 # The same, streamed as Opus in Ogg (48 kHz).
-curl -sN --fail-with-body -H "$AUTH" -H 'Content-Type: application/json' \
+fetch speech.ogg -N -H 'Content-Type: application/json' \
   -d '{"model": "MiniMax-Music3", "input": "[verse]\nneon skies", "instructions": "synth-pop", "max_new_tokens": 250, "response_format": "opus", "stream": true}' \
-  "$URL/v1/audio/speech" -o speech.ogg
+  "$URL/v1/audio/speech"
 
 # POST /v1/music_generation, the hosted shape: the audio comes hex-encoded (jq and xxd turn it into a file).
-curl -s --fail-with-body -H "$AUTH" -H 'Content-Type: application/json' \
+fetch hosted.json -H 'Content-Type: application/json' \
   -d '{"model": "MiniMax-Music3", "prompt": "indie folk", "lyrics": "[Verse]\nriver to the sea", "max_new_tokens": 250}' \
-  "$URL/v1/music_generation" | jq -r .data.audio | xxd -r -p > hosted.mp3
+  "$URL/v1/music_generation"
+jq -r .data.audio hosted.json | xxd -r -p > hosted.mp3
+rm hosted.json
 
-curl -s --fail-with-body -H "$AUTH" "$URL/v1/models"
-echo
+fetch models.json "$URL/v1/models"
+cat models.json && echo
+rm models.json

@@ -3,10 +3,11 @@ Code written for the hosted API needs only the base URL changed (and the model n
 `--served-model-name MiniMax-Music3 --served-model-name MiniMaxAI/MiniMax-Music3 --served-model-name music-2.6`
 to take the hosted one as well: the names given replace the defaults). Needs httpx (`pip install httpx`).
 
-    python examples/hosted_api.py [http://127.0.0.1:8000]
+    python examples/hosted_api.py [http://127.0.0.1:8000]       # MUSIC3_API_KEY=KEY for a server with keys
 """
 
 import json
+import os
 import sys
 
 import httpx
@@ -21,7 +22,11 @@ REQUEST = {
     "max_new_tokens": 250,  # ours: the frame cap (25 a second: 10 s); the hosted API has none
 }
 
-with httpx.Client(base_url=BASE, timeout=None) as client:
+# The server's key, if it was started with one (serve --api-key, or MUSIC3_API_KEY).
+KEY = os.environ.get("MUSIC3_API_KEY")
+HEADERS = {"Authorization": f"Bearer {KEY}"} if KEY else {}
+
+with httpx.Client(base_url=BASE, headers=HEADERS, timeout=None) as client:
     # Whole: the audio hex-encoded in the envelope.
     body = client.post("/v1/music_generation", json=REQUEST).json()
     if body["base_resp"]["status_code"] != 0:

@@ -2,11 +2,12 @@
 the whole file, the streamed bytes, and OpenAI's speech events.
 
     music3serve serve --tiny --device cpu      # or --model /path/to/MiniMax-Music3
-    python examples/openai_sdk.py [http://127.0.0.1:8000]
+    python examples/openai_sdk.py [http://127.0.0.1:8000]       # MUSIC3_API_KEY=KEY for a server with keys
 """
 
 import base64
 import json
+import os
 import sys
 
 from openai import OpenAI
@@ -17,7 +18,8 @@ LYRICS = "[verse]\nNeon skies over the bay\n[chorus]\nHold on, hold on"
 # Beyond OpenAI's parameters: the seed, the frame cap (25 a second: 250 is 10 s) and the rate (32000 by default).
 EXTRA = {"seed": 7, "max_new_tokens": 250}
 
-client = OpenAI(base_url=f"{BASE}/v1", api_key="none")  # any key, unless the server was started with one
+# The server's key, if it was started with one (serve --api-key, or MUSIC3_API_KEY); else any key does.
+client = OpenAI(base_url=f"{BASE}/v1", api_key=os.environ.get("MUSIC3_API_KEY") or "none")
 
 # 1. The whole file, as the official server answers: 32 kHz 16-bit WAV.
 song = client.audio.speech.create(model="MiniMax-Music3", voice="default", input=LYRICS, instructions=CAPTION,

@@ -35,6 +35,7 @@ from music3serve.serving.connectors import (
 from music3serve.serving import shared_memory, shm_segments
 from music3serve.serving.deploy_config import connector_extra
 from music3serve.serving.deploy_schema import SharedMemoryExtra
+from shm_names import segments  # tests/ is on the import path (no package)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segment bookkeeping is checked in /dev/shm")
 
@@ -164,12 +165,12 @@ def test_shared_memory_round_trip_in_one_process() -> None:
     try:
         small, large = payload(1, large=False), payload(2, large=True)
         conn.put("events", ("song", META, small))
-        assert conn.segments() == []  # inline
+        assert segments(conn) == []  # inline
         conn.put("to_stage_1", ("song", META, large))
-        assert len(conn.segments(pid=os.getpid())) == 1  # one segment per message
+        assert len(segments(conn, pid=os.getpid())) == 1  # one segment per message
         assert_same(conn.get("events", 1.0), "song", META, small)
         got = conn.get("to_stage_1", 1.0)
-        assert conn.segments() == []  # unlinked by the receiver
+        assert segments(conn) == []  # unlinked by the receiver
         assert_same(got, "song", META, large)
         got.tensors["window"].add_(1)  # the copy is the receiver's own memory
         conn.put("events", ("done", {}, {}))
@@ -200,7 +201,7 @@ def test_a_peer_gone_is_seen_once_its_ends_are_released() -> None:
         conn.release("windows", "reader")
         with pytest.raises(PeerGone, match="no reader left"):
             conn.put("windows", ("window", META, payload(2, large=True)))
-        assert conn.segments() == []  # the unsent message's segment went with it
+        assert segments(conn) == []  # the unsent message's segment went with it
         with pytest.raises(ConnectorError, match="end must be"):
             conn.release("pcm", "both")
     finally:
@@ -234,11 +235,11 @@ def test_threshold_boundary() -> None:
             ({"a": torch.ones(THRESHOLD // 8), "b": np.ones(THRESHOLD // 8, np.float32)}, 1),  # 2 x half
             ({"a": torch.ones(THRESHOLD // 2 - 1, dtype=torch.uint8), "b": torch.ones(1, dtype=torch.uint8)}, 0),
         ]
-        for tensors, segments in cases:
+        for tensors, in_shm in cases:
             conn.put("c", ("k", {}, tensors))
-            assert len(conn.segments()) == segments, {n: t.shape for n, t in tensors.items()}
+            assert len(segments(conn)) == in_shm, {n: t.shape for n, t in tensors.items()}
             assert_same(conn.get("c", 1.0), "k", {}, tensors)
-            assert conn.segments() == []
+            assert segments(conn) == []
     finally:
         conn.close()
 
@@ -247,9 +248,9 @@ def test_close_unlinks_unread_segments() -> None:
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
     for i in range(3):
         conn.put("c", (f"w{i}", {}, {"x": torch.zeros(200, 4096)}))
-    assert len(conn.segments()) == 3
+    assert len(segments(conn)) == 3
     conn.close()
-    assert conn.segments() == []
+    assert segments(conn) == []
     conn.close()  # idempotent
     with pytest.raises(ConnectorError, match="closed"):
         conn.put("c", ("k", {}, {}))
@@ -301,7 +302,7 @@ def test_a_put_whose_copy_fails_leaves_no_segment(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(shared_memory, "pack", fail)
         with pytest.raises(RuntimeError, match="copy failed"):
             conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
-        assert conn.segments() == []
+        assert segments(conn) == []
     finally:
         conn.close()
 
@@ -320,7 +321,7 @@ def test_a_message_larger_than_the_free_dev_shm_is_refused(monkeypatch: pytest.M
         with pytest.raises(ConnectorError, match=r"/dev/shm has 0\.0 MiB free but a message needs 3\.1 MiB; give the "
                            r"container a larger /dev/shm \(docker --shm-size\)"):
             conn.put("c", ("k", {}, {"x": torch.zeros(200, 4096)}))
-        assert conn.segments() == []
+        assert segments(conn) == []
     finally:
         conn.close()
 
@@ -338,13 +339,13 @@ def test_the_free_space_check_counts_bytes_available_to_the_sender(monkeypatch: 
         with pytest.raises(ConnectorError, match=r"/dev/shm has 0\.1 MiB free but a message needs 0\.1 MiB"):
             conn.put("c", ("over", {}, {"x": np.zeros(blocks * fragment + 1, dtype=np.uint8)}))
         monkeypatch.undo()
-        assert len(conn.segments()) == 1  # the one that fitted, and nothing of the refused one
+        assert len(segments(conn)) == 1  # the one that fitted, and nothing of the refused one
         assert_same(conn.get("c", 1.0), "fits", {}, fits)
         with pytest.raises(ConnectorTimeout):
             conn.get("c", 0)  # the refused message never went out
     finally:
         conn.close()
-    assert conn.segments() == []
+    assert segments(conn) == []
 
 
 def test_the_registry_of_unread_segments_forgets_the_read_ones_at_its_cap(
@@ -401,21 +402,6 @@ def test_the_registry_of_unread_segments_forgets_the_read_ones_at_its_cap(
     assert registry == {}
 
 
-def test_cleanup_by_pid_does_not_match_pids_that_begin_with_it() -> None:
-    """cleanup(pid=12) removes segments of process 12 only, not those of process 123 (same leading digits)."""
-    conn = SharedMemoryConnector(EXTRA, channels=("c",))
-    names = {pid: f"{conn.prefix}{pid}_{'ab' * 8}" for pid in (12, 123)}  # named as write_segment names them
-    try:
-        for name in names.values():
-            shm_segments._close(shm_segments._create(name, 16))
-        assert conn.segments(pid=12) == [names[12]]
-        assert conn.cleanup(pid=12) == 1
-        assert conn.segments() == [names[123]]
-    finally:
-        conn.close()
-    assert conn.segments() == []
-
-
 def wait_forked(child: int, limit_s: float = 10.0) -> int:
     """Reap a child made by os.fork (killed past `limit_s`) and return its exit code."""
     deadline = time.monotonic() + limit_s
@@ -435,7 +421,7 @@ def test_a_forked_child_leaves_its_parents_unread_segments_alone() -> None:
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
     try:
         conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
-        assert len(conn.segments()) == 1
+        assert len(segments(conn)) == 1
         child = os.fork()
         if child == 0:  # pragma: no cover - the child: what its atexit hook and finalizer run, then out at once
             try:
@@ -443,7 +429,7 @@ def test_a_forked_child_leaves_its_parents_unread_segments_alone() -> None:
             finally:
                 os._exit(0)
         wait_forked(child)
-        assert len(conn.segments()) == 1
+        assert len(segments(conn)) == 1
         assert conn.get("c", 1.0).tensors["x"].shape == (THRESHOLD,)
     finally:
         conn.close()
@@ -460,20 +446,20 @@ def test_close_in_a_worker_unlinks_what_it_sent_and_nobody_read() -> None:
             code = 3
             try:
                 conn.put("c", ("child", {}, {"x": np.ones(THRESHOLD, dtype=np.uint8)}))
-                sent = len(conn.segments(pid=os.getpid()))
+                sent = len(segments(conn, pid=os.getpid()))
                 conn.close()  # not the owner: no cleanup by prefix
-                code = 0 if (sent, conn.segments(pid=os.getpid())) == (1, []) else 1
+                code = 0 if (sent, segments(conn, pid=os.getpid())) == (1, []) else 1
             finally:
                 os._exit(code)
         assert wait_forked(child) == 0
-        assert conn.segments(pid=child) == []
-        assert len(conn.segments(pid=os.getpid())) == 1  # the parent's own unread segment is still there
+        assert segments(conn, pid=child) == []
+        assert len(segments(conn, pid=os.getpid())) == 1  # the parent's own unread segment is still there
         assert conn.get("c", 1.0).key == "parent"
         with pytest.raises(LostMessage, match="'child'"):
             conn.get("c", 1.0)
     finally:
         conn.close()
-    assert conn.segments() == []
+    assert segments(conn) == []
 
 
 def test_sigterm_chained_before_a_python_handler_unlinks_then_calls_it() -> None:
@@ -483,16 +469,16 @@ def test_sigterm_chained_before_a_python_handler_unlinks_then_calls_it() -> None
     conn = SharedMemoryConnector(EXTRA, channels=("c",))
     before = signal.getsignal(signal.SIGTERM)  # after the connector installed its own, if it was the default
     try:
-        signal.signal(signal.SIGTERM, lambda signum, frame: called.append(len(conn.segments())))
+        signal.signal(signal.SIGTERM, lambda signum, frame: called.append(len(segments(conn))))
         shm_segments._install_sigterm_handler(os.getpid())
         conn.put("c", ("k", {}, {"x": torch.zeros(THRESHOLD, dtype=torch.uint8)}))
-        assert len(conn.segments()) == 1
+        assert len(segments(conn)) == 1
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 5.0
         while not called and time.monotonic() < deadline:
             time.sleep(0.001)  # Python runs the handler in the main thread, between bytecodes
         assert called == [0]  # the handler ran once, with the segments already unlinked
-        assert conn.segments() == []
+        assert segments(conn) == []
     finally:
         signal.signal(signal.SIGTERM, before)
         conn.close()
@@ -554,7 +540,7 @@ def test_round_trip_across_a_spawned_process(echo, large: bool) -> None:
     conn.put("down", ("song", META, tensors))
     got = conn.get("up", CHILD_WAIT_S)  # there and back: the child received it, then sent it itself
     assert_same(got, "song", META, tensors)
-    assert conn.segments() == []  # both segments (there, back) unlinked by their readers
+    assert segments(conn) == []  # both segments (there, back) unlinked by their readers
     with pytest.raises(ConnectorError, match="already sent to another process"):
         conn.open_channel("late")
 
@@ -564,20 +550,19 @@ def test_sigkilled_child_segments_removed_by_cleanup() -> None:
     proc = _start(_flood_child, conn, 3, "wait")
     try:
         assert conn.get("ready", CHILD_WAIT_S).key == str(proc.pid)
-        assert len(conn.segments(pid=proc.pid)) == 3
+        assert len(segments(conn, pid=proc.pid)) == 3
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10.0)
         assert proc.exitcode == -signal.SIGKILL
-        assert len(conn.segments(pid=proc.pid)) == 3  # nobody could clean up in the child
-        assert conn.cleanup(pid=os.getpid()) == 0  # only the named process's segments
-        assert conn.cleanup(pid=proc.pid) == 3
-        assert conn.segments() == []
+        assert len(segments(conn, pid=proc.pid)) == 3  # nobody could clean up in the child
+        assert conn.cleanup() == 3
+        assert segments(conn) == []
         with pytest.raises(ConnectorError, match=r"message 'w0' on channel 'up' lost its shared-memory segment"):
             conn.get("up", 1.0)  # what the dead worker queued reports itself, then the channel drains
     finally:
         _stop(proc)
         conn.close()
-    assert conn.segments() == []
+    assert segments(conn) == []
 
 
 def test_close_in_the_owner_removes_a_killed_childs_segments() -> None:
@@ -587,11 +572,11 @@ def test_close_in_the_owner_removes_a_killed_childs_segments() -> None:
         conn.get("ready", CHILD_WAIT_S)
         proc.kill()
         proc.join(10.0)
-        assert len(conn.segments()) == 2
+        assert len(segments(conn)) == 2
     finally:
         _stop(proc)
         conn.close()
-    assert conn.segments() == []
+    assert segments(conn) == []
 
 
 def test_child_exit_and_sigterm_unlink_unread_segments() -> None:
@@ -602,13 +587,13 @@ def test_child_exit_and_sigterm_unlink_unread_segments() -> None:
     try:
         ready = {conn.get("ready", CHILD_WAIT_S).key, conn.get("ready", CHILD_WAIT_S).key}
         assert ready == {str(returns.pid), str(waits.pid)}
-        assert len(conn.segments(pid=waits.pid)) == 2
+        assert len(segments(conn, pid=waits.pid)) == 2
         waits.terminate()  # SIGTERM
         waits.join(10.0)
         returns.join(10.0)
         assert waits.exitcode == -signal.SIGTERM  # still dies of the signal
         assert returns.exitcode == 0
-        assert conn.segments() == []
+        assert segments(conn) == []
     finally:
         _stop(returns)
         _stop(waits)
@@ -632,8 +617,8 @@ def test_a_fork_started_child_unlinks_its_own_unread_segments_at_exit_and_not_it
         proc.start()
         proc.join(10.0)
         assert proc.exitcode == 0
-        assert conn.segments(pid=proc.pid) == []
-        assert len(conn.segments(pid=os.getpid())) == 1
+        assert segments(conn, pid=proc.pid) == []
+        assert len(segments(conn, pid=os.getpid())) == 1
         assert conn.get("c", 1.0).key == "parent"
         with pytest.raises(LostMessage, match="'child'"):  # dropped when its sender exited
             conn.get("c", 1.0)
@@ -641,7 +626,7 @@ def test_a_fork_started_child_unlinks_its_own_unread_segments_at_exit_and_not_it
         if proc is not None:
             _stop(proc)
         conn.close()
-    assert conn.segments() == []
+    assert segments(conn) == []
 
 
 def test_no_resource_tracker_warnings_and_nothing_left(tmp_path: Path) -> None:
@@ -654,6 +639,7 @@ def test_no_resource_tracker_warnings_and_nothing_left(tmp_path: Path) -> None:
             import multiprocessing as mp
             import torch
             from music3serve.serving.connectors import SharedMemoryConnector
+            from music3serve.serving.shm_segments import list_segments
 
             def child(conn):
                 conn.put("up", conn.get("down", 60))
@@ -671,7 +657,7 @@ def test_no_resource_tracker_warnings_and_nothing_left(tmp_path: Path) -> None:
                 conn.put("down", ("ack", {}, {}))
                 proc.join(60)
                 assert proc.exitcode == 0, proc.exitcode
-                print("LEFT", conn.segments(), conn.prefix)
+                print("LEFT", list_segments(conn.prefix), conn.prefix)
                 conn.close()
             """
         )

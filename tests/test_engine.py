@@ -34,10 +34,11 @@ from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import PCM_BYTES_PER_SAMPLE
 from music3serve.serving.events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
 from music3serve.serving.heartbeat import StageWatch
-from music3serve.serving.held_songs import caller_id, callers_ids
+from music3serve.serving.held_songs import callers_ids
 from music3serve.serving.stage1 import LocalStage1
 from failing_prefill import FailingPrefill  # tests/ is on the import path (no package)
 from polling import poll_until
+from song_keys import caller_id
 
 
 def callers(keys) -> set[str]:
@@ -387,6 +388,37 @@ def test_bad_input_raises_before_anything_is_queued(engine, bad):
     run(scenario())
     assert samples(engine)["music3_requests_total"] == before
     assert not engine.talker.songs and not engine.talker.busy
+
+
+def test_a_song_cancelled_between_its_hold_and_its_submit_is_never_decoded(engine, monkeypatch):
+    """A cancel from another thread just after the engine holds a song, before it submits it to the talker loop,
+    reaches the loop first (and finds nothing to cancel); the song, taken next, was decoded anyway, for nobody."""
+    hold, submit, taken = engine.held.hold, engine.talker.submit, []
+
+    def hold_then_cancel(key, client):
+        hold(key, client)
+        if client.song == "raced":
+            assert engine.cancel("raced")  # as another thread's DELETE would, here at once: no timing involved
+
+    def recording(song, *args):
+        taken.append(caller_id(song))
+        return submit(song, *args)
+
+    monkeypatch.setattr(engine.held, "hold", hold_then_cancel)
+    monkeypatch.setattr(engine.talker, "submit", recording)
+    before = samples(engine)
+
+    async def scenario():
+        raced = await collect(engine, request(0, id="raced"))
+        # Queued behind "raced" (one queue, in order): once this song is done, the loop has taken "raced" too.
+        return raced, await collect(engine, request(1, id="after", duration_s=1.0))
+
+    raced, after = run(scenario())
+    assert [(type(e), e.message) for e in raced] == [(Failed, "cancelled")] and isinstance(after[-1], Done)
+    assert taken == ["after"]
+    now = samples(engine)
+    assert now["music3_requests_total"] == before["music3_requests_total"] + 1
+    assert now["music3_cancels_total"] == before["music3_cancels_total"] + 1
 
 
 def test_two_callers_racing_for_one_id_get_one_song(engine, monkeypatch):

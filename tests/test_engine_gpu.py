@@ -15,6 +15,7 @@ from music3serve.errors import Music3Error
 from music3serve.serving.deploy_config import load_deploy_config
 from music3serve.serving.engine import Engine
 from music3serve.serving.events import AudioChunk, Done, Failed, SongRequest
+from shm_names import segments  # tests/ is on the import path (no package)
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +53,7 @@ def test_concurrent_songs_complete(tiny_dir, split):
         engine.close()
         torch.cuda.synchronize()
     if split:
-        assert not engine.worker.connector.segments()
+        assert not segments(engine.worker.connector)
 
 
 def test_stage1_weights_past_their_share_of_the_card_fail_at_startup(tiny_dir):

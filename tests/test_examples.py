@@ -175,18 +175,32 @@ class Run:
     folder: Path
 
 
+EXAMPLE_KEY = "s3cret"
+
+
 @pytest.fixture(scope="module")
-def example_runs(api_url, tmp_path_factory) -> dict[str, Run]:
+def keyed_api_url(engine, serve_http):
+    """The API as `MUSIC3_API_KEY=s3cret music3serve serve` runs it on 127.0.0.1."""
+    access = Access(api_keys=(EXAMPLE_KEY,), hosts=HostPolicy.for_bind("127.0.0.1"))
+    with serve_http(create_app(engine, access=access)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def example_runs(keyed_api_url, tmp_path_factory) -> dict[str, Run]:
     """curl.sh, openai_sdk.py and hosted_api.py started at once, each in a folder of its own, given the server's
-    URL as their first argument. curl.sh needs curl, jq and xxd, and is left out without them."""
-    commands = {name: [sys.executable, str(EXAMPLES / name), api_url] for name in ("openai_sdk.py", "hosted_api.py")}
+    URL as their first argument and its key in MUSIC3_API_KEY (curl.sh once more with a wrong key). curl.sh needs
+    curl, jq and xxd, and is left out without them."""
+    commands = {name: [sys.executable, str(EXAMPLES / name), keyed_api_url]
+                for name in ("openai_sdk.py", "hosted_api.py")}
     if all(shutil.which(tool) for tool in ("curl", "jq", "xxd")):
-        commands["curl.sh"] = ["sh", str(EXAMPLES / "curl.sh"), api_url]
+        commands["curl.sh"] = commands["curl.sh wrong key"] = ["sh", str(EXAMPLES / "curl.sh"), keyed_api_url]
     started = {}
     for name, command in commands.items():
-        folder = tmp_path_factory.mktemp(name.replace(".", "_"))
+        folder = tmp_path_factory.mktemp(name.replace(".", "_").replace(" ", "_"))
+        key = "wrong" if name.endswith("wrong key") else EXAMPLE_KEY
         started[name] = folder, subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                 text=True)
+                                                 text=True, env={**os.environ, "MUSIC3_API_KEY": key})
     runs = {}
     for name, (folder, process) in started.items():
         try:
@@ -198,14 +212,14 @@ def example_runs(api_url, tmp_path_factory) -> dict[str, Run]:
     return runs
 
 
-def ran(runs: dict[str, Run], name: str) -> Run:
+def ran(runs: dict[str, Run], name: str, ok: bool = True) -> Run:
     if name not in runs:  # as the browser: a skip, or a failure under CI (where `make test` installs them)
         why = f"{name} needs curl, jq and xxd (apt-get install curl jq xxd)"
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
     run = runs[name]
-    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert (run.returncode == 0) == ok, (run.stdout, run.stderr)
     return run
 
 
@@ -247,3 +261,9 @@ def test_curl_sh_writes_every_endpoints_song_and_lists_the_models(example_runs):
     assert_song_audio((run.folder / "speech.wav").read_bytes(), "wav", SPEECH_RATE, SCRIPT_FRAMES)
     assert_song_audio((run.folder / "speech.ogg").read_bytes(), "opus", 48000, SCRIPT_FRAMES)
     assert_song_audio((run.folder / "hosted.mp3").read_bytes(), "mp3", 44100, SCRIPT_FRAMES)
+
+
+def test_curl_sh_stops_at_an_http_error_with_its_body_shown(example_runs):
+    run = ran(example_runs, "curl.sh wrong key", ok=False)
+    assert json.loads(run.stderr) == {"error": "the API key is not valid"}  # /v1/songs' error body
+    assert list(run.folder.iterdir()) == []  # no error body left behind as a song

@@ -36,9 +36,9 @@ from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_c
 from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import MAX_SONGS
 from music3serve.serving.events import Accepted, AudioChunk, Done, SongRequest
-from music3serve.serving.held_songs import caller_id
 from music3serve.serving.request_body import DRAIN_BYTES, MAX_BODY_BYTES, BoundedBody, SongBody
 from polling import poll_until  # tests/ is on the import path (no package)
+from song_keys import caller_id
 
 
 def callers(keys) -> set[str]:

@@ -38,6 +38,7 @@ from music3serve.serving.worker import ChunkDeadlines, RenderWorker, windows_in_
 from music3serve.serving.worker_messages import PCM, WINDOWS, window_message
 from music3serve.serving.worker_process import load_acoustic
 from polling import poll_until  # tests/ is on the import path (no package)
+from shm_names import segments
 from test_engine import wait_until  # the engine tests' helper
 
 SONGS = [(0, 6.0), (1, 9.0), (2, 4.0)]
@@ -82,7 +83,7 @@ def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, c
     for a, b in zip(split, colocated):
         assert isinstance(a, np.ndarray) and a.dtype == b.dtype == np.float32 and a.shape == b.shape, a
         assert np.abs(a - b).max() < SPLIT_PCM_MAX_ABS  # float32 batching differences only
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir, caplog):
@@ -106,7 +107,7 @@ def test_a_killed_worker_fails_its_songs_clearly_and_leaves_no_segments(tiny_dir
             asyncio.run(song_pcm(engine, 5, 2.0))
     finally:
         engine.close()
-    assert not connector.segments()
+    assert not segments(connector)
     stopped = [r for r in caplog.records if r.name == "music3serve.serving.engine"]
     assert stopped and all(r.getMessage() == "engine stage stopped" and not r.exc_info for r in stopped), [
         (r.getMessage(), r.exc_info) for r in stopped]  # the death is one line, not a traceback
@@ -188,7 +189,7 @@ def test_a_frozen_worker_is_stopped_as_hung_and_the_engine_says_so(tiny_dir):
         started = time.monotonic()
         engine.close()
         assert time.monotonic() - started < 20
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def test_an_idle_worker_is_not_taken_for_hung(tiny_dir):
@@ -373,7 +374,7 @@ def test_a_render_call_that_never_ends_is_stopped_as_hung(tiny_dir, tmp_path):
     finally:
         flag.unlink()
         engine.close()
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def test_a_long_render_call_does_not_time_out_the_songs_waiting_on_it(tiny_dir, tmp_path):
@@ -589,7 +590,7 @@ def test_one_window_slot_still_gives_the_colocated_songs_and_every_slot_back(tin
         assert slots.get_value() == 1
     finally:
         engine.close()
-    assert not connector.segments()
+    assert not segments(connector)
 
 
 def first_segment_gone(read):
@@ -631,6 +632,31 @@ def test_audio_whose_segment_vanished_fails_its_song_alone(tiny_dir, monkeypatch
     monkeypatch.setattr(shm_segments, "read_segment", first_segment_gone(shm_segments.read_segment))
     try:
         assert_that_song_alone_fails(engine, "audio was lost on its way")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "colocated"])
+def test_a_window_that_cannot_be_delivered_fails_its_song_alone_in_either_placement(tiny_dir, monkeypatch, split):
+    """The engine's hand-over of a rendered window raises (here its first one's): that song fails saying so, and the
+    engine serves on. Split, the receiver thread died of it and the engine stopped."""
+    from music3serve.serving.stage_reports import StageReports
+
+    real, calls = StageReports.on_chunk, []
+
+    def first_one_fails(self, out):
+        calls.append(out.song)
+        if len(calls) == 1:
+            raise RuntimeError("the chunk could not be queued")
+        return real(self, out)
+
+    monkeypatch.setattr(StageReports, "on_chunk", first_one_fails)  # before the engine binds it
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=split)
+    try:
+        result = asyncio.run(asyncio.wait_for(song_pcm(engine, 1, 6.0), 120))
+        assert result == "stage 1 could not deliver window 0: the chunk could not be queued"
+        assert engine.unavailable() is None and (not split or engine.worker.alive())
+        assert isinstance(asyncio.run(asyncio.wait_for(song_pcm(engine, 2, 6.0), 120)), np.ndarray)
     finally:
         engine.close()
 
@@ -799,7 +825,7 @@ def test_a_worker_whose_server_was_killed_stops_and_removes_the_segments(tiny_di
         while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower():
             assert time.monotonic() < deadline, "the orphaned worker is still running"
             time.sleep(0.1)
-        assert not shm_segments.list_segments(prefix, None)
+        assert not shm_segments.list_segments(prefix)
     finally:
         parent.kill()
 

@@ -315,3 +315,11 @@ def test_the_lyrics_warning_follows_the_prompt_rules(page):
         return lines.map((line) => form.droppedText(line).length > 0); }""", lines)
     dropped = [any(word.lower() not in normalize_lyrics(line).lower() for word in line.split()) for line in lines]
     assert warned == dropped and any(dropped) and not all(dropped), list(zip(lines, warned, dropped))
+
+
+def test_the_clock_reads_a_take_as_its_card_does(page):
+    """m:ss to the nearest second, as a take's card rounds its length: a 5.96 s take is 0:06 long, not 0:05."""
+    read = page.evaluate("""async (seconds) => {
+        const player = await import('/studio/player.js');
+        return seconds.map((s) => player.clock(s)); }""", [0, 5.4, 5.96, 59.6, 61, 3600])
+    assert read == ["0:00", "0:05", "0:06", "1:00", "1:01", "60:00"]

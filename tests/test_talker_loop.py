@@ -72,9 +72,9 @@ class RecordingStage1:
 
 
 class LiveSongs:
-    """The engine's side: songs are live from their acceptance until they are refused or fail (or `end` is called,
-    as another thread of the engine would, say a stage that died failing every song); `told` lists what it was told
-    but `live`."""
+    """The engine's side: songs are live from their submission (the engine holds a song before it submits it) until
+    they are refused or fail (or `end` is called, as another thread of the engine would, say a stage that died
+    failing every song, or a caller's cancel); `told` lists what it was told but `live`."""
 
     def __init__(self):
         self.live: set[str] = set()
@@ -85,9 +85,7 @@ class LiveSongs:
 
     def tell(self, *what) -> None:
         self.told.append(what)
-        if what[0] == "accepted":
-            self.live.add(what[1])
-        elif what[0] in ("refused", "fail"):
+        if what[0] in ("refused", "fail"):
             self.end(what[1])
 
     def callers(self) -> Callers:
@@ -110,12 +108,17 @@ def finished() -> SongFinished:
 
 
 def run_loop(script: list[Callable[[], list[Event]]], stage1: RecordingStage1, songs: LiveSongs,
-             talker: type[ScriptedTalker] = ScriptedTalker) -> TalkerLoop:
+             talker: type[ScriptedTalker] = ScriptedTalker, cancelled_first: bool = False) -> TalkerLoop:
     """Submit song "a" (seed 7, 300 frames, a 2-token prompt, 2 Euler steps), then run the talker loop
-    (async_chunk false: windows held until the song's last frame) through the script's steps, on this thread."""
+    (async_chunk false: windows held until the song's last frame) through the script's steps, on this thread.
+    cancelled_first: its caller cancelled it between the engine's hold and its submit (the cancel comes first)."""
     stop = threading.Event()
     loop = TalkerLoop(talker(script, stop), songs.callers(), stage1, StageWatch(math.inf, "talker call"),
                       EngineMetrics(lambda: 0, lambda: 0, lambda: 0), stop, async_chunk=False)
+    if cancelled_first:
+        loop.cancel("a")
+    else:
+        songs.live.add("a")
     loop.submit("a", [1, 2], [1, 2], 7, 300, 2)
     loop.run()
     return loop
@@ -141,7 +144,17 @@ def test_without_async_chunk_no_window_of_a_song_that_ended_is_sent_to_stage_1(h
     script = [lambda: [window(0)], lambda: (ending(), [window(1)])[1], lambda: [window(2, last=True), finished()]]
     loop = run_loop(script, stage1, songs)
     assert stage1.sent == SENT[how]
-    assert not loop.held and not loop.steps
+    assert not loop.held_windows and not loop.steps
+
+
+def test_a_song_whose_caller_is_gone_when_it_is_taken_is_not_decoded() -> None:
+    """A cancel from another thread between the engine's hold and its submit reaches the loop before the song (and
+    finds nothing to cancel): the song, taken next, is skipped, not decoded for nobody."""
+    songs = LiveSongs()
+    loop = run_loop([lambda: []], RecordingStage1(), songs, cancelled_first=True)
+    assert loop.talker.cancelled == ["a"]  # the cancel, taken first
+    assert not loop.talker.songs and not songs.told and not loop.steps
+    assert loop.metrics.requests._value.get() == 0
 
 
 class RefusingTalker(ScriptedTalker):

@@ -11,7 +11,8 @@ previous kernel of their graph did not write (and wait first after any non-gener
 
 ``MUSIC3SERVE_PDL`` chooses: ``all`` (default) for our Triton kernels and inductor's generated ones, ``ours`` for
 ours only, ``off`` for none (to rule it out when a driver misbehaves, or to measure it). Set it before the
-process starts: the engine checks it once at startup, inductor's choice is fixed when the hot paths compile.
+process starts: eager launches read it each time, but captured graphs keep the choice made at capture, and
+inductor's when the hot paths compile.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import __version__, contract
+from ..errors import error_text
 from .access import OWNER, Access, allowed_methods, install, route_path
 from .engine import Engine
 from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response
@@ -86,6 +87,13 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
                 why = f"a number has more than {sys.get_int_max_str_digits()} digits"
             return reply(400, f"the body is not valid JSON: {why}", exc.headers)
         return reply(exc.status_code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """An error no route expected (a bug): a 500 in the route's error body, with the error's text alone; Starlette
+        then raises it on to the server, which logs its traceback and closes the connection (which the answer says,
+        so that no client sends another request on it). A response already started is cut instead."""
+        return reply_for(request)(500, f"the server failed: {error_text(exc)}", {"Connection": "close"})
 
     @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(json_object_of(SongBody))],
               operation_id="create_song", response_class=Response, responses=post_responses(AUDIO_CONTENT, "plain"))

@@ -19,7 +19,7 @@ from ..errors import InputError, install_hint
 CHANNELS = 2
 OUTPUT_RATES = (44_100, 32_000)
 UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streaming WAV, whose length is not known yet
-FORMATS = (".wav", ".flac")
+FILE_SUFFIXES = (".wav", ".flac")  # of the song files write_audio writes
 FILTER_ZEROS = 32  # the resampling filter's zero crossings per side: source samples each output reads either way
 
 
@@ -105,7 +105,7 @@ def _song_name(path: Path | str) -> Path:
         is_folder = False
     if is_folder:
         raise InputError(f"cannot write {path}: it is a folder (give the song's file name, NAME.wav or NAME.flac)")
-    if path.suffix.lower() not in FORMATS or not path.stem:
+    if path.suffix.lower() not in FILE_SUFFIXES or not path.stem:
         raise InputError(f"output file must be NAME.wav or NAME.flac, got {path.name!r}")
     if path.suffix.lower() == ".flac":
         _soundfile()

@@ -13,7 +13,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -176,17 +176,27 @@ class Engine:
         then): cancelling it earlier returns False; closing the unread stream is how to drop it."""
         if not isinstance(song, str):
             raise InputError(f"cancel takes a song's id (a string), got {type(song).__name__}: {song!r:.80}")
+        return self._end(song, self.held.count_cancel)
+
+    def fail(self, song: str, message: str) -> bool:
+        """End a song as failed for a reason of the caller's (say the server could not encode its audio), as cancel
+        does but counted as a failure: its stream ends with Failed(message). Whether it did, as for cancel."""
+        return self._end(song, partial(self.reports.fail, message=message))
+
+    def _end(self, song: str, end: Callable[[str], bool]) -> bool:
+        """End the song held as `song` if end(key) does: its id free at once, its work stopped in both stages."""
         key = self.held.key_of(song)
-        if key is None or not self.held.count_cancel(key):
+        if key is None or not end(key):
             return False
-        self.held.release_id(song, key)  # the id is free at once (its stream still ends with Failed("cancelled"))
+        self.held.release_id(song, key)
         self._cancel(key)
         return True
 
     def progress(self, song: str) -> tuple[int, int] | None:
         """(frames written, windows rendered) of the song held under the caller's id `song`, or None. Read from
-        the caller's thread while the stages run: each count may be a step behind, and frames read 0 once the
-        talker has let the song go (its Done carries the final count)."""
+        the caller's thread while the stages run: each count may be a step behind. A song whose last frame is
+        written reports its final count; one cancelled or failed, 0 frames or None (the HTTP API keeps the count it
+        read last)."""
         key = self.held.key_of(song)
         client = self.held.client(key) if key is not None else None
         if client is None:

@@ -6,9 +6,11 @@ added to a route later (say an API key check raising an HTTPException) all answe
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from fastapi.responses import JSONResponse
+
+from ..prompt import PROMPT_FIELDS
 
 SONGS_PATH = "/v1/songs"
 SPEECH_PATH = "/v1/audio/speech"  # OpenAI's speech endpoint, as the official server serves it
@@ -51,6 +53,28 @@ def minimax_error(status: int, message: str, headers: dict[str, str] | None = No
     """MiniMax's envelope with no data: {"base_resp": {"status_code", "status_msg"}}, under the HTTP error status."""
     body = {"data": None, "base_resp": {"status_code": MINIMAX_CODES.get(status, 1000), "status_msg": message}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def renaming(reply: ErrorReply, names: dict[str, str], prompt: str, busy_hint: str = "") -> ErrorReply:
+    """`reply` for an endpoint whose fields are named otherwise than SongRequest's (the engine's messages begin with
+    those, and `param` names them): `names` maps them to the endpoint's, `prompt` replaces the token limit's
+    PROMPT_FIELDS, and a 429's message ends with `busy_hint`."""
+
+    def renamed(status: int, message: str, headers: dict[str, str] | None = None,
+                param: str | None = None) -> JSONResponse:
+        if param in names:
+            message, param = names[param] + message[len(param):], names[param]
+        message = message.replace(PROMPT_FIELDS, prompt) + (busy_hint if status == 429 else "")
+        return reply(status, message, headers, param)
+
+    return renamed
+
+
+def model_not_served(reply: ErrorReply, model: str, served: Sequence[str],
+                     listed_at: str = f" (GET {MODELS_PATH})") -> JSONResponse:
+    """The 404 of a `model` this server does not serve, naming those it does (and where they are listed)."""
+    return reply(404, f"model {model!r:.80} is not served here; it serves {', '.join(served)}{listed_at}",
+                 param="model")
 
 
 _BY_PATH: dict[str, ErrorReply] = {SPEECH_PATH: openai_error, MODELS_PATH: openai_error, MUSIC_PATH: minimax_error}

@@ -22,11 +22,6 @@ def deliver(client: "SongClient", event: Event) -> None:
     client.events.put_nowait(event)
 
 
-def caller_id(key: str) -> str:
-    """The caller's id of a song key the stages know (HeldSongs.new_key)."""
-    return key.rpartition("#")[0]
-
-
 _QUOTED_KEY = re.compile(r"""(['"])((?:(?!\1).)*)#\d+\1""")  # a key as repr() quotes it: 'id#7', or "it's#7"
 
 
@@ -75,10 +70,6 @@ class HeldSongs:
     def held_keys(self) -> list[str]:
         """The keys of the songs held now."""
         return list(self._clients)
-
-    def held_ids(self) -> list[str]:
-        """The callers' ids of the songs held now."""
-        return list(self._keys)
 
     def client(self, key: str) -> SongClient | None:
         return self._clients.get(key)

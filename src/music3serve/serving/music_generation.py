@@ -16,13 +16,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import contract
-from ..prompt import MAX_STEPS, PROMPT_FIELDS, duration_for_frames
+from ..prompt import MAX_STEPS, duration_for_frames
 from .audio_io import CHANNELS, PcmEncoder
-from .error_bodies import MODELS_PATH, MUSIC_PATH, minimax_error
-from .events import SongRequest
+from .error_bodies import MUSIC_PATH, minimax_error, model_not_served, renaming
 from .openapi_docs import EVENTS_CONTENT, post_responses
 from .request_body import integer_of, json_object_of, refused
-from .song_types import Framing, SongOrder, SongState, server_sent_event
+from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
 
 if TYPE_CHECKING:
     from .song_service import SongService
@@ -144,13 +143,8 @@ class HexEnvelope(Framing):
         return f'","status":{COMPLETED}}},{json.dumps(rest, separators=(",", ":"))[1:]}'.encode()
 
 
-def music_error(status: int, message: str, headers: dict[str, str] | None = None,
-                param: str | None = None) -> JSONResponse:
-    """MiniMax's envelope, with the engine's field names turned into this endpoint's."""
-    names = {"caption": "prompt", "duration": "max_new_tokens"}
-    if param in names:
-        message = names[param] + message[len(param):]
-    return minimax_error(status, message.replace(PROMPT_FIELDS, "prompt + lyrics"), headers, param)
+# MiniMax's envelope with this endpoint's field names.
+music_error = renaming(minimax_error, {"caption": "prompt", "duration": "max_new_tokens"}, "prompt + lyrics")
 
 
 def add_music_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:
@@ -162,13 +156,10 @@ def add_music_routes(app: FastAPI, service: SongService, served: Sequence[str]) 
               responses=post_responses({**envelope, **EVENTS_CONTENT}, "minimax", (404,)))
     async def music_generation(body: MusicBody, request: Request) -> Response:
         if body.model not in served:
-            return music_error(404, f"model {body.model!r:.80} is not served here; it serves {', '.join(served)} "
-                                    f"(GET {MODELS_PATH})", param="model")
+            return model_not_served(music_error, body.model, served)
         setting = body.audio_setting
         lyrics = INSTRUMENTAL_LYRICS if body.is_instrumental else body.lyrics
-        song = SongRequest(body.prompt, lyrics, duration_for_frames(body.max_new_tokens), body.seed)
-        if body.steps is not None:
-            song.steps = body.steps
+        song = song_request(body.prompt, lyrics, duration_for_frames(body.max_new_tokens), body.seed, body.steps)
         order = SongOrder(song, setting.format, setting.sample_rate, body.stream, setting.bitrate)
         started = await service.start(order, request, music_error)
         if isinstance(started, Response):

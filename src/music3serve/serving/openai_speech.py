@@ -17,13 +17,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import contract
-from ..prompt import MAX_STEPS, PROMPT_FIELDS, duration_for_frames
+from ..prompt import MAX_STEPS, duration_for_frames
 from .encoders import FORMATS
-from .error_bodies import MODELS_PATH, SPEECH_PATH, openai_error
-from .events import SongRequest
+from .engine_limits import audio_bytes
+from .error_bodies import MODELS_PATH, SPEECH_PATH, model_not_served, openai_error, renaming
 from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODEL_RESPONSES, MODELS_RESPONSES, post_responses
 from .request_body import integer_of, json_object_of, refused
-from .song_types import Framing, SongOrder, SongState, server_sent_event
+from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
 
 if TYPE_CHECKING:
     from .song_service import SongService
@@ -112,17 +112,11 @@ class SpeechEvents(Framing):
         return server_sent_event({"type": "error", "error": error}, "error")
 
 
-def speech_error(status: int, message: str, headers: dict[str, str] | None = None,
-                 param: str | None = None) -> JSONResponse:
-    """OpenAI's error body, with the engine's field names turned into this endpoint's, and a 429 that says how a
-    lower max_new_tokens helps."""
-    if param in FIELD_NAMES:
-        message, param = FIELD_NAMES[param] + message[len(param):], FIELD_NAMES[param]
-    message = message.replace(PROMPT_FIELDS, "instructions + input")
-    if status == 429:
-        message += ("; the engine reserves room for a song's unread audio by its max_new_tokens (9000 frames, "
-                    "127 MB, by default): a lower one reserves less")
-    return openai_error(status, message, headers, param)
+# OpenAI's error body with this endpoint's field names, and a 429 that says how a lower max_new_tokens helps.
+speech_error = renaming(
+    openai_error, FIELD_NAMES, "instructions + input",
+    busy_hint=f"; the engine reserves room for a song's unread audio by its max_new_tokens ({contract.MAX_FRAMES} "
+              f"frames, {audio_bytes(contract.MAX_FRAMES) / 1e6:.0f} MB, by default): a lower one reserves less")
 
 
 def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:
@@ -135,11 +129,9 @@ def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str])
               responses=post_responses({**AUDIO_CONTENT, **EVENTS_CONTENT}, "openai", (404,)))
     async def create_speech(body: SpeechBody, request: Request) -> Response:
         if body.model not in served:
-            return speech_error(404, f"model {body.model!r:.80} is not served here; it serves {', '.join(served)} "
-                                     f"(GET {MODELS_PATH})", param="model")
-        song = SongRequest(body.instructions, body.input, duration_for_frames(body.max_new_tokens), body.seed)
-        if body.steps is not None:
-            song.steps = body.steps
+            return model_not_served(speech_error, body.model, served)
+        song = song_request(body.instructions, body.input, duration_for_frames(body.max_new_tokens), body.seed,
+                            body.steps)
         events = body.stream_format == "sse"
         order = SongOrder(song, body.response_format, body.sample_rate, stream=body.stream or events)
         started = await service.start(order, request, speech_error)
@@ -159,6 +151,5 @@ def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str])
              responses=MODEL_RESPONSES)
     async def retrieve_model(model: str) -> JSONResponse:
         if model not in cards:
-            return speech_error(404, f"model {model!r:.80} is not served here; it serves {', '.join(served)}",
-                                param="model")
+            return model_not_served(speech_error, model, served, listed_at="")
         return JSONResponse(cards[model])

@@ -1,7 +1,8 @@
 """What /openapi.json says of each route beyond its request body: the media types it answers with, its response
 headers and the links from a song's POST to its GET and DELETE (X-Song-Id), the statuses it sends and the error
 body of each endpoint (serving/error_bodies.py), and the API keys' bearer scheme where keys are required. FastAPI's
-own schema would describe audio as JSON and errors as 422 (this API answers 400): here both are put right."""
+own schema would describe audio as JSON and errors as 422 (this API answers 400): here both are put right, and
+every route lists the 500 of an unexpected error."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel
 
 from .access import PROTECTED, Access
 from .encoders import MEDIA_TYPES
+from .error_bodies import error_reply_for, error_response, minimax_error, openai_error
 
 TEXT = {"type": "string"}
 BINARY = {"type": "string", "format": "binary"}
@@ -32,9 +34,11 @@ ERROR_WHY = {
     404: "unknown path, model or song",
     409: "cancelled before it was accepted or finished", 411: "no Content-Length, or a chunked body",
     413: "a body over 1 MiB", 429: "the engine holds all the songs or unread audio it may; Retry-After: 10",
-    500: "the song failed, or could not be taken", 503: "the engine is closed or a stage died, or it did not take "
-                                                       "the song within 150 s",
+    500: "the song failed, or could not be taken; or an unexpected error in the server",
+    503: "the engine is closed or a stage died, or it did not take the song within 150 s",
 }
+UNEXPECTED = "an unexpected error in the server (a bug): the message gives its text, the server logs its traceback"
+BODY_OF_REPLY = {error_response: "plain", openai_error: "openai", minimax_error: "minimax"}
 POST_ERRORS = (400, 401, 409, 411, 413, 429, 500, 503)
 SONG_HEADERS = {
     name: {"description": why, "schema": schema}
@@ -101,13 +105,18 @@ MODEL_RESPONSES = {200: {"description": "a served model (OpenAI's model object)"
 
 
 def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
-    """FastAPI's schema, built once, without the 422 it adds to every route with a body (this API answers 400), and
-    with the API keys' bearer scheme on /v1/ routes where keys are required."""
+    """FastAPI's schema, built once, without the 422 it adds to every route with a body (this API answers 400), with
+    the 500 of an unexpected error on every route, and with the API keys' bearer scheme on /v1/ routes where keys
+    are required."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         for path, operations in schema["paths"].items():
             for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                body = ERROR_BODIES[BODY_OF_REPLY[error_reply_for(path)]]  # every route may answer an unexpected 500
+                responses.setdefault("500", {"description": UNEXPECTED,
+                                             "content": {"application/json": {"schema": body}}})
                 if access.api_keys and path.startswith(PROTECTED):
                     operation["security"] = [{"bearer": []}]
         components = schema.setdefault("components", {})

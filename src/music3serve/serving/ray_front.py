@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from prometheus_client import Counter
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException, RequestCancelledError
 
@@ -100,8 +101,8 @@ def _cancel(stream: Any) -> None:
 
 class RemoteEngine:
     """What the HTTP app needs of an Engine, over a handle to the engine replicas. Its whole surface, each as
-    Engine's: submit, progress, cancel, hold_read_audio, max_unread_bytes, unread_audio, unavailable, metrics, close
-    (tests/test_ray_app.py checks that every `engine.X` the app's modules use is here)."""
+    Engine's: submit, progress, cancel, fail, hold_read_audio, max_unread_bytes, unread_audio, unavailable, metrics,
+    close (tests/test_ray_app.py checks that every `engine.X` the app's modules use is here)."""
 
     def __init__(self, engines: Any, max_unread_bytes: int = MAX_UNREAD_BYTES) -> None:
         """engines: a DeploymentHandle of serving/ray_app.py's engine deployment."""
@@ -209,10 +210,18 @@ class RemoteEngine:
     def cancel(self, song: str) -> bool:
         """Cancel the song's call on its replica; whether an accepted song still running had that id. A song still
         waiting for a slot is not cancelled here: api.py answers its POST with 409 once it is accepted."""
+        return self._end(song, self.metrics.cancels)
+
+    def fail(self, song: str, message: str) -> bool:
+        """End the song's call on its replica, counted here as a failure (as Engine.fail; its replica counts a
+        cancel, and its stream ends as a cancelled one: the caller has recorded the failure)."""
+        return self._end(song, self.metrics.failures)
+
+    def _end(self, song: str, counter: Counter) -> bool:
         stream = self._streams.pop(song, None)
         if stream is None:
             return False
-        self.metrics.cancels.inc()
+        counter.inc()
         _cancel(stream)
         return True
 

@@ -46,6 +46,14 @@ def check_weights_fit(renderer: Renderer, share: float) -> None:
         raise Music3Error(f"stage 1 needs {weights / GIB:.1f} GiB of {renderer.policy.name} weights, more than "
                           f"{where}" + (f": {' or '.join(advice)}" if advice else ""))
 
+
+def delivery_failed(out: RenderedWindow, exc: Exception) -> str:
+    """Log why a rendered window could not be handed on, with the traceback; the failure message of its song (that
+    song alone fails, in either placement)."""
+    log.exception("delivering window %d of %s failed", out.window.index, out.song)
+    return f"stage 1 could not deliver window {out.window.index}: {error_text(exc)}"
+
+
 # An inbox item: ("window", WindowPayload) | ("cancel", song) | ("stop",)
 Inbox = Callable[[bool], Iterable[tuple]]
 
@@ -153,8 +161,7 @@ class RenderLoop:
             try:
                 self.on_chunk(out)
             except Exception as exc:  # say the connector could not take it: this song only
-                log.exception("delivering window %d of %s failed", out.window.index, out.song)
-                self.fail(out.song, f"stage 1 could not deliver window {out.window.index}: {exc}")
+                self.fail(out.song, delivery_failed(out, exc))
 
     def render_call(self, batch: list[WindowPayload]) -> list[RenderedWindow]:
         """One render call, reported to `rendering` while it runs."""

@@ -219,14 +219,10 @@ class SharedMemoryConnector:
                 except OSError:  # pragma: no cover
                     pass
 
-    def cleanup(self, pid: int | None = None) -> int:
-        """Unlink the segments of this connector still in /dev/shm: those created by process ``pid`` (say a
-        worker that was killed), or all of them when ``pid`` is None. Returns how many were unlinked.
+    def cleanup(self) -> int:
+        """Unlink every segment of this connector still in /dev/shm, whichever process created it. Returns how many
+        were unlinked.
 
-        Meant for the owner after a worker died (its unread messages are lost anyway) or at shutdown; with
-        ``pid=None`` while workers still run, their messages in flight are lost. Works after ``close`` too."""
-        return shm_segments.unlink_segments(self.prefix, pid)
-
-    def segments(self, pid: int | None = None) -> list[str]:
-        """Names of this connector's segments present in /dev/shm now (all, or those made by ``pid``)."""
-        return shm_segments.list_segments(self.prefix, pid)
+        Meant for the owner after a worker died (its unread messages are lost anyway) or at shutdown; while workers
+        still run, their messages in flight are lost. Works after ``close`` too."""
+        return shm_segments.unlink_segments(self.prefix)

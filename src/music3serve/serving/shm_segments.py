@@ -121,24 +121,18 @@ def unlink_unread(prefix: str = "") -> None:
             unlink_segment(name)
 
 
-def unlink_segments(prefix: str, pid: int | None = None) -> int:
-    """Unlink every segment with ``prefix`` (made by process ``pid``, or by anyone); returns how many."""
-    pattern = _pattern(prefix, pid)
-    names = {name for name in list(_OUTSTANDING) if name.startswith(pattern)}
-    names.update(list_segments(prefix, pid))
+def unlink_segments(prefix: str) -> int:
+    """Unlink every segment with ``prefix``, whichever process made it; returns how many."""
+    names = {name for name in list(_OUTSTANDING) if name.startswith(prefix)}
+    names.update(list_segments(prefix))
     return sum(unlink_segment(name) for name in names)
 
 
-def list_segments(prefix: str, pid: int | None = None) -> list[str]:
-    """Names of the segments with ``prefix`` (made by process ``pid``, or by anyone) present in /dev/shm now."""
-    pattern = _pattern(prefix, pid)
+def list_segments(prefix: str) -> list[str]:
+    """Names of the segments with ``prefix`` present in /dev/shm now."""
     if not os.path.isdir(SHM_DIR):
         return []
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(pattern))
-
-
-def _pattern(prefix: str, pid: int | None) -> str:
-    return prefix if pid is None else f"{prefix}{int(pid)}_"
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
 
 
 def _create(name: str, size: int) -> SharedMemory:

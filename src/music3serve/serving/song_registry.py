@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 
+from ..errors import error_text
 from .engine import Engine
 from .events import Done, Failed
 from .song_types import SongState
@@ -62,6 +63,15 @@ class SongRegistry:
         stop = self.pending.get(name) if song is None else song.stop if cancelled else None
         if stop is not None:
             stop.set()  # ends the client's response (before the engine's Failed("cancelled") reaches it)
+
+    def failed(self, song: SongState, exc: Exception) -> None:
+        """The server could not go on with a running song (say its encoder raised): the song fails here and in the
+        engine, counted as a failure (not a cancel), and the traceback is logged."""
+        log.error("song failed in the server", exc_info=exc, extra={"song": song.name})
+        message = f"the server failed: {error_text(exc)}"
+        if song.state == "running":
+            self.engine.fail(song.name, message)
+        self.finish(song, "failed", message)
 
     def ended(self, song: SongState, event: Done | Failed) -> None:
         if isinstance(event, Done):

@@ -21,13 +21,13 @@ from .audio_io import CHANNELS, PcmEncoder
 from .encoders import MEDIA_TYPES, make_encoder
 from .engine import Engine
 from .error_bodies import ErrorReply, error_response
-from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
+from .events import Accepted, AudioChunk, Done, Event, Failed
 from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SongBody
 from .song_feed import SILENCE, next_event, window_slices
 from .song_registry import SongRegistry
 from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
-from .song_types import Framing, SongOrder, SongState, Started
+from .song_types import Framing, SongOrder, SongState, Started, song_request
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ class SongService:
 
     async def create(self, body: SongBody, request: Request) -> Response:
         """POST /v1/songs."""
-        song = SongRequest(body.caption, body.lyrics, body.duration, body.seed, id=body.id)
-        if body.steps is not None:
-            song.steps = body.steps
+        song = song_request(body.caption, body.lyrics, body.duration, body.seed, body.steps, body.id)
         order = SongOrder(song, body.format, body.sample_rate, body.stream)
         started = await self.start(order, request, error_response)
         if isinstance(started, Response):
@@ -180,54 +178,62 @@ class SongService:
         framing = framing or Framing()
         song, events, encoder, headers = started.song, started.events, started.encoder, started.headers
         watcher = asyncio.ensure_future(watch_disconnect(request, lambda: self.songs.client_gone(song)))
-        held, size = HeldAudio(self.engine.hold_read_audio), 0
+        held, size, handed_on = HeldAudio(self.engine.hold_read_audio), 0, False
         try:
-            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
-                async for data, samples in audio:
-                    size += len(data)
-                    held.add(framing.audio(data), samples)
+            try:
+                async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                    async for data, samples in audio:
+                        size += len(data)
+                        held.add(framing.audio(data), samples)
+            finally:
+                watcher.cancel()
+                encoder.close()
+                await self.abandon(song, events)
+            if song.state == "failed":
+                return reply(500, f"song {song.id} failed: {song.error}", headers)
+            if song.state != "done":
+                return reply(409, f"song {song.id} was cancelled before it was finished", headers)
+            opening, ending = framing.opening(encoder.whole_header(size)), framing.done(song)
+            headers = {**headers, "Content-Length": str(len(opening) + held.bytes + len(ending))}
+            response = SongStream(held.send(opening, ending), song, lambda: None, held.closed, headers=headers,
+                                  media_type=framing.media_type or MEDIA_TYPES[song.format])
+            handed_on = True  # its audio is given back as the client takes it, or when the response ends
+            return response
         except asyncio.CancelledError:  # only the server's shutdown cancels a request task (grace over, second Ctrl-C)
             asyncio.current_task().uncancel()  # answered here, on purpose: the client gets JSON, not a bare 500
-            held.release()
             return reply(503, f"the server shut down before song {song.id} was finished (songs still running "
                               "when its shutdown grace period is over, or at a second Ctrl-C, are cut)", headers)
         finally:
-            watcher.cancel()
-            encoder.close()
-            await self.abandon(song, events)
-        if song.state != "done":
-            held.release()
-            if song.state == "failed":
-                return reply(500, f"song {song.id} failed: {song.error}", headers)
-            return reply(409, f"song {song.id} was cancelled before it was finished", headers)
-        opening, ending = framing.opening(encoder.whole_header(size)), framing.done(song)
-        headers = {**headers, "Content-Length": str(len(opening) + held.bytes + len(ending))}
-        return SongStream(held.send(opening, ending), song, lambda: None, held.closed, headers=headers,
-                          media_type=framing.media_type or MEDIA_TYPES[song.format])
+            if not handed_on:
+                held.release()
 
     async def audio(self, song: SongState, events: AsyncIterator[Event], encoder: PcmEncoder) -> AsyncIterator[Piece]:
         """The encoded bytes of each window as it arrives, in pieces of at most SEND_PIECE_BYTES, each with the
         samples it encodes (a whole file's bytes come at the end, with all its samples: pro rata); sets the song's
-        state when it ends."""
+        state when it ends, and fails it when the server cannot go on (say its encoder raised)."""
         counted = 0  # of the encoder's output samples, those given to pieces so far
-        while song.state == "running":
-            event = await next_event(events, song.stop)
-            if event is None or (song.stop.is_set() and isinstance(event, Failed)):  # an engine ending it on cancel
-                self.songs.finish(song, "cancelled")
-            elif isinstance(event, (AudioChunk, Done)):
-                if isinstance(event, AudioChunk):
-                    self.songs.refresh(song)
-                feeds = (window_slices(event.pcm, event.last, first=event.window == 0) if isinstance(event, AudioChunk)
-                         else [(SILENCE, True)])
-                for pcm, last in feeds:
-                    data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
-                    if not data:
-                        continue
-                    samples, counted = encoder.samples_out - counted, encoder.samples_out
-                    for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
-                        end = min(start + SEND_PIECE_BYTES, len(data))
-                        yield data[start:end], samples * end // len(data) - samples * start // len(data)
-                if isinstance(event, Done):
+        try:
+            while song.state == "running":
+                event = await next_event(events, song.stop)
+                # None, or the engine's Failed after a cancel: ended by a DELETE or a client gone
+                if event is None or (song.stop.is_set() and isinstance(event, Failed)):
+                    self.songs.finish(song, "cancelled")
+                elif isinstance(event, (AudioChunk, Done)):
+                    if isinstance(event, AudioChunk):
+                        self.songs.refresh(song)
+                    feeds = (window_slices(event.pcm, event.last, first=event.window == 0)
+                             if isinstance(event, AudioChunk) else [(SILENCE, True)])
+                    for pcm, last in feeds:
+                        data = await asyncio.to_thread(encoder.feed, pcm, last)  # numpy and codec work off the loop
+                        if not data:
+                            continue
+                        samples, counted = encoder.samples_out - counted, encoder.samples_out
+                        for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
+                            end = min(start + SEND_PIECE_BYTES, len(data))
+                            yield data[start:end], samples * end // len(data) - samples * start // len(data)
+                    if isinstance(event, Done):
+                        self.songs.ended(song, event)
+                elif isinstance(event, Failed):
                     self.songs.ended(song, event)
-            elif isinstance(event, Failed):
-                self.songs.ended(song, event)
+        except Exception as exc:  # say the encoder's: this song fails, never the server (a response ends as failed)
+            self.songs.failed(song, exc)

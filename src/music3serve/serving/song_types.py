@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator
 
+from .. import contract
 from .audio_io import PcmEncoder
 from .events import Event, SongRequest
 
@@ -42,6 +43,12 @@ class SongState:
 
     def public(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stop", "name")}
+
+
+def song_request(caption: str, lyrics: str, duration_s: float, seed: int | None, steps: int | None,
+                 id: str | None = None) -> SongRequest:
+    """The engine's request from an endpoint's fields; `steps` None: the checkpoint's Euler steps."""
+    return SongRequest(caption, lyrics, duration_s, seed, contract.DIT_STEPS if steps is None else steps, id)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..acoustic.renderer import Renderer
 from ..errors import Music3Error
 from .connector_base import ConnectorError, LostMessage, PeerGone
 from .heartbeat import StageWatch
-from .render_loop import RenderLoop
+from .render_loop import RenderLoop, delivery_failed
 from .worker import RenderWorker
 from .worker_messages import chunk_window
 
@@ -157,13 +157,21 @@ class WorkerStage1(Stage1):
             if message is None:
                 continue
             if message.key == "chunk":
-                self.on_chunk(chunk_window(message))
+                self.deliver(chunk_window(message))
             elif message.key == "failed":
                 self.on_error(message.meta["song"], message.meta["message"])
             elif message.key == "stopped":  # its last word before it exits (say its calls kept failing)
                 if self._closing.is_set():
                     return
                 self.lost(f"the stage-1 worker stopped: {message.meta['reason']}")
+
+    def deliver(self, out: RenderedWindow) -> None:
+        """Hand a rendered window on; one that cannot be fails its song alone, as in the colocated RenderLoop (the
+        receiver goes on)."""
+        try:
+            self.on_chunk(out)
+        except Exception as exc:
+            self.on_error(out.song, delivery_failed(out, exc))
 
     def check(self) -> None:
         waits = self.worker.deadlines

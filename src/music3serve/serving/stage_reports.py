@@ -79,12 +79,13 @@ class StageReports:
         self.metrics.song_seconds.observe(timings["total_s"])
         self.held.emit(key, Done, finished.frames, finished.ended_by, timings)
 
-    def fail(self, key: str, message: str) -> None:
-        """Fail a held submission (counted once, however many stages report it)."""
+    def fail(self, key: str, message: str) -> bool:
+        """Fail a held submission (counted once, however many stages report it); whether this call ended it."""
         if self.held.end(key) is None:
-            return
+            return False
         self.metrics.failures.inc()
         self.held.emit(key, Failed, callers_ids(message))
+        return True
 
     def fail_all(self, message: str) -> None:
         """Fail every song held (the engine stops serving)."""

@@ -44,7 +44,8 @@ class TalkerLoop:
         self.stop, self.async_chunk = stop, async_chunk
         self._control: queue.Queue = queue.Queue()  # ("submit", *arguments of _take) | ("cancel", key) | ("wake",)
         self.steps: dict[str, int] = {}  # each song's Euler steps, for its windows' payloads
-        self.held: dict[str, list[tuple[WindowPayload, torch.cuda.Event | None]]] = {}  # async_chunk false
+        # async_chunk false: each song's windows, waiting here for its last frame
+        self.held_windows: dict[str, list[tuple[WindowPayload, torch.cuda.Event | None]]] = {}
 
     def submit(self, key: str, cond: list[int], uncond: list[int], seed: int, requested: int, steps: int) -> None:
         """Queue a song: it is accepted with its frame budget, refused or failed (told to the callers)."""
@@ -102,13 +103,13 @@ class TalkerLoop:
                 if self.async_chunk:
                     self._to_stage1(payload, event.ready)
                 else:
-                    self.held.setdefault(event.song, []).append((payload, event.ready))
+                    self.held_windows.setdefault(event.song, []).append((payload, event.ready))
             elif isinstance(event, SongFailed):
                 self.callers.fail(event.song, event.message)
         for event in events:
             if isinstance(event, (SongFinished, SongFailed)):
                 self.steps.pop(event.song, None)
-                windows = self.held.pop(event.song, [])
+                windows = self.held_windows.pop(event.song, [])
                 if isinstance(event, SongFinished):  # async_chunk false: now all of them, in order
                     for payload, ready in windows:
                         self._to_stage1(payload, ready)
@@ -133,6 +134,8 @@ class TalkerLoop:
                 return
 
     def _take(self, song: str, cond: list[int], uncond: list[int], seed: int, requested: int, steps: int) -> None:
+        if not self.callers.live(song):  # its caller is gone: cancelled (that cancel may have come first) or left
+            return
         try:
             self.watch.busy(1.0)  # taking a song copies its prompt to the device, behind the step in flight
             budget = self.talker.submit(song, cond, uncond, seed, requested)
@@ -142,7 +145,7 @@ class TalkerLoop:
         except Exception as exc:  # say a device error while queueing it: this song fails, the engine goes on
             log.exception("stage 0 could not take a song", extra={"song": song})
             self.talker.cancel(song)  # whatever part of it was queued
-            self.callers.fail(song, f"stage 0 could not take the song: {exc}")
+            self.callers.fail(song, f"stage 0 could not take the song: {error_text(exc)}")
         else:
             self.steps[song] = steps
             self.metrics.requests.inc()
@@ -154,5 +157,5 @@ class TalkerLoop:
         """Stop a song in both stages and forget what this loop keeps of it."""
         self.talker.cancel(song)
         self.steps.pop(song, None)
-        self.held.pop(song, None)
+        self.held_windows.pop(song, None)
         self.stage1.cancel(song)

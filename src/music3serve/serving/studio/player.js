@@ -3,7 +3,11 @@
 const LEAD_S = 0.15; // how far ahead of the clock the first piece (and any piece after a gap) is scheduled
 
 /** Seconds as m:ss. */
-export const clock = (s) => `${Math.floor(s / 60)}:${String(Math.floor(s % 60)).padStart(2, "0")}`;
+/** m:ss of s seconds, to the nearest second (as the takes' "6.0 s" reads: a 5.96 s take is 0:06 long). */
+export const clock = (s) => {
+  const whole = Math.round(s);
+  return `${Math.floor(whole / 60)}:${String(whole % 60).padStart(2, "0")}`;
+};
 
 /** Interleaved little-endian int16 stereo -> an AudioBuffer of the context. */
 function toBuffer(ctx, pcm, rate) {
