@@ -5,12 +5,17 @@ set -eu
 URL=${1:-http://127.0.0.1:8000}
 AUTH="Authorization: Bearer ${MUSIC3_API_KEY:-}"
 
-# fetch FILE CURL-ARGS...: the response body into FILE; on an HTTP error, the body on stderr and the script stops.
+# fetch FILE CURL-ARGS...: the response body into FILE. On a failure the script stops: an HTTP error shows its
+# body (the server's errors are JSON), a song cut short is removed.
 fetch() {
   out=$1
   shift
   if ! curl -s --fail-with-body -H "$AUTH" "$@" -o "$out"; then
-    cat "$out" >&2 && echo >&2
+    if [ "$(head -c 1 "$out" 2>/dev/null)" = "{" ]; then
+      cat "$out" >&2 && echo >&2
+    else
+      echo "curl.sh: $out did not arrive whole" >&2
+    fi
     rm -f "$out"
     exit 1
   fi

@@ -196,7 +196,23 @@ def test_missing_at_file_is_an_argparse_error(tmp_path: Path, capsys, recorder, 
         cli.main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}" in err and f"cannot read {missing}" in err
+    assert f"argument {flag}" in err and f"cannot read {missing}: No such file or directory" in err
+    assert recorder.calls == []
+
+
+@pytest.mark.parametrize("flag", ["--caption", "--lyrics"])
+def test_an_at_without_a_file_name_or_with_a_file_not_utf8_is_explained(tmp_path: Path, capsys, recorder, flag):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9".encode("latin-1"))
+    field = flag.removeprefix("--")
+    for given, says in (("@", f"@ needs a file name after it: @{field}.txt reads the {field} from {field}.txt"),
+                        (f"@{latin1}", f"{latin1} is not UTF-8 text (it holds the byte 0xe9): save it as UTF-8")):
+        argv = generate_args(tmp_path / "out.wav", "--model", "m")
+        argv[argv.index(flag) + 1] = given
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"argument {flag}: {says}" in err, err
     assert recorder.calls == []
 
 
@@ -255,7 +271,7 @@ def test_music3_model_not_a_checkpoint(tmp_path: Path, capsys, monkeypatch):
     monkeypatch.setenv("MUSIC3_MODEL", str(folder))
     code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
     assert code == 2
-    assert f"error: missing file {folder / 'modular_model_index.json'}" in err  # CheckpointError, with the path
+    assert f"error: {folder} is not a MiniMax-Music3 checkpoint folder: it has no modular_model_index.json" in err
 
     monkeypatch.setenv("MUSIC3_MODEL", str(tmp_path / "absent"))
     code, err = run_cli(generate_args(tmp_path / "out.wav"), capsys)
@@ -826,3 +842,24 @@ def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypa
     monkeypatch.setenv("MUSIC3_API_KEY", "good,bad key")
     code, err = run_cli(serve, capsys)
     assert code == 2 and "MUSIC3_API_KEY: an API key is printable ASCII" in err
+    for empty in ("", " , ,", ","):  # a secret that did not arrive: refused, not an open server
+        monkeypatch.setenv("MUSIC3_API_KEY", empty)
+        code, err = run_cli(serve, capsys)
+        assert code == 2 and "MUSIC3_API_KEY is set but holds no key" in err, repr(empty)
+    assert len(served) == 2
+
+
+def test_serve_warns_when_it_listens_beyond_loopback_without_keys(tmp_path: Path, capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("music3serve.serving.engine.Engine.from_pretrained",
+                        lambda *a, **k: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr("music3serve.serving.server.serve", lambda *args: None)
+    monkeypatch.delenv("MUSIC3_API_KEY", raising=False)
+    serve = ["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
+    for host, keys, warned in (("0.0.0.0", [], True), ("0.0.0.0", ["--api-key", "k"], False),
+                               ("127.0.0.1", [], False), ("localhost", [], False)):
+        code, err = run_cli(serve + ["--host", host] + keys, capsys)
+        assert code == 0 and ("listens beyond this machine without API keys" in err) is warned, (host, keys, err)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -135,6 +136,22 @@ def test_missing_keys_take_defaults_and_stage_order_is_free():
     assert (s1.stage_id, s1.max_num_seqs, s1.max_num_batched_tokens, s1.render_batch) == (1, 3, 3, 3)
     assert s1.compilation_config.cudagraph_capture_sizes == (1, 2, 3)
     assert s0.default_sampling_params.max_tokens == contract.MAX_FRAMES + 1
+
+
+def test_a_file_lists_only_the_stages_it_changes():
+    """A stage left out takes its defaults, on the listed stage's devices, reading from (or writing to) the connector
+    the listed stage names."""
+    assert parse_deploy_config({"stages": []}, SOURCE) == DeployConfig(source=SOURCE)
+    s0, s1 = parse_deploy_config({"stages": [{"stage_id": 0, "max_num_seqs": 6, "devices": "1"}]}, SOURCE).stages
+    assert (s0.max_num_seqs, s0.devices) == (6, (1,))
+    assert s1 == dataclasses.replace(DeployConfig().stages[1], devices=(1,))
+    s0, s1 = parse_deploy_config({"stages": [{"stage_id": 1, "max_num_seqs": 3}]}, SOURCE).stages
+    assert s0 == DeployConfig().stages[0] and s1.max_num_seqs == 3
+    connectors = {"mine": {"name": "SharedMemoryConnector"}}
+    for listed in ({"stage_id": 0, "output_connectors": {"to_stage_1": "mine"}},
+                   {"stage_id": 1, "input_connectors": {"from_stage_0": "mine"}}):
+        s0, s1 = parse_deploy_config({"connectors": connectors, "stages": [listed]}, SOURCE).stages
+        assert s0.output_connectors == {"to_stage_1": "mine"} and s1.input_connectors == {"from_stage_0": "mine"}
 
 
 def test_talker_config_mapping():
@@ -288,7 +305,23 @@ def test_invalid_value(path, value):
         parse_deploy_config(mutated((path, value)), SOURCE)
     message = str(info.value)
     assert message.startswith(f"{SOURCE}: {path_text(path)}: "), message
-    assert f"got {value!r}" in message and "allowed: " in message, message
+    assert f"got {yaml_spelled(value)}" in message and "allowed: " in message, message
+
+
+def yaml_spelled(value: object) -> str:
+    """A value as the message quotes it: YAML's words for true, false, null and not-a-number, else its repr."""
+    if isinstance(value, list):
+        return f"[{', '.join(map(yaml_spelled, value))}]"
+    if isinstance(value, float) and math.isnan(value):
+        return ".nan"
+    return next((word for word, v in (("true", True), ("false", False), ("null", None)) if value is v), repr(value))
+
+
+def test_values_are_quoted_as_yaml_spells_them():
+    for value, said in ((True, "got true"), (None, "got null"), ([False, None], "got [false, null]"),
+                        (float("inf"), "got .inf"), (float("-inf"), "got -.inf"), (float("nan"), "got .nan")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            parse_deploy_config(mutated((S0 + ("gpu_memory_utilization",), value)), SOURCE)
 
 
 @pytest.mark.parametrize("where", UNKNOWN, ids=[path_text(p) or "<top>" for p in UNKNOWN])
@@ -306,8 +339,11 @@ def test_unknown_key_at_every_level(where):
         ([(P1 + ("extra_args",), {})], "stages[1].default_sampling_params.extra_args", "only stage 0"),
         ([(P0 + ("top_k",), 50)], "stages[0].default_sampling_params.top_k", "unknown key"),
         ([(S0 + ("stage_id",), DELETE)], "stages[0].stage_id", "missing"),
-        ([(("stages",), [BASE["stages"][0]])], "stages", "stage_id 1 is missing"),
-        ([(("stages",), [])], "stages", "stage_id 0 is missing"),
+        ([(("stages",), [{"stage_id": 0, "max_num_seqs": 15}])], "stages[0].max_num_seqs", "an even integer"),
+        ([(("stages",), [{"stage_id": 0, "gpu_memory_utilization": 0.9}])], "stages[0].gpu_memory_utilization",
+         "sum over the stages on GPU 0 <= 1 (it is 1.1; stage 1, not listed, takes its default 0.2)"),
+        ([(("stages",), [{"stage_id": 1, "input_connectors": {"from_stage_0": "elsewhere"}}])],
+         "stages[0].input_connectors.from_stage_0", "a connector defined under connectors"),
         ([(("stages",), BASE["stages"] + [{"stage_id": 1}])], "stages[2].stage_id", "exactly once"),
         ([(("connectors", "other"), {}), (S1 + ("input_connectors", "from_stage_0"), "other")],
          "stages[1].input_connectors.from_stage_0", "the connector stage 0 writes to (stages[0].output_connectors"),
@@ -359,7 +395,7 @@ def test_cross_checks_and_hints(changes, path, says):
         ("stages:\n  - {stage_id: 0, stage_id: 1}\n", "duplicate key 'stage_id'"),
         ("- stage_id: 0\n", "<top level>: got [{'stage_id': 0}]; allowed: a mapping"),
         ("just text\n", "<top level>: got 'just text'"),
-        ("", "<top level>: got None"),
+        ("", "<top level>: got null"),
         ("pipeline: !!python/object:os.system x\n", "not valid YAML"),
         ("stages: [{stage_id: 0, max_num_seqs: 1" + "0" * 5000 + "}]\n", "as !!int (Exceeds the limit (4300 digits)"),
         ("pipeline: a\x01b\n", "unacceptable character #x0001"),
@@ -607,7 +643,7 @@ NOT_DECIMAL = [
     ("gpu_memory_utilization", "00.5", "'00.5' has a leading zero: write numbers in decimal, as 0.5"),
     ("gpu_memory_utilization", "1_0.0e+300", "as 1.0e+301"),  # a float YAML 1.1 reads back (repr: 1e+301)
     ("gpu_memory_utilization", "!!float Infinity", "'Infinity' is not written in plain decimal (YAML 1.1 reads "
-     "it as inf): write numbers in decimal\n"),
+     "it as .inf): write numbers in decimal\n"),
 ]
 
 
@@ -687,3 +723,16 @@ def test_plain_decimal_numbers_load_into_the_config(tmp_path):
         10, 0.5, (2, 10))
     assert (s0.default_sampling_params.seed, s1.gpu_memory_utilization) == (0, 0.1)
     assert cfg.connector.extra.connector_get_sleep_s == 0.001
+
+
+@pytest.mark.parametrize("listed", [0, 1])
+def test_a_stage_left_out_runs_where_the_listed_stage_runs(listed):
+    """Moving the one stage a file lists moves the other with it: split placement only where a file asks for it."""
+    listed_stage = {"stage_id": listed, "devices": "1", "gpu_memory_utilization": 0.2}
+    deploy = parse_deploy_config({"stages": [listed_stage]}, SOURCE)
+    assert [stage.devices for stage in deploy.stages] == [(1,), (1,)]
+    both = parse_deploy_config({"stages": [{"stage_id": 0, "devices": "0"}, {"stage_id": 1, "devices": "1"}]}, SOURCE)
+    assert [stage.devices for stage in both.stages] == [(0,), (1,)]
+
+    with pytest.raises(ConfigError, match=r"\(it is 1.1; stage 0, not listed, takes its default 0.6\)"):
+        parse_deploy_config({"stages": [{"stage_id": 1, "devices": "1", "gpu_memory_utilization": 0.5}]}, SOURCE)

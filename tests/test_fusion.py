@@ -157,18 +157,30 @@ def test_every_capture_size_shares_the_talkers_compiled_graphs(models):
     assert counters["stats"]["unique_graphs"] == compiled
 
 
-def test_fusion_leaves_torchs_shape_settings_as_it_found_them():
-    """enable_fusion sets torch's process-wide shape settings for its graphs; disable_fusion puts back what was there
-    (other code's torch.compile in the process broadcasts size-1 dimensions again)."""
+def test_fusion_leaves_torchs_settings_as_it_found_them():
+    """enable_fusion sets torch's process-wide settings for its graphs (shapes, bf16 roundings, recompile limit);
+    disable_fusion puts back what was there (other code's torch.compile in the process broadcasts size-1 dimensions
+    again). Enabling again keeps the compiled functions; other arguments are refused until disabled."""
     from music3serve.models import fusion
 
     shapes = torch.fx.experimental._config
-    before = {key: getattr(shapes, key) for key in fusion.SHARED_SHAPE_SETTINGS}
-    assert before != fusion.SHARED_SHAPE_SETTINGS
+
+    def settings() -> dict[str, object]:
+        return {**{key: getattr(shapes, key) for key in fusion.SHARED_SHAPE_SETTINGS},
+                "emulate_precision_casts": torch._inductor.config.emulate_precision_casts,
+                "recompile_limit": torch._dynamo.config.recompile_limit}
+
+    before = settings()
+    assert not before["emulate_precision_casts"] and before["recompile_limit"] < fusion.RECOMPILE_LIMIT
     for _ in range(2):  # twice: the second enable must not save the first one's values as torch's
         enable_fusion(backend="aot_eager")
-    assert {key: getattr(shapes, key) for key in before} == fusion.SHARED_SHAPE_SETTINGS
+    compiled_functions = dict(fusion._fused)
+    assert settings() == {**fusion.SHARED_SHAPE_SETTINGS, "emulate_precision_casts": True,
+                          "recompile_limit": fusion.RECOMPILE_LIMIT}
+    with pytest.raises(RuntimeError, match="disable_fusion"):
+        enable_fusion(backend="inductor")
+    assert fusion._fused == compiled_functions
     fusion.disable_fusion()
-    assert {key: getattr(shapes, key) for key in before} == before
+    assert settings() == before
     compiled = torch.compile(lambda x, y: x + y, backend="aot_eager", dynamic=True, fullgraph=True)
     assert torch.equal(compiled(torch.ones(3, 4), torch.ones(1, 4)), torch.full((3, 4), 2.0))

@@ -157,7 +157,7 @@ def test_a_body_is_utf8_json_naming_each_key_once(client, engine):
     sample rate written as a float are refused."""
     before = requests_total(engine)
     for content, needle in [
-        (raw().encode("utf-16"), "the body is not valid JSON: it must be UTF-8"),
+        (raw().encode("utf-16"), "the body is not UTF-8 (byte 0xff at offset 0): send JSON as UTF-8 text"),
         (b'{"caption": "pop", "lyrics": "la", "seed": 1, "seed": 2}', "the body names 'seed' more than once"),
         (raw(sample_rate=32000.0).encode(), "sample_rate: must be an integer, one of 44100, 32000"),
     ]:
@@ -209,7 +209,7 @@ def test_an_unknown_or_repeated_key_is_named_briefly(client):
     """A key of half a megabyte came back whole in the error message."""
     key = "k" * 500_000
     for content, needle in [
-        (raw(**{key: 1}).encode(), f"{key[:80]}: Extra inputs are not permitted"),
+        (raw(**{key: 1}).encode(), f"{key[:80]}: unknown key"),
         (f'{{"{key}": 1, "{key}": 2}}'.encode(), f"the body names '{key[:79]} more than once"),
     ]:
         response = client.post("/v1/songs", content=content, headers=JSON)
@@ -226,19 +226,35 @@ def test_many_unknown_keys_get_one_short_error_at_once(client):
     assert response.json()["error"].startswith("the body has 60000 unknown keys ('k0', 'k1', 'k2', 'k3', 'k4', ...);")
     few = {"caption": "pop", "lyrics": "la", **{f"k{i}": i for i in range(7)}}  # no more keys than fields: validated
     error = client.post("/v1/songs", content=json.dumps(few).encode(), headers=JSON).json()["error"]
-    assert error.count("Extra inputs are not permitted") == 5 and error.endswith("and 2 more"), error
+    allowed = "the keys allowed: caption, lyrics, duration, seed, steps, format, sample_rate, stream, id"
+    assert error.count("unknown key") == 5 and error.endswith(f"and 2 more; {allowed}"), error
     six = {"caption": "pop", "lyrics": "la", **{f"k{i}": i for i in range(6)}}  # one error past the five shown
     error = client.post("/v1/songs", content=json.dumps(six).encode(), headers=JSON).json()["error"]
-    assert error.count("Extra inputs are not permitted") == 5 and error.endswith("and 1 more"), error
+    assert error.count("unknown key") == 5 and error.endswith(f"and 1 more; {allowed}"), error
     one_too_many = {"caption": "pop", "lyrics": "la", **{f"k{i}": i for i in range(8)}}  # 10 keys, 9 fields
     error = client.post("/v1/songs", content=json.dumps(one_too_many).encode(), headers=JSON).json()["error"]
     assert error.startswith("the body has 8 unknown keys"), error
 
 
+def test_unknown_keys_and_values_not_objects_are_told_in_the_apis_words(client):
+    """An unknown key's message names the keys allowed where it is (the fields refused with a reason left out); a
+    value that must be an object says so, not pydantic's words."""
+    speech = {"model": "MiniMax-Music3", "input": "la", "instructions": "pop", "voices": "x"}
+    error = client.post("/v1/audio/speech", json=speech).json()["error"]["message"]
+    assert error == ("voices: unknown key; the keys allowed: model, input, instructions, voice, seed, max_new_tokens, "
+                     "response_format, sample_rate, stream, stream_format, speed, steps")
+    music = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "la"}
+    error = client.post("/v1/music_generation", json={**music, "audio_setting": {"rate": 1}}).json()
+    assert error["base_resp"]["status_msg"] == ("audio_setting.rate: unknown key; the keys allowed in audio_setting: "
+                                                "sample_rate, bitrate, format")
+    error = client.post("/v1/music_generation", json={**music, "audio_setting": "wav"}).json()
+    assert error["base_resp"]["status_msg"] == "audio_setting: must be a JSON object"
+
+
 def test_undecodable_body_and_wrong_content_type(client):
     response = client.post("/v1/songs", content=b'{"caption": "\xff\xfe", "lyrics": "la"}', headers=JSON)
     assert response.status_code == 400
-    assert response.json()["error"].startswith("the body is not valid JSON: 'utf-8' codec can't decode byte 0xff")
+    assert response.json()["error"] == "the body is not UTF-8 (byte 0xff at offset 13): send JSON as UTF-8 text"
     for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}):
         response = client.post("/v1/songs", content=raw().encode(), headers=headers)
         assert response.status_code == 400

@@ -230,12 +230,13 @@ def test_frame_feedback_embedding(models) -> None:
     semantic = torch.randint(0, contract.SEMANTIC_CODES, (2, 1), generator=gen)
     residual = torch.randint(0, contract.RESIDUAL_CODES, (2, contract.NUM_CODEBOOKS - 1), generator=gen)
     semantic_embed = embed_both_rows(semantic[:, 0], contract.AUDIO_CODE_OFFSET, lm.embed.weight)
-    residual_embeds = [embed_codes(residual[:, i - 1], depth.code_row(i), depth.embed.weight, None, None)[0]
-                       for i in range(1, contract.NUM_CODEBOOKS)]
+    last = contract.NUM_CODEBOOKS - 1  # embedded by frame_outputs itself
+    residual_embeds = [embed_codes(residual[:, i - 1], depth.code_row(i), depth.embed.weight, depth.projection.weight,
+                                   depth.positions.weight[i + 1])[0] for i in range(1, last)]
     codes = [semantic[:, 0], *residual.unbind(1)]
     hidden = torch.zeros(4, lm.cfg.hidden)
-    _, _, feedback = frame_outputs(codes, torch.zeros(2, dtype=torch.bool), semantic_embed, residual_embeds, hidden,
-                                   [hidden[0::2]] * (contract.NUM_CODEBOOKS - 1))
+    _, _, feedback = frame_outputs(codes, torch.zeros(2, dtype=torch.bool), semantic_embed, residual_embeds,
+                                   depth.embed.weight, depth.code_row(last), hidden, [hidden[0::2]] * last)
     ref = encoders._embed_audio_frame(lm_ref, depth_ref, torch.cat((semantic, residual), dim=1))
     assert_close(feedback[0::2, None], ref, "feedback embedding, conditional rows")
     assert torch.equal(feedback[0::2], feedback[1::2])

@@ -4,6 +4,7 @@ schemas); /docs renders it; `serve --served-model-name` sets the names /v1/model
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -14,6 +15,7 @@ pytest.importorskip("av")
 
 from music3serve import cli
 from music3serve.serving.engine import Engine
+from music3serve.serving import music_generation, openai_speech
 from music3serve.serving.music_generation import AudioSetting, MusicBody
 from music3serve.serving.openai_speech import SpeechBody
 from music3serve.serving.request_body import MAX_BODY_BYTES, SongBody
@@ -22,6 +24,7 @@ TINY = {"seed": 1, "steps": 1}
 SONG = {"caption": "pop", "lyrics": "[verse]\nla", "duration": 0.04, **TINY}
 SPEECH = {"model": "MiniMax-Music3", "input": "[verse]\nla", "instructions": "pop", "max_new_tokens": 1, **TINY}
 MUSIC = {"model": "MiniMax-Music3", "prompt": "pop", "lyrics": "[verse]\nla", "max_new_tokens": 1, **TINY}
+REFUSED_FIELDS = {SpeechBody: openai_speech.REFUSED, MusicBody: music_generation.REFUSED}
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +43,38 @@ def test_the_schema_is_valid_openapi_with_one_operation_id_each(schema):
 def test_every_request_field_is_in_the_schema(schema, path, model):
     ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     components = schema["components"]["schemas"]
-    assert set(components[ref.rsplit("/", 1)[1]]["properties"]) == set(model.model_fields)
+    body = components[ref.rsplit("/", 1)[1]]
+    refused = set(REFUSED_FIELDS.get(model, {}))  # taken only to be refused: left out, named in the description
+    assert set(body["properties"]) == set(model.model_fields) - refused and body["additionalProperties"] is False
+    assert all(name in body["description"] for name in refused)
     if model is MusicBody:
         assert set(components["AudioSetting"]["properties"]) == set(AudioSetting.model_fields)
+
+
+SEEDS = (0, 2**64 - 1, 2**64, -1)
+# (path, body) pairs: the schema must take those the server takes and refuse those it refuses.
+BODIES = [(path, {**body, "seed": seed}) for path, body in (("/v1/songs", SONG), ("/v1/audio/speech", SPEECH),
+                                                            ("/v1/music_generation", MUSIC)) for seed in SEEDS]
+BODIES += [("/v1/audio/speech", {**SPEECH, field: value}) for field, value in (
+    ("temperature", 0.7), ("top_p", 0.9), ("top_k", 50), ("repetition_penalty", 1.1), ("ref_audio", "a.wav"),
+    ("speed", 1.0), ("speed", 1.5), ("speed", 0.5))]
+BODIES += [("/v1/music_generation", {**MUSIC, field: value}) for field, value in (
+    ("audio_url", "https://a.example/a.mp3"), ("refer_voice", "v"), ("output_format", "url"),
+    ("output_format", "hex"), ("lyrics_optimizer", True), ("lyrics_optimizer", False), ("aigc_watermark", True))]
+BODIES += [("/v1/songs", {**SONG, "steps": 0}), ("/v1/songs", {**SONG, "temperature": 1.0})]
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES, ids=[f"{p}-{sorted(set(b) - set(SONG) - set(SPEECH) - set(MUSIC))}-"
+                                                        f"{b.get('seed')}" for p, b in BODIES])
+def test_the_schema_takes_what_the_server_takes(schema, client, path, body):
+    """A validator (or an SDK generated from the schema) accepts a body exactly when the server does: refused fields
+    and values are not in it, and the seed's bound is the integer 2**64 - 1."""
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    valid = jsonschema.Draft202012Validator({"$ref": ref, "components": schema["components"]}).is_valid(body)
+    response = client.post(path, json={**body, "stream": False})
+    assert (response.status_code == 200) is valid, response.text[:200]
+    if not valid:
+        assert response.status_code == 400
 
 
 def requests_seen(client: httpx.Client, engine: Engine) -> list[tuple[str, str, httpx.Response]]:
@@ -99,9 +131,30 @@ def test_every_status_and_media_type_a_route_answers_with_is_in_the_schema(schem
     assert statuses == {200, 204, 400, 404, 411, 413, 429}
 
 
-def test_docs_render_the_schema(client):
+def test_docs_render_the_schema_from_files_served_here(client):
+    """Swagger UI's script, style sheet and icon come from the fastapi-offline package, served under /docs/assets."""
     response = client.get("/docs")
-    assert response.status_code == 200 and "/openapi.json" in response.text
+    assert response.status_code == 200 and "url: '/openapi.json'" in response.text
+    assets = re.findall(r'(?:src|href)="([^"]+)"', response.text)
+    names = ("favicon.png", "swagger-ui-bundle.js", "swagger-ui.css")
+    assert sorted(assets) == [f"/docs/assets/{name}" for name in names]
+    for asset in assets:
+        assert client.get(asset).status_code == 200 and len(client.get(asset).content) > 1000, asset
+
+
+def test_docs_load_swagger_ui_from_a_cdn_without_fastapi_offline(monkeypatch):
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from music3serve.serving import openapi_docs
+    from music3serve.serving.api import create_app
+
+    monkeypatch.setattr(openapi_docs, "swagger_ui_files", lambda: None)
+    client = TestClient(create_app(SimpleNamespace(max_songs=1)), base_url="http://localhost")
+    page = client.get("/docs").text
+    assert "url: '/openapi.json'" in page and re.search(r'src="https://[^"]+/swagger-ui-bundle\.js"', page)
+    assert client.get("/docs/assets/swagger-ui.css").status_code == 404
 
 
 def test_serve_takes_the_model_names_to_serve(monkeypatch, tmp_path, root_logger):
@@ -125,3 +178,16 @@ def test_serve_takes_the_model_names_to_serve(monkeypatch, tmp_path, root_logger
         assert [model["id"] for model in client.get("/v1/models").json()["data"]] == ["music-2.6", "mine"]
         response = client.post("/v1/audio/speech", json={**SPEECH, "model": "MiniMax-Music3"})
         assert response.status_code == 404 and "music-2.6, mine" in response.json()["error"]["message"]
+
+
+def test_the_docs_page_lists_every_operation_offline(browser, base_url, schema):
+    """In Chromium with every request off this server refused: the page renders, one block per operation."""
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(base_url) else route.abort())
+    page.goto(f"{base_url}/docs")
+    operations = sum(len(methods) for methods in schema["paths"].values())
+    page.wait_for_function(f"() => document.querySelectorAll('.opblock').length === {operations}", timeout=30_000)
+    assert "music3serve" in page.inner_text(".info .title") and errors == [], errors
+    page.close()

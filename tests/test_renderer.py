@@ -125,17 +125,20 @@ def test_streamed_windows_equal_the_offline_render(renderer, reference_stage1, m
 
 
 def test_the_warmup_windows_leave_no_trace(models):
-    """Warm-up renders throwaway windows of one Euler step, one alone and two at once (by default on CUDA only:
-    compiles and lazy inits); after it a song renders exactly as on a renderer that never warmed up."""
+    """Warm-up renders throwaway windows of one Euler step, one alone and two at once, then a short one whose DiT
+    token count divides by 16 where a full window's does not (Triton compiles a kernel per divisibility of its integer
+    arguments) (by default on CUDA only: compiles and lazy inits); after it a song renders exactly as on a renderer
+    that never warmed up."""
     warmed, cold = Renderer.from_models(models), Renderer.from_models(models)
-    dit_rows = []
-    hook = models.dit.register_forward_pre_hook(lambda m, a: dit_rows.append(a[0].shape[0]))
+    dit_calls = []  # (rows, tokens: the latent columns and the time token)
+    hook = models.dit.register_forward_pre_hook(lambda m, a: dit_calls.append((a[0].shape[0], a[0].shape[-1] + 1)))
     try:
         warmed.warmup([1], steps=2, render_one=True)
-        assert dit_rows == [2, 4]  # cond + uncond rows of the one Euler step: one window, then two
-        dit_rows.clear()
+        assert dit_calls == [(2, 690), (4, 690), (2, 672)]  # cond + uncond rows of the one Euler step
+        assert [tokens % 16 == 0 for _, tokens in dit_calls] == [False, False, True]
+        dit_calls.clear()
         Renderer.from_models(models, max_batch=1).warmup([1], steps=2, render_one=True)
-        assert dit_rows == [2]
+        assert dit_calls == [(2, 690), (2, 672)]
     finally:
         hook.remove()
     assert warmed.songs == []

@@ -73,8 +73,23 @@ def colocated(tiny_dir):
     engine.close()
 
 
+SPLIT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deploy" / "split.yaml"
+
+
+def test_the_split_example_places_stage_1_on_the_second_gpu(monkeypatch):
+    """examples/deploy/split.yaml: on a machine with two GPUs the engine puts stage 1 on cuda:1, in a worker."""
+    from music3serve.serving.stage_devices import stage_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    deploy = load_deploy_config(SPLIT_EXAMPLE)
+    assert stage_devices(deploy, None) == ("cuda:0", "cuda:1")
+    assert deploy.stages[0] == load_deploy_config().stages[0]  # not listed: the defaults
+
+
 def test_split_layout_gives_the_colocated_pcm_and_leaves_no_segments(tiny_dir, colocated):
-    engine = Engine.from_pretrained(tiny_dir, device="cpu", split=True)
+    """Through examples/deploy/split.yaml (on the CPU, split as on two GPUs)."""
+    engine = Engine.from_pretrained(tiny_dir, load_deploy_config(SPLIT_EXAMPLE), device="cpu", split=True)
     try:
         connector = engine.worker.connector
         split = run_songs(engine)

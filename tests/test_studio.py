@@ -220,6 +220,20 @@ def test_stop_cancels_the_song_on_the_server(page, client, engine):
     assert "stopped" in page.locator("#takes li").first.inner_text()
 
 
+def test_a_song_waiting_for_the_talkers_rows_shows_queued(page, client, engine, monkeypatch):
+    """The page said "Writing" while the song waited in the talker's queue (the server said "running" then too)."""
+    monkeypatch.setattr(engine.talker.slots, "pairs", 0)  # no song gets rows: each waits in the talker's queue
+    page.fill("#caption", CAPTION)
+    page.fill("#lyrics", LYRICS)
+    page.click("#generate")
+    page.wait_for_function("() => document.getElementById('progress').textContent.startsWith('Queued')",
+                           timeout=30_000)
+    assert client.get(f"/v1/songs/{studio(page)['id']}").json()["state"] == "queued"
+    page.keyboard.press("Escape")  # Stop
+    page.wait_for_function("() => window.studio.state === 'stopped'", timeout=30_000)
+    poll_until(lambda: not engine.talker.songs, 10)
+
+
 def test_errors_show_beside_their_fields(page, engine):
     page.fill("#caption", CAPTION)
     page.fill("#lyrics", LYRICS)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import contract
-from .checkpoint_config import SUPPORTED, check_supported, read_json
+from .checkpoint_config import SUPPORTED, as_json, check_supported, read_json
 from .checkpoint_layout import PIPELINE_CLASS, Blocks, component_folder, load_config
 from .checkpoint_reader import TensorReader, tensors_of
 from .errors import CheckpointError
@@ -25,9 +25,15 @@ def check_layout(root: Path) -> None:
     if not Path(root).is_dir():
         what = "is not a folder" if Path(root).exists() else "does not exist"
         raise CheckpointError(f"model folder {root} {what}")
-    index = read_json(Path(root) / "modular_model_index.json")
+    index_file = Path(root) / "modular_model_index.json"
+    if not index_file.is_file():
+        raise CheckpointError(f"{root} is not a MiniMax-Music3 checkpoint folder: it has no {index_file.name} (the "
+                              "folder `hf download MiniMaxAI/MiniMax-Music3 --local-dir DIR` writes; --tiny for a "
+                              "small random one)")
+    index = read_json(index_file)
     if index.get("_class_name") != PIPELINE_CLASS:
-        raise CheckpointError(f"{root}/modular_model_index.json is not a {PIPELINE_CLASS} (got {index.get('_class_name')!r})")
+        raise CheckpointError(f"{index_file} is not a {PIPELINE_CLASS}'s (its _class_name is "
+                              f"{as_json(index.get('_class_name'))})")
     scheduler = Path(root) / "scheduler" / "scheduler_config.json"
     check_supported(scheduler, read_json(scheduler), SUPPORTED["scheduler"])
 
@@ -73,7 +79,8 @@ def check_fit(root: Path) -> None:
     ]
     for name, key, found, fits, expected in checks:
         if not fits:
-            raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {found!r}, expected {expected}")
+            raise CheckpointError(f"{component_folder(root, name) / 'config.json'}: {key} is {as_json(found)}, "
+                                  f"expected {expected}")
 
 
 def check_nonempty(module: nn.Module, path: Path) -> None:

@@ -78,8 +78,8 @@ def check_supported(path: Path, config: dict[str, Any], supported: dict[str, Sup
         value = (want.values[0] if want.absent is ... else want.absent) if found is _ABSENT else found
         items = value if want.each and isinstance(value, list) else [value]
         if not all(any(_same(item, ok) for ok in want.values) for item in items):
-            shown = f"absent (read as {value!r})" if found is _ABSENT else repr(found)
-            allowed = " or ".join(repr(ok) for ok in want.values) + (" (each item)" if want.each else "")
+            shown = f"absent (read as {as_json(value)})" if found is _ABSENT else as_json(found)
+            allowed = " or ".join(as_json(ok) for ok in want.values) + (" (each item)" if want.each else "")
             raise CheckpointError(f"{path}: {key} is {shown}, we support only {allowed}")
 
 
@@ -91,7 +91,7 @@ def _lookup(path: Path, config: dict[str, Any], key: str) -> Any:
             return _ABSENT
         if not isinstance(value, dict):
             outer = ".".join(key.split(".")[:depth])
-            raise CheckpointError(f"{path}: '{outer}' must be a JSON object, got {value!r:.80}")
+            raise CheckpointError(f"{path}: '{outer}' must be a JSON object, got {as_json(value)}")
         if part not in value:
             return _ABSENT
         value = value[part]
@@ -101,6 +101,11 @@ def _lookup(path: Path, config: dict[str, Any], key: str) -> Any:
 def _same(found: Any, supported: Any) -> bool:
     """Equal, where a bool is no number (1 is not True, 0 is not False) and an int may stand for its float."""
     return isinstance(found, bool) == isinstance(supported, bool) and found == supported
+
+
+def as_json(value: Any) -> str:
+    """A config value as its file spells it (true, null, "text"), cut to 80 characters."""
+    return json.dumps(value, default=repr)[:80]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -137,7 +142,7 @@ def checked_fields(config: Any) -> Any:
         number = float if kind is float else int
         if not all(_positive(item, number) for item in items):
             wanted = f"a positive {number.__name__}" if kind is number else "a non-empty list of positive ints"
-            raise CheckpointError(f"'{field.name}' must be {wanted}, got {value!r}")
+            raise CheckpointError(f"'{field.name}' must be {wanted}, got {as_json(value)}")
     return config
 
 

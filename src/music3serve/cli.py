@@ -64,6 +64,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from .serving.access import Access, HostPolicy
     from .serving.engine import Engine
 
+    warn_if_open(args)
     access = Access(tuple(args.api_key), tuple(args.allowed_origins), HostPolicy.for_bind(args.host, args.allowed_hosts))
     check_device(args.device)
     root = resolve_model(args.model, args.tiny)
@@ -83,6 +84,7 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
         if (exc.name or "").split(".")[0] not in ("ray", "fastapi", "starlette", "pydantic", "uvicorn", "h11"):
             raise
         raise Music3Error(f"--ray needs Ray Serve ({exc}): {install_hint('ray')}") from None
+    warn_if_open(args)
     queue = {} if args.max_queued_songs is None else {"max_queued_songs": args.max_queued_songs}
     app = RayAppArgs(model=args.model, tiny=args.tiny, config=args.config, device=args.device,
                      replicas=args.replicas or 1, autoscale=args.autoscale, api_keys=args.api_key,
@@ -90,6 +92,15 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
                      served_model_names=list(args.served_model_name), quantization=args.quantization,
                      acoustic_dtype=args.acoustic_dtype, **queue)
     serve_on_ray(app, args.host, args.port)
+
+
+def warn_if_open(args: argparse.Namespace) -> None:
+    """A server reachable from the network (bound to other than loopback) without API keys: said at start."""
+    from .serving.access import is_loopback
+
+    if not args.api_key and not is_loopback(args.host):
+        log.warning("the server listens beyond this machine without API keys: anyone who can reach it may use it (set "
+                    "--api-key or MUSIC3_API_KEY, or --host 127.0.0.1)", extra={"host": args.host})
 
 
 def check_device(device: str | None) -> None:

@@ -31,14 +31,20 @@ def text_argument(field: str, limit: int) -> Callable[[str], str]:
                 raise argparse.ArgumentTypeError("not valid UTF-8: the shell passed text in another encoding (e.g. "
                                                  "Latin-1); use UTF-8, or @FILE with UTF-8 text")
             return value
+        if value == "@":  # Path("") is the current folder: "cannot read ." would not say what went wrong
+            raise argparse.ArgumentTypeError(f"@ needs a file name after it: @{field}.txt reads the {field} from "
+                                             f"{field}.txt")
         path = Path(value[1:])
         try:
             # utf-8-sig: a byte-order mark (Windows editors write one) is no part of the text; bounded: past the
             # longest allowed text the rest is not needed.
             with open(path, encoding="utf-8-sig") as file:
                 text = file.read(limit + 1)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text (it holds the byte "
+                                             f"{exc.object[exc.start]:#04x}): save it as UTF-8") from exc
         if len(text) > limit:
             raise argparse.ArgumentTypeError(f"{path} holds more than {limit} characters, the longest {field} allowed")
         return text
@@ -147,8 +153,14 @@ def host_name(value: str) -> str:
 
 
 def env_api_keys() -> list[str]:
-    """MUSIC3_API_KEY: one or more comma-separated keys (an empty value: none)."""
-    value = os.environ.get("MUSIC3_API_KEY", "")
+    """MUSIC3_API_KEY: one or more comma-separated keys; unset: none. Set but holding no key (empty, or only commas
+    and blanks) is refused: that is almost always a secret that did not arrive, and would leave the server open."""
+    value = os.environ.get("MUSIC3_API_KEY")
+    if value is None:
+        return []
+    if not value.replace(",", "").strip():
+        raise Music3Error("MUSIC3_API_KEY is set but holds no key (did its secret arrive?): give it one or more "
+                          "comma-separated keys, or unset it to serve without keys")
     try:
         return [api_key(key.strip()) for key in value.split(",") if key.strip()]
     except argparse.ArgumentTypeError as exc:

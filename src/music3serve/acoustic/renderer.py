@@ -20,7 +20,7 @@ from ..kernels import glu_linear
 from ..models.condition_encoder import ConditionEncoder
 from ..models.dit import DiT
 from ..models.fp8 import Fp8Weight
-from ..models.fusion import enable_fusion
+from ..models.fusion import enable_fusion, fusion_enabled
 from ..models.vocoder import Vocoder
 from .payloads import RenderedWindow, StreamedSong, WindowPayload, check_payloads, next_state
 from .precision import FLOAT32, PrecisionPolicy, apply_policy, float32_matmuls
@@ -28,6 +28,12 @@ from .solver import FULL_LENGTH, WARMUP_STEPS, Carry, GraphedSolve, noise, solve
 from .windows import crop_waveform, song_windows
 
 log = logging.getLogger(__name__)
+
+# A song's last window is shorter than a full one. Triton compiles a kernel once for each way its integer arguments
+# divide by 16 (the DiT attention's and RoPE's token count: the latent length plus the time token), so warm-up also
+# renders a window of this many frames, whose token count does divide by 16 where a full window's (690) does not:
+# otherwise the first song whose last window has such a length waits for those compiles.
+SHORT_WARMUP_FRAMES = max(f for f in range(1, contract.WINDOW_FRAMES) if (contract.latent_length(f) + 1) % 16 == 0)
 
 
 class Renderer:
@@ -169,21 +175,24 @@ class Renderer:
     @torch.inference_mode()
     def warmup(self, batches: Iterable[int], steps: int = contract.DIT_STEPS, render_one: bool | None = None) -> None:
         """Capture the full-window graphs of `steps` Euler steps for these batch sizes (each after one eager step, not
-        a whole solve), then render throwaway windows of one step (render_one; by default on CUDA), one alone and two
-        at once: inductor's compiles of the fused functions (a DiT call of two windows or more takes the fused gate
-        of kernels/glu_linear.py, compiled on first use), the eager solve (without graphs), the vocoder's first
-        calls and lazy inits happen now, not in the first songs' windows."""
+        a whole solve), then render throwaway windows of one step (render_one; by default on CUDA, or where fusion is
+        on), one alone and two at once, then a short one (SHORT_WARMUP_FRAMES): inductor's compiles of the fused
+        functions (a DiT call of two windows or more takes the fused gate of kernels/glu_linear.py, compiled on first
+        use), Triton's, the eager solve (without graphs), the vocoder's first calls and lazy inits happen now, not in
+        the first songs' windows."""
         if self.graphs:
             with float32_matmuls(self.device):
                 for batch in sorted(set(batches), reverse=True):
                     self._graph(min(batch, self.max_batch), steps)
-        if render_one is None:
-            render_one = self.device.type == "cuda"
+        if render_one is None:  # on the CPU too where a caller enabled fusion: its compiles happen now
+            render_one = self.device.type == "cuda" or fusion_enabled()
         if render_one:
             (window,) = song_windows(contract.WINDOW_FRAMES)
             mixed = torch.zeros(window.frames, self.encoder.cfg.hidden, device=self.device)
             for batch in sorted({1, min(2, self.max_batch)}):  # each song's only window: no state is kept
                 self.render([WindowPayload(object(), 0, window, mixed, WARMUP_STEPS) for _ in range(batch)])
+            (short,) = song_windows(SHORT_WARMUP_FRAMES)
+            self.render([WindowPayload(object(), 0, short, mixed[: short.frames], WARMUP_STEPS)])
 
     def render_song(
         self, mixed: torch.Tensor, seed: int, steps: int = contract.DIT_STEPS, song: Hashable | None = None,

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import contract
 from ..checkpoint import ACOUSTIC, Music3Models
 from ..errors import Music3Error
 from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
@@ -74,9 +75,9 @@ def random_engine(deploy: DeployConfig, placement: str = "colocated", device: st
         raise
 
 
-async def song(engine: Engine, duration: float, seed: int) -> dict[str, float]:
+async def song(engine: Engine, duration: float, seed: int, steps: int = contract.DIT_STEPS) -> dict[str, float]:
     started, first, frames = time.perf_counter(), None, 0
-    async for event in engine.submit(SongRequest(f"pop song {seed}", LYRICS, duration, seed=seed)):
+    async for event in engine.submit(SongRequest(f"pop song {seed}", LYRICS, duration, seed=seed, steps=steps)):
         if isinstance(event, AudioChunk) and first is None:
             first = time.perf_counter() - started
         elif isinstance(event, Done):

@@ -82,11 +82,11 @@ class DiTBlock(nn.Module):
             self.glu_pairs = pairs
 
     def forward(
-        self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, delta: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on the residual stream x + delta (delta: the previous block's feed-forward output, or None).
-        Returns (stream + attention, this block's feed-forward output): the sum is left to the next block, whose
-        norm it joins in one kernel, or to the caller after the last block."""
+        """The block on the residual stream x + delta (delta: the previous block's feed-forward output, zeros for the
+        first block). Returns (stream + attention, this block's feed-forward output): the sum is left to the next
+        block, whose norm it joins in one kernel, or to the caller after the last block."""
         # Decided here, outside the compiled hot paths, so they specialize on it (and fuse the torch ops if False).
         kernel1 = uses_add_norm_kernel(x, self.norm1.weight, self.norm1.bias, self.qkv.weight.dtype)
         kernel2 = uses_add_norm_kernel(x, self.norm2.weight, self.norm2.bias, self.ff_in.weight.dtype)
@@ -188,7 +188,8 @@ class DiT(nn.Module):
         x = torch.cat((self.time_embedding(t)[:, None], x), dim=1)
         positions = torch.arange(x.shape[1], device=x.device)
         rope = rope_angles(positions, self.cfg.rotary_dim, ROPE_THETA)
-        delta = None
+        # The first block adds zeros in the dtype the others' deltas have (x + 0 is x): one compiled graph serves all.
+        delta = torch.zeros_like(x, dtype=self.blocks[0].ff_out.weight.dtype) if self.blocks else None
         for block in self.blocks:
             x, delta = block(x, delta, rope)
         x = x if delta is None else x + delta

@@ -23,7 +23,8 @@ _fused: dict[str, Callable] = {}
 _between_library_calls: set[str] = set()
 RECOMPILE_LIMIT = 64
 SHARED_SHAPE_SETTINGS = {"backed_size_oblivious": True, "use_duck_shape": False}  # torch.fx.experimental._config
-_saved_shape_settings: dict[str, object] = {}
+_saved_settings: dict[tuple[object, str], object] = {}  # (torch config module, key): its value before enable_fusion
+_enabled_with: tuple[str, str | None] | None = None  # enable_fusion's (backend, mode) while fusion is on
 
 
 def _name(fn: Callable) -> str:
@@ -55,13 +56,19 @@ def between_library_calls(fn: F) -> F:
 def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
     """Compile every registered function (dynamic shapes, no graph breaks). Tests pass backend="aot_eager" to
     trace exactly as inductor would see the functions, without generating code; `mode` is torch.compile's
-    (bench/dit_autotune.py tries "max-autotune-no-cudagraphs")."""
+    (bench/dit_autotune.py tries "max-autotune-no-cudagraphs"). Enabling again with the same arguments keeps the
+    compiled functions and their graphs (the talker and the renderer each enable it); other arguments need
+    disable_fusion first."""
+    global _enabled_with
+    if _enabled_with not in (None, (backend, mode)):
+        raise RuntimeError(f"fusion is already enabled with backend and mode {_enabled_with}: disable_fusion() first")
+    _enabled_with = (backend, mode)
     # Keep the intermediate bf16 roundings the eager code (and the reference) performs.
-    torch._inductor.config.emulate_precision_casts = True
+    _change(torch._inductor.config, "emulate_precision_casts", True)
     # Weights are parameters, whose shapes dynamo keeps static: each model width is one more compilation of every
     # hot function (backbone and depth decoder are two). Dynamo's default of 8 per function then fails a process that
     # builds engines for several checkpoints (the GPU tests do); a bounded number of widths is expected here.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    _change(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT))
     share_graphs_across_sizes()
     for name, fn in _plain.items():
         if backend == "inductor":  # a mode is a set of options: merged with ours (torch.compile takes one or the other)
@@ -72,6 +79,21 @@ def enable_fusion(backend: str = "inductor", mode: str | None = None) -> None:
         _fused.setdefault(name, compiled)
 
 
+def fusion_enabled() -> bool:
+    """Whether hot paths run compiled: the engine then warms up every shape it serves (on the CPU too, where tests and
+    `bench ready` enable fusion themselves), so that no song waits for a compile."""
+    return bool(_fused)
+
+
+def graphs_per_function() -> dict[str, int]:
+    """Compiled graphs dynamo holds for each hot function that has any (recompiles included): which function a
+    compile came from."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    counts = {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in _plain.items()}
+    return {name.rsplit(".", 1)[1]: count for name, count in counts.items() if count}
+
+
 def share_graphs_across_sizes() -> None:
     """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
     sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
@@ -80,8 +102,13 @@ def share_graphs_across_sizes() -> None:
     shapes = torch.fx.experimental._config
     for key, value in SHARED_SHAPE_SETTINGS.items():
         if hasattr(shapes, key):  # a torch without the setting compiles as before
-            _saved_shape_settings.setdefault(key, getattr(shapes, key))
-            setattr(shapes, key, value)
+            _change(shapes, key, value)
+
+
+def _change(config: object, key: str, value: object) -> None:
+    """Set one of torch's settings, keeping the value it had before enable_fusion for disable_fusion."""
+    _saved_settings.setdefault((config, key), getattr(config, key))
+    setattr(config, key, value)
 
 
 def _inductor_options(name: str) -> dict[str, bool]:
@@ -92,8 +119,10 @@ def _inductor_options(name: str) -> dict[str, bool]:
 
 
 def disable_fusion() -> None:
-    """Calls go to the plain functions again, and torch's shape settings are as they were before enable_fusion."""
+    """Calls go to the plain functions again, and every torch setting enable_fusion changed is as it was before."""
+    global _enabled_with
     _fused.clear()
-    for key, value in _saved_shape_settings.items():
-        setattr(torch.fx.experimental._config, key, value)
-    _saved_shape_settings.clear()
+    _enabled_with = None
+    for (config, key), value in _saved_settings.items():
+        setattr(config, key, value)
+    _saved_settings.clear()

@@ -7,8 +7,9 @@ import hashlib
 import hmac
 import ipaddress
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
+from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute, Match
 
@@ -17,9 +18,12 @@ from .error_bodies import error_reply_for
 ASGIApp = Callable[..., Awaitable[None]]
 OWNER = "music3serve.api_key"  # the scope key under which ApiKeys leaves the index of the request's key
 PROTECTED = "/v1/"  # every route under it needs a key; /health, /metrics and /openapi.json stay open
+# Answered whatever the Host header: probes and scrapers name the pod's address (Kubernetes, Prometheus), and these
+# change nothing and show no song, so a page rebound to this server learns nothing from them.
+ANY_HOST = ("/health", "/metrics")
 # The response headers a browser app may read (CORS hides all but a few unless they are exposed).
 EXPOSED_HEADERS = ("X-Song-Id", "X-Seed", "X-Frame-Budget", "X-Prompt-Tokens", "X-Sample-Rate", "X-Channels",
-                   "Retry-After")
+                   "X-Dropped-Lyrics-Lines", "Retry-After")
 CORS_METHODS = ("GET", "HEAD", "POST", "DELETE")
 
 
@@ -47,18 +51,18 @@ class HostPolicy:
         """Bound to a loopback address: loopback names and addresses, and `allowed`. Bound elsewhere (all
         interfaces): `allowed` where given, else any host (probes and proxies reach it by names of their own)."""
         allowed = tuple(_host_name(a) for a in allowed)  # a port or an IPv6 address's brackets are no part of it
-        if _is_loopback(bind):
+        if is_loopback(bind):
             return cls(True, allowed)
         return cls(False, allowed or ("*",))
 
     def allows(self, host: str) -> bool:
         name = _host_name(host)
-        if self.loopback and _is_loopback(name):
+        if self.loopback and is_loopback(name):
             return True
         return any(p == "*" or p == name or (p.startswith("*.") and name.endswith(p[1:])) for p in self.patterns)
 
 
-def _is_loopback(name: str) -> bool:
+def is_loopback(name: str) -> bool:
     name = name.lower().rstrip(".")
     if name == "localhost" or name.endswith(".localhost"):  # RFC 6761: never resolved elsewhere
         return True
@@ -91,13 +95,14 @@ class Access:
 class CheckHost:
     """ASGI middleware: a request whose Host header the policy does not allow is refused with 400, so a web page
     cannot reach a server on this machine through a name rebound to 127.0.0.1 (a request without one, HTTP/1.0, is
-    no browser's and passes). The refusal comes in the route's error body (serving/error_bodies.py)."""
+    no browser's and passes; so do the ANY_HOST paths). The refusal comes in the route's error body
+    (serving/error_bodies.py)."""
 
     def __init__(self, app: ASGIApp, policy: HostPolicy):
         self.app, self.policy = app, policy
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and route_path(scope) not in ANY_HOST:
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
             if host is not None and not self.policy.allows(host):
                 message = (f"the Host header {host!r:.80} is not one this server answers to (it protects against DNS "
@@ -131,6 +136,40 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS for the `allowed` origins, with its refusals in the route's error body
+    (serving/error_bodies.py): a preflight to a path no route has is a 404, one from an origin, or for a method, not
+    allowed is a 400 that names those allowed."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...], routes: list[BaseRoute]):
+        super().__init__(app, allow_origins=allowed, allow_methods=CORS_METHODS, allow_headers=["*"],
+                         expose_headers=EXPOSED_HEADERS)
+        self.routes = routes  # the app's, filled in after the middleware is added
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        headers = Headers(scope=scope)
+        preflight = scope["type"] == "http" and scope["method"] == "OPTIONS"
+        if not (preflight and "origin" in headers and "access-control-request-method" in headers):
+            return await super().__call__(scope, receive, send)
+        reply = error_reply_for(route_path(scope))
+        if next(_routes_at(self.routes, scope), None) is None:
+            return await reply(404, "Not Found")(scope, receive, send)
+        response = self.preflight_response(headers)
+        if response.status_code == 400:
+            response = reply(400, self._refusal(headers), {"Vary": "Origin"})
+        await response(scope, receive, send)
+
+    def _refusal(self, headers: Headers) -> str:
+        """Why a preflight was refused, and what is allowed."""
+        origin, method = headers["origin"], headers["access-control-request-method"]
+        if not self.is_allowed_origin(origin):
+            return (f"browser pages from {origin!r:.80} may not call this server: its operator allows the origins "
+                    "it serves (serve --allowed-origins)")  # not which ones: any page could read the list
+        if method not in self.allow_methods:
+            return f"a browser may not send {method!r:.20} here; the methods allowed are {', '.join(CORS_METHODS)}"
+        return "a page on a public site may not call a server on a private network (Private Network Access)"
+
+
 def install(app: Any, access: Access) -> None:
     """Put the access checks in front of a FastAPI app's routes (after its other middleware, so outside it),
     outermost first: the Host header, CORS (a browser's preflight carries no key; a 401 needs CORS headers for the
@@ -138,18 +177,23 @@ def install(app: Any, access: Access) -> None:
     if access.api_keys:
         app.add_middleware(ApiKeys, access=access)
     if access.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=access.allowed_origins, allow_methods=CORS_METHODS,
-                           allow_headers=["*"], expose_headers=EXPOSED_HEADERS)
+        app.add_middleware(Cors, allowed=access.allowed_origins, routes=app.router.routes)
     if access.hosts.loopback or access.hosts.patterns != ("*",):
         app.add_middleware(CheckHost, policy=access.hosts)
+
+
+def _routes_at(routes: Iterable[BaseRoute], scope: dict[str, Any]) -> Iterator[BaseRoute]:
+    """The routes at the request's path, whatever their methods."""
+    for route in routes:
+        if route.matches({**scope, "method": "\0"})[0] is not Match.NONE:  # a method no route has: path matches only
+            yield route
 
 
 def allowed_methods(routes: Iterable[BaseRoute], scope: dict[str, Any]) -> str:
     """The Allow header of a 405: the methods of every route at the request's path (Starlette names only the first
     route's, and FastAPI makes one route per method)."""
     methods: set[str] = set()
-    for route in routes:
-        if route.matches({**scope, "method": "\0"})[0] is not Match.NONE:  # a method no route has: path matches only
-            methods |= getattr(route, "methods", None) or set()
+    for route in _routes_at(routes, scope):
+        methods |= getattr(route, "methods", None) or set()
     order = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     return ", ".join(sorted(methods, key=lambda m: order.index(m) if m in order else len(order)))

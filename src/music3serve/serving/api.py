@@ -29,9 +29,10 @@ from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_respons
 from .music_generation import add_music_routes
 from .openai_speech import add_speech_routes
 from .openapi_docs import (
-    AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, openapi_schema, post_responses,
+    AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, mount_docs, openapi_schema,
+    post_responses,
 )
-from .request_body import BoundedBody, SongBody, describe, first_field, json_object_of
+from .request_body import BoundedBody, SongBody, body_model, describe, first_field, json_object_of, not_utf8
 from .song_service import SongService, scoped
 from .web import mount_studio
 
@@ -53,11 +54,11 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             if close_engine:
                 await asyncio.to_thread(engine.close)
 
-    # /openapi.json describes every route (serving/openapi_docs.py), /docs renders it; no /redoc.
+    # /openapi.json describes every route (serving/openapi_docs.py), /docs renders it (mount_docs); no /redoc.
     # No redirects of a trailing slash: /v1/songs/ is an unknown path (JSON 404), not a 307 to another host's
     # idea of this one.
     app = FastAPI(title="music3serve", summary="MiniMax-Music3 songs, streamed while they are written",
-                  version=__version__, lifespan=lifespan, redoc_url=None, redirect_slashes=False)
+                  version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
     service = SongService(engine)
     app.state.songs = service
 
@@ -71,7 +72,7 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return reply_for(request)(400, describe(exc), param=first_field(exc))
+        return reply_for(request)(400, describe(exc, body_model(request.scope)), param=first_field(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -81,6 +82,8 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             return reply(405, f"{request.method} is not allowed here; this path takes {methods}", {"Allow": methods})
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI decodes UTF-8 only
+            return reply(400, not_utf8(exc.__cause__), exc.headers)
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
             why = str(exc.__cause__)
             if "integer string conversion" in why:  # Python's guard on decoding huge integers
@@ -134,5 +137,6 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=METRICS_TYPE)
 
+    mount_docs(app)
     mount_studio(app)  # the web studio at `/` (serving/web.py)
     return app

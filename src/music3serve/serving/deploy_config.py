@@ -89,9 +89,10 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
     async_chunk = top.bool("async_chunk", True)
     trust_remote_code = top.bool("trust_remote_code", False)  # either way: no remote code is ever run here
     connectors = _connectors(top)
-    stages = top.data.get("stages", [{"stage_id": 0}, {"stage_id": 1}])
+    stages = top.data.get("stages", [])  # a stage left out takes its defaults
     if not isinstance(stages, list):
-        raise top.bad("stages", stages, "a list of two stages, stage_id 0 (talker) and 1 (acoustic decoder)")
+        raise top.bad("stages", stages, "a list of the stages to change: stage_id 0 (talker), 1 (acoustic decoder) "
+                                        "or both")
     where: dict[int, int] = {}
     for i, stage in enumerate(stages):
         path = f"stages[{i}].stage_id"
@@ -105,19 +106,29 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
         if sid in where:
             raise bad(source, path, sid, f"each of 0 and 1 exactly once (stages[{where[sid]}] is already stage {sid})")
         where[sid] = i
-    for sid in (0, 1):
-        if sid not in where:
-            raise ConfigError(f"{source}: stages: stage_id {sid} is missing; allowed: exactly two stages, 0 and 1")
-    maps = [Section(stages[where[s]], f"stages[{where[s]}]", source, STAGE_KEYS + extra) for s, extra in STAGE_EXTRA]
+    extras = dict(STAGE_EXTRA)
+
+    def block(sid: int, unlisted: dict[str, Any]) -> Section:
+        """The stage's block in the file; one it leaves out takes its defaults (`unlisted`)."""
+        if sid in where:
+            return Section(stages[where[sid]], f"stages[{where[sid]}]", source, STAGE_KEYS + extras[sid])
+        return Section(unlisted, f"stages[stage {sid}: defaults]", source, STAGE_KEYS + extras[sid])
+
+    maps = [block(0, _unlisted_stage0(stages, where, connectors))]
     s0 = parse_stage0(maps[0], connectors)
+    maps.append(block(1, {"stage_id": 1, "input_connectors": {"from_stage_0": s0.output_connectors["to_stage_1"]},
+                          **_listed_devices(stages, where)}))
     s1 = parse_stage1(maps[1], connectors, s0, maps[0].key("output_connectors.to_stage_1"))
     for device in set(s0.devices) | set(s1.devices):
         users = [(m, s) for m, s in zip(maps, (s0, s1)) if device in s.devices]
         total = sum(s.gpu_memory_utilization for _, s in users)
         if len(users) > 1 and total > 1 + 1e-9:
-            m, s = users[-1]
+            m, s = next(((m, s) for m, s in reversed(users) if s.stage_id in where), users[-1])  # blame a listed stage
+            unlisted = "".join(f"; stage {u.stage_id}, not listed, takes its default {u.gpu_memory_utilization:g}"
+                               for _, u in users if u.stage_id not in where)
             raise m.bad("gpu_memory_utilization", s.gpu_memory_utilization,
-                        f"a fraction that keeps the sum over the stages on GPU {device} <= 1 (it is {total:g})")
+                        f"a fraction that keeps the sum over the stages on GPU {device} <= 1 (it is {total:g}"
+                        f"{unlisted})")
     used = s0.output_connectors["to_stage_1"]  # stage 1 reads from the same one
     for name in connectors:
         if name != used:  # its settings would be validated, then never applied
@@ -125,6 +136,25 @@ def parse_deploy_config(data: Any, source: str) -> DeployConfig:
                               f"only the connector the stages use, {quote(used)} "
                               f"({maps[0].key('output_connectors.to_stage_1')})")
     return DeployConfig(pipeline, async_chunk, trust_remote_code, connectors, (s0, s1), source)
+
+
+def _listed_devices(stages: list, where: dict[int, int]) -> dict[str, Any]:
+    """For the stage a file leaves out: the other stage's `devices` where the file sets them, so that the stages
+    stay together (split placement only where a file lists both stages on different GPUs)."""
+    listed = [stages[i] for i in where.values()]
+    return {"devices": listed[0]["devices"]} if len(listed) == 1 and "devices" in listed[0] else {}
+
+
+def _unlisted_stage0(stages: list, where: dict[int, int], connectors: dict[str, ConnectorConfig]) -> dict[str, Any]:
+    """Stage 0's block where the file leaves it out: its defaults, writing to the connector stage 1 reads from where
+    that is one of the file's (else stage 1's own check names it)."""
+    block: dict[str, Any] = {"stage_id": 0, **_listed_devices(stages, where)}
+    if 1 in where:
+        edge = stages[where[1]].get("input_connectors")
+        name = edge.get("from_stage_0") if isinstance(edge, dict) else None
+        if isinstance(name, str) and name in connectors:
+            block["output_connectors"] = {"to_stage_1": name}
+    return block
 
 
 def with_quantization(deploy: DeployConfig, quantization: str) -> DeployConfig:

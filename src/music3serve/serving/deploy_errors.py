@@ -16,7 +16,8 @@ class ConfigError(Music3Error, ValueError):
 
 class _Quote(reprlib.Repr):
     """repr() of a config value cut to a few hundred characters, built without walking more than it shows: anchors
-    and aliases let a small file hold a list whose full repr would take gigabytes (a "billion laughs")."""
+    and aliases let a small file hold a list whose full repr would take gigabytes (a "billion laughs"). YAML's own
+    words stand for what has one (true, false, null, .inf, .nan): the file spells them so."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -28,6 +29,17 @@ class _Quote(reprlib.Repr):
         if x.bit_length() <= 128:
             return repr(x)
         return f"<an integer of about {int(x.bit_length() * math.log10(2))} digits>"
+
+    def repr_bool(self, x: bool, level: int) -> str:
+        return "true" if x else "false"
+
+    def repr_NoneType(self, x: None, level: int) -> str:
+        return "null"
+
+    def repr_float(self, x: float, level: int) -> str:
+        if math.isnan(x):
+            return ".nan"
+        return repr(x) if math.isfinite(x) else "-.inf" if x < 0 else ".inf"
 
 
 quote = _Quote().repr

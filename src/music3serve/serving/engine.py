@@ -26,7 +26,7 @@ from ..talker.quantize import quantize_talker
 from .deploy_config import DeployConfig, load_deploy_config
 from .deploy_schema import precision_log_level
 from .engine_limits import MAX_SONGS, MAX_UNREAD_BYTES, audio_bytes, checked_request, too_long
-from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
+from .events import Event, Failed, SongProgress, SongRequest
 from .heartbeat import (
     RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
 )
@@ -150,21 +150,12 @@ class Engine:
             self.held.forget(key)
             raise Music3Error(self.guard.broken or "the engine is closed; it takes no more songs")
         self.talker_loop.submit(key, cond, uncond, seed, budget_request, steps)
-        ended = False
         try:
             warn_dropped_lyrics(request.lyrics, song=song)
-            while not ended:
-                if asyncio.get_running_loop() is not client.loop:
-                    raise RuntimeError("a song's stream is read on the event loop that started it, not another")
-                event = await client.events.get()
-                if isinstance(event, AudioChunk):
-                    client.unread_bytes -= event.pcm.nbytes
-                elif isinstance(event, Accepted):  # the budget may be short of the request (the context's room)
-                    client.unread_bytes -= audio - audio_bytes(event.budget_frames)
-                ended = isinstance(event, (Done, Failed))
+            async for event in client.read(audio):
                 yield event
         finally:
-            if not ended:  # the caller stopped reading before the end
+            if not client.read_to_end:  # the caller stopped reading before the end
                 self.held.count_cancel(key)
             if self.held.forget(key):
                 self._cancel(key)
@@ -192,18 +183,16 @@ class Engine:
         self._cancel(key)
         return True
 
-    def progress(self, song: str) -> tuple[int, int] | None:
-        """(frames written, windows rendered) of the song held under the caller's id `song`, or None. Read from
-        the caller's thread while the stages run: each count may be a step behind. A song whose last frame is
-        written reports its final count; one cancelled or failed, 0 frames or None (the HTTP API keeps the count it
-        read last)."""
+    def progress(self, song: str) -> SongProgress | None:
+        """The progress of the song held under the caller's id `song` (each count may be a step behind), or None.
+        A song whose last frame is written reports its final count; one cancelled or failed, 0 frames or None."""
         key = self.held.key_of(song)
         client = self.held.client(key) if key is not None else None
         if client is None:
             return None
         finished, decoding = client.finished, self.talker.songs.get(key)
         frames = finished.frames if finished is not None else decoding.frames if decoding is not None else 0
-        return frames, client.windows
+        return SongProgress(frames, client.windows, finished is None and (decoding is None or decoding.pair is None))
 
     @property
     def max_songs(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,3 +52,12 @@ class Failed:
 
 
 Event = Accepted | AudioChunk | Done | Failed
+
+
+class SongProgress(NamedTuple):
+    """A held song's frames written by the talker, windows rendered by stage 1, and whether it still waits in the
+    talker's queue (no rows yet)."""
+
+    frames: int
+    windows: int
+    queued: bool

@@ -8,12 +8,12 @@ import itertools
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from ..errors import EngineBusy, InputError
 from ..talker.events import SongFinished
-from .engine_limits import unread_refusal
-from .events import Event
+from .engine_limits import audio_bytes, unread_refusal
+from .events import Accepted, AudioChunk, Done, Event, Failed
 from .metrics import EngineMetrics
 
 
@@ -45,6 +45,23 @@ class SongClient:
     # less the chunks read
     held_pcm: list = field(default_factory=list)  # codec_streaming false: the windows' PCM until the last
     windows: int = 0  # windows stage 1 has rendered
+    read_to_end: bool = False  # the caller has been given the song's Done or Failed
+
+    async def read(self, audio: int) -> AsyncIterator[Event]:
+        """The song's events as the stages deliver them, to its Done or Failed, each read taken off its audio owed
+        (`audio`: its request's, of which an Accepted gives back what its budget falls short of)."""
+        while True:
+            if asyncio.get_running_loop() is not self.loop:
+                raise RuntimeError("a song's stream is read on the event loop that started it, not another")
+            event = await self.events.get()
+            if isinstance(event, AudioChunk):
+                self.unread_bytes -= event.pcm.nbytes
+            elif isinstance(event, Accepted):  # the budget may be short of the request (the context's room)
+                self.unread_bytes -= audio - audio_bytes(event.budget_frames)
+            self.read_to_end = isinstance(event, (Done, Failed))
+            yield event
+            if self.read_to_end:
+                return
 
 
 class HeldSongs:

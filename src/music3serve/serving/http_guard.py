@@ -5,8 +5,6 @@
   its request would hold it, and an open file, forever.
 - A JSON 413 for a Content-Length of more than 20 digits, which h11 refuses itself (with a plain-text 400) before
   the app's own check (request_body.BoundedBody) could see it.
-- A half-closed client (one that ended its input, `nc -N`) still gets its answer; one gone altogether is told apart
-  by the reset its system answers writes with.
 - Whether the bytes written have reached the client (its TCP acknowledged them), for the app to say whether a
   song's end was delivered (song_stream.UNACKNOWLEDGED).
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
@@ -39,7 +37,6 @@ log = logging.getLogger(__name__)
 
 REQUEST_READ_S = 30.0  # the largest body (1 MiB) arrives well within this even over a slow link
 WARN_EVERY_S = 60.0  # refused connections and accept() failures are logged once per this interval, with a count
-PEER_CHECK_S = 0.5  # after an end of input, how often the connection is checked for a reset from a client gone
 HEAD_KEPT = 64 * 1024  # of a request's head as it arrives, to read its Content-Length where h11 refused it
 LONG_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*([0-9]{21,})[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
 
@@ -97,7 +94,6 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
-        self._peer_check: asyncio.TimerHandle | None = None
         self._head = b""
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
@@ -161,28 +157,6 @@ class GuardedH11Protocol(H11Protocol):
             # deadline; uvicorn's keep-alive timer would close the connection under a client pausing mid-body.
             self._unset_keepalive_if_required()
 
-    def eof_received(self) -> bool:
-        """The client ended its input (a half-close, as `nc -N` or a shutdown(SHUT_WR) does): a request it sent whole
-        is still answered, and the connection closed after it. A client that closed its connection altogether is
-        told apart by the writes: its system answers them with a reset, which the transport no longer reads once
-        the input has ended, so the connection's error is looked at every PEER_CHECK_S. An end of input within a
-        request (or between requests) closes at once."""
-        if self.cycle is not None and not self.cycle.response_complete and self.conn.their_state is h11.DONE:
-            self.cycle.keep_alive = False
-            self._peer_check = self.loop.call_later(PEER_CHECK_S, self._check_peer)
-            return True  # keep the transport open for writing
-        return False
-
-    def _check_peer(self) -> None:
-        self._peer_check = None
-        sock = self.transport.get_extra_info("socket")
-        if self.transport.is_closing() or sock is None:
-            return
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):  # a reset came: the client is gone
-            self.transport.abort()
-        else:
-            self._peer_check = self.loop.call_later(PEER_CHECK_S, self._check_peer)
-
     def _unacknowledged(self) -> int | None:
         """Bytes written to the connection and not yet acknowledged by the client's TCP: those the transport still
         holds, and on Linux those in the kernel's send queue (SIOCOUTQ); None once the connection is closing."""
@@ -208,8 +182,6 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self._peer_check is not None:
-            self._peer_check.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:

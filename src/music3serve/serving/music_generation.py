@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from .. import contract
 from ..prompt import MAX_STEPS, duration_for_frames
 from .audio_io import CHANNELS, PcmEncoder
-from .error_bodies import MUSIC_PATH, minimax_error, model_not_served, renaming
+from .error_bodies import MINIMAX_CODES, MUSIC_PATH, minimax_error, model_not_served, renaming
 from .openapi_docs import EVENTS_CONTENT, post_responses
 from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
@@ -57,7 +58,9 @@ class AudioSetting(BaseModel):
 
 
 class MusicBody(BaseModel):
-    """POST /v1/music_generation. Types are strict; unknown keys are refused."""
+    """POST /v1/music_generation. Types are strict; unknown keys are refused, and so are the hosted API's cover and
+    reference-audio fields (audio_url, audio_base64, refer_voice, refer_instrumental, refer_vocal), output_format
+    'url', and lyrics_optimizer or aigc_watermark true, each with the reason."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -65,19 +68,20 @@ class MusicBody(BaseModel):
     prompt: str = Field(description="the caption: style, instruments, mood, tempo")
     lyrics: str | None = Field(None, description="with [verse]-style tags; required unless is_instrumental")
     stream: bool = False
-    output_format: Literal["hex", "url"] = "hex"
+    output_format: Literal["hex", "url"] = Field("hex", json_schema_extra={"enum": ["hex"]})  # url: refused, below
     audio_setting: AudioSetting = Field(default_factory=AudioSetting)
     is_instrumental: bool = False
-    lyrics_optimizer: bool = False
-    aigc_watermark: bool = False
+    lyrics_optimizer: bool = Field(False, json_schema_extra={"enum": [False]})  # true: refused, below
+    aigc_watermark: bool = Field(False, json_schema_extra={"enum": [False]})
     seed: int | None = Field(None, ge=0, lt=contract.SEED_LIMIT, description="ours; null: a random seed")
     max_new_tokens: int = Field(contract.MAX_FRAMES, ge=1, le=contract.MAX_FRAMES, description="ours: the frame cap")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="ours: Euler steps per window; null: 30")
-    audio_url: Any = None
-    audio_base64: Any = None
-    refer_voice: Any = None
-    refer_instrumental: Any = None
-    refer_vocal: Any = None
+    # REFUSED: taken only to be refused with a reason; left out of /openapi.json, which lists what is accepted.
+    audio_url: SkipJsonSchema[Any] = None
+    audio_base64: SkipJsonSchema[Any] = None
+    refer_voice: SkipJsonSchema[Any] = None
+    refer_instrumental: SkipJsonSchema[Any] = None
+    refer_vocal: SkipJsonSchema[Any] = None
 
     _refuse = field_validator(*REFUSED)(refused(REFUSED))
     _hex_only = field_validator("output_format")(refused(REFUSED_SETTINGS, allowed=("hex",)))
@@ -100,7 +104,8 @@ def extra_info(song: SongState, setting: AudioSetting, size: int, samples: int) 
 
 class HexEvents(Framing):
     """The hosted stream: a `data:` event per chunk with the audio in hex (status 1), then one with status 2, no
-    audio and the extra_info; a failed song's last event carries its base_resp before the cut."""
+    audio and the extra_info; a failed song's last event carries its base_resp before the cut, and a cancelled
+    song's too."""
 
     media_type = "text/event-stream"
 
@@ -116,9 +121,9 @@ class HexEvents(Framing):
         return server_sent_event({"data": {"audio": "", "status": COMPLETED}, "trace_id": song.id,
                                   "extra_info": info, "base_resp": OK})
 
-    def failed(self, song: SongState) -> bytes:
-        message = f"song {song.id} failed: {song.error}"
-        return server_sent_event({"data": None, "base_resp": {"status_code": 1000, "status_msg": message}})
+    def ended_early(self, status: int, message: str, code: str | None) -> bytes:
+        base_resp = {"status_code": MINIMAX_CODES.get(status, 1000), "status_msg": message}
+        return server_sent_event({"data": None, "base_resp": base_resp})
 
 
 class HexEnvelope(Framing):

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from .. import contract
 from ..prompt import MAX_STEPS, duration_for_frames
 from .encoders import FORMATS
 from .engine_limits import audio_bytes
-from .error_bodies import MODELS_PATH, SPEECH_PATH, model_not_served, openai_error, renaming
+from .error_bodies import MODELS_PATH, OPENAI_TYPES, SPEECH_PATH, model_not_served, openai_error, renaming
 from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODEL_RESPONSES, MODELS_RESPONSES, post_responses
 from .request_body import integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
@@ -45,7 +46,9 @@ FIELD_NAMES = {"caption": "instructions", "lyrics": "input", "duration": "max_ne
 
 
 class SpeechBody(BaseModel):
-    """POST /v1/audio/speech. Types are strict; unknown keys are refused."""
+    """POST /v1/audio/speech. Types are strict; unknown keys are refused, and so are OpenAI's and vLLM's sampling and
+    reference-audio fields (temperature, top_p, top_k, repetition_penalty, ref_audio, ref_text, language,
+    task_type), each with the reason."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -60,16 +63,18 @@ class SpeechBody(BaseModel):
     sample_rate: integer_of(SPEECH_RATES) = 32_000  # type: ignore[valid-type]
     stream: bool = False
     stream_format: Literal["audio", "sse"] = "audio"
-    speed: float = 1.0
+    speed: float = Field(1.0, description="only 1.0: the caption sets the tempo",
+                         json_schema_extra={"minimum": 1.0, "maximum": 1.0})  # checked below, in words of ours
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Euler steps per window; null: 30")
-    temperature: Any = None
-    top_p: Any = None
-    top_k: Any = None
-    repetition_penalty: Any = None
-    ref_audio: Any = None
-    ref_text: Any = None
-    language: Any = None
-    task_type: Any = None
+    # REFUSED: taken only to be refused with a reason; left out of /openapi.json, which lists what is accepted.
+    temperature: SkipJsonSchema[Any] = None
+    top_p: SkipJsonSchema[Any] = None
+    top_k: SkipJsonSchema[Any] = None
+    repetition_penalty: SkipJsonSchema[Any] = None
+    ref_audio: SkipJsonSchema[Any] = None
+    ref_text: SkipJsonSchema[Any] = None
+    language: SkipJsonSchema[Any] = None
+    task_type: SkipJsonSchema[Any] = None
 
     _refuse = field_validator(*REFUSED)(refused(REFUSED))
 
@@ -90,7 +95,8 @@ class SpeechBody(BaseModel):
 
 class SpeechEvents(Framing):
     """OpenAI's speech streaming events: `speech.audio.delta` with base64 audio per chunk, then `speech.audio.done`
-    with usage (prompt tokens in, frames out) and ours beside it; an `error` event before a failed song's cut."""
+    with usage (prompt tokens in, frames out) and ours beside it; an `error` event before a failed song's cut, or
+    at the end of one cancelled."""
 
     media_type = "text/event-stream"
 
@@ -106,9 +112,8 @@ class SpeechEvents(Framing):
                 "seconds": song.samples_sent / song.sample_rate, "first_audio_s": song.first_audio_s}
         return server_sent_event(done, "speech.audio.done")
 
-    def failed(self, song: SongState) -> bytes:
-        error = {"message": f"song {song.id} failed: {song.error}", "type": "server_error", "param": None,
-                 "code": None}
+    def ended_early(self, status: int, message: str, code: str | None) -> bytes:
+        error = {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None, "code": code}
         return server_sent_event({"type": "error", "error": error}, "error")
 
 

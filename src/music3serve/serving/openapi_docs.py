@@ -6,11 +6,16 @@ every route lists the 500 of an unexpected error."""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, Field
+from starlette.staticfiles import StaticFiles
 
 from .access import PROTECTED, Access
 from .encoders import MEDIA_TYPES
@@ -49,6 +54,8 @@ SONG_HEADERS = {
         ("X-Prompt-Tokens", "tokens of the conditional prompt", {"type": "integer"}),
         ("X-Sample-Rate", "the audio's sample rate", {"type": "integer"}),
         ("X-Channels", "the audio's channels (2)", {"type": "integer"}),
+        ("X-Dropped-Lyrics-Lines", "only when lyrics were dropped: the lines (from 1, comma-separated) whose text "
+                                   "after a [tag] was dropped", TEXT),
     )
 }
 SONG_LINKS = {name: {"operationId": operation, "parameters": {"song_id": "$response.header.X-Song-Id"}}
@@ -77,7 +84,8 @@ class SongStatus(BaseModel):
     frame_budget: int
     format: str
     sample_rate: int
-    state: str
+    state: Literal["queued", "running", "done", "failed", "cancelled"] = Field(
+        description="queued: waiting for the talker's rows; running: being written or sent")
     error: str | None
     frames: int | None
     ended_by: str | None
@@ -104,12 +112,33 @@ MODEL_RESPONSES = {200: {"description": "a served model (OpenAI's model object)"
     "application/json": {"schema": MODEL_CARD}}}, **error_responses((401, 404), "openai")}
 
 
+def integer_bounds(node: Any) -> None:
+    """An integer field's bounds as integers, in place: FastAPI writes every bound as a float (a seed's 2**64 became
+    1.8446744073709552e+19, exact for a power of two but read as a float by validators and SDK generators), and an
+    exclusive bound on an integer as the inclusive one next to it."""
+    if isinstance(node, list):
+        for item in node:
+            integer_bounds(item)
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "integer":
+        for key, step in (("exclusiveMinimum", 1), ("exclusiveMaximum", -1)):
+            if key in node:
+                node[key.removeprefix("exclusive").lower()] = int(node.pop(key)) + step
+        for key in ("minimum", "maximum"):
+            if key in node:
+                node[key] = int(node[key])
+    for value in node.values():
+        integer_bounds(value)
+
+
 def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
     """FastAPI's schema, built once, without the 422 it adds to every route with a body (this API answers 400), with
-    the 500 of an unexpected error on every route, and with the API keys' bearer scheme on /v1/ routes where keys
-    are required."""
+    the 500 of an unexpected error on every route, integer bounds as integers, and with the API keys' bearer scheme
+    on /v1/ routes where keys are required."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        integer_bounds(schema)
         for path, operations in schema["paths"].items():
             for operation in operations.values():
                 responses = operation.setdefault("responses", {})
@@ -126,3 +155,32 @@ def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon.png")
+DOCS_ASSETS = "/docs/assets"
+
+
+def swagger_ui_files() -> Path | None:
+    """The folder of Swagger UI's script, style sheet and icon that the fastapi-offline package ships (the serve
+    extra installs it), found without importing it; None where it is not installed."""
+    spec = importlib.util.find_spec("fastapi_offline")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if all((Path(folder) / "static" / name).is_file() for name in SWAGGER_FILES):
+            return Path(folder) / "static"
+    return None
+
+
+def mount_docs(app: FastAPI) -> None:
+    """`GET /docs`: Swagger UI over /openapi.json, its files served from here (DOCS_ASSETS) where fastapi-offline is
+    installed, so the page works offline; else the browser loads them from FastAPI's default CDN."""
+    files = swagger_ui_files()
+    if files is not None:
+        app.mount(DOCS_ASSETS, StaticFiles(directory=files), name="docs_assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")  # mounted under a prefix (a Ray route_prefix)
+        assets = {} if files is None else {f"swagger_{kind}_url": f"{root}{DOCS_ASSETS}/{name}" for kind, name in
+                                           zip(("js", "css", "favicon"), SWAGGER_FILES)}
+        return get_swagger_ui_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - API", **assets)

@@ -29,7 +29,7 @@ from ..prompt import frames_for_duration
 from .access import OWNER
 from .engine import Engine
 from .engine_limits import MAX_UNREAD_BYTES, audio_bytes, too_long, unread_refusal
-from .events import Accepted, AudioChunk, Done, Event, Failed, SongRequest
+from .events import Accepted, AudioChunk, Done, Event, Failed, SongProgress, SongRequest
 from .metrics import EngineMetrics
 from .song_registry import KEEP_FINISHED
 from .song_service import scoped
@@ -40,10 +40,11 @@ PROGRESS_EVERY_S = 0.5  # a running song's progress is sent this often while it 
 
 @dataclass(frozen=True)
 class Progress:
-    """A running song's frames written and windows rendered on its replica (Engine.progress), sent beside its events."""
+    """A running song's progress on its replica (Engine.progress), sent beside its events."""
 
     frames: int
     windows: int
+    queued: bool
 
 
 async def _pull(events: AsyncIterator[Event]) -> Event | None:
@@ -109,7 +110,7 @@ class RemoteEngine:
         self.engines, self.max_unread_bytes = engines, max_unread_bytes
         self._streams: dict[str, Any] = {}  # song id -> its call to a replica, from its acceptance to its end
         self._waiting: set[str] = set()  # client-given ids of songs not accepted yet
-        self._progress: dict[str, tuple[int, int]] = {}  # song id -> the latest Progress its replica sent
+        self._progress: dict[str, SongProgress] = {}  # song id -> the latest Progress its replica sent
         self._unread: dict[object, int] = {}  # per call: audio the song may still bring that api.py has not read
         self._read_audio_held = 0  # audio api.py has read but not sent yet (hold_read_audio)
         self.replica_of: OrderedDict[str, str] = OrderedDict()  # song id -> the replica tag, recent songs
@@ -146,7 +147,7 @@ class RemoteEngine:
                     continue
                 if isinstance(item, Progress):
                     if accepted:
-                        self._progress[song] = (item.frames, item.windows)
+                        self._progress[song] = SongProgress(item.frames, item.windows, item.queued)
                     continue
                 if isinstance(item, Accepted):
                     song, accepted = item.song, True
@@ -193,10 +194,9 @@ class RemoteEngine:
         while len(self.replica_of) > KEEP_FINISHED:
             self.replica_of.popitem(last=False)
 
-    def progress(self, song: str) -> tuple[int, int] | None:
-        """(frames written, windows rendered) of a running song, as its replica last sent them (at most
-        PROGRESS_EVERY_S old while the talker writes, and current with each window), or None."""
-        return self._progress.get(song, (0, 0)) if song in self._streams else None
+    def progress(self, song: str) -> SongProgress | None:
+        """A running song's progress as its replica last sent it (queued until it says otherwise), or None."""
+        return self._progress.get(song, SongProgress(0, 0, True)) if song in self._streams else None
 
     def hold_read_audio(self, nbytes: int) -> None:
         """Audio api.py has read but still holds (a whole song waiting for its client): counted toward

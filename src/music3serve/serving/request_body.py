@@ -3,6 +3,7 @@ and the error messages for each way a body can be wrong (docs/api.md)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Awaitable, Callable, Literal
 
@@ -184,7 +185,7 @@ async def check_json_object(request: Request, model: type[BaseModel]) -> None:
     try:
         body = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:
-        raise HTTPException(400, f"the body is not valid JSON: it must be UTF-8 ({exc})") from None
+        raise HTTPException(400, not_utf8(exc)) from None
     except _RepeatedKey as exc:
         raise HTTPException(400, f"the body names {exc.args[0]!r:.80} more than once") from None
     except ValueError:
@@ -193,7 +194,40 @@ async def check_json_object(request: Request, model: type[BaseModel]) -> None:
         unknown = [key for key in body if key not in model.model_fields]
         named = ", ".join([f"{key!r:.40}" for key in unknown[:MAX_ERRORS]] + ["..."] * (len(unknown) > MAX_ERRORS))
         raise HTTPException(400, f"the body has {len(unknown)} unknown keys ({named}); the request takes "
-                                 f"{', '.join(model.model_fields)}")
+                                 f"{', '.join(accepted_fields(model))}")
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """The message for a body that is not UTF-8 (the JSON parser reads UTF-8 only here)."""
+    return (f"the body is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start}): send JSON as UTF-8 "
+            "text")
+
+
+@functools.cache
+def accepted_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The keys a body of `model` may give: its fields less those taken only to be refused (left out of its JSON
+    schema, as /openapi.json shows it)."""
+    return tuple(model.model_json_schema()["properties"])
+
+
+def body_model(scope: dict[str, Any]) -> type[BaseModel] | None:
+    """The body model of the request's route (FastAPI leaves the route in the scope), None for a route without one."""
+    field = getattr(scope.get("route"), "body_field", None)
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _model_at(model: type[BaseModel] | None, keys: tuple) -> type[BaseModel] | None:
+    """The model of the object at `keys` within a body of `model` (None where that is no model's)."""
+    for key in keys:
+        field = model.model_fields.get(key) if model is not None and isinstance(key, str) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return model
+
+
+OBJECT_EXPECTED = ("model_attributes_type", "dict_type", "model_type")  # pydantic's types of "not an object"
 
 
 def first_field(exc: RequestValidationError) -> str | None:
@@ -204,15 +238,18 @@ def first_field(exc: RequestValidationError) -> str | None:
     return None
 
 
-def describe(exc: RequestValidationError) -> str:
-    """One message for the ways the body failed validation (the first MAX_ERRORS, then a count)."""
+def describe(exc: RequestValidationError, model: type[BaseModel] | None = None) -> str:
+    """One message for the ways a body of `model` failed validation (the first MAX_ERRORS, then a count); an unknown
+    key's message ends with the keys allowed where it is, when the model is known."""
     parts = []
+    allowed: dict[str, tuple[str, ...]] = {}  # where an unknown key is -> the keys allowed there
     errors = exc.errors()
     for err in errors[:MAX_ERRORS]:
-        if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing":
+        kind, keys = err.get("type"), tuple(p for p in err.get("loc", ()) if p != "body")
+        if not keys and kind == "missing":
             parts.append("the body is empty: send the song request as a JSON object")
             continue
-        if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
+        if not keys and kind in OBJECT_EXPECTED:
             parts.append("the body must be a JSON object, sent with Content-Type: application/json")
             continue
         if err.get("type") == "json_invalid":  # loc: ("body", offset of the error)
@@ -222,11 +259,18 @@ def describe(exc: RequestValidationError) -> str:
             continue
         where = ".".join(f"{p!s:.80}" for p in err.get("loc", ()) if p != "body")  # a key may be huge
         message = err.get("msg", "invalid")
-        if err.get("type") == "value_error":  # our own checks' words (naming their field), not pydantic's prefix
+        if kind == "value_error":  # our own checks' words (naming their field), not pydantic's prefix
             message = str(err.get("ctx", {}).get("error", message))
+        elif kind in OBJECT_EXPECTED:
+            message = "must be a JSON object"
+        elif kind == "extra_forbidden":
+            message, parent = "unknown key", _model_at(model, keys[:-1])
+            if parent is not None:
+                allowed[".".join(map(str, keys[:-1]))] = accepted_fields(parent)
         elif not where:
             where = "body"
         parts.append(f"{where}: {message}" if where else message)
     if len(errors) > MAX_ERRORS:
         parts.append(f"and {len(errors) - MAX_ERRORS} more")
+    parts += [f"the keys allowed{f' in {at}' if at else ''}: {', '.join(names)}" for at, names in allowed.items()]
     return "; ".join(parts) or "invalid request"

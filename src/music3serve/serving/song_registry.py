@@ -45,10 +45,11 @@ class SongRegistry:
             self.finished.popitem(last=False)
 
     def refresh(self, song: SongState) -> None:
-        """A running song's frames written and windows rendered, brought up to the engine's counts."""
+        """A running song's frames written, windows rendered and place in the queue, brought up to the engine's."""
         progress = self.engine.progress(song.name) if song.state == "running" else None
         if progress is not None:
-            song.frames_written, song.windows_rendered = max(song.frames_written, progress[0]), progress[1]
+            song.frames_written, song.windows_rendered = max(song.frames_written, progress.frames), progress.windows
+            song.queued = song.queued and progress.queued  # once it has rows, never queued again
 
     def client_gone(self, song: SongState) -> None:
         """The client left: its song is cancelled as by a DELETE; a song the engine has already ended keeps that

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..errors import EngineBusy, InputError, Music3Error
+from ..prompt import dropped_lyrics
 from .access import OWNER
 from .audio_io import CHANNELS, PcmEncoder
 from .encoders import MEDIA_TYPES, make_encoder
@@ -31,6 +32,7 @@ from .song_types import Framing, SongOrder, SongState, Started, song_request
 
 log = logging.getLogger(__name__)
 
+MAX_DROPPED_SHOWN = 100  # lines named in X-Dropped-Lyrics-Lines, the first ones (a header stays short)
 ENDING_S = 10.0  # how long a song the engine has just ended takes to send its Done or Failed (at once, in practice)
 
 
@@ -126,6 +128,8 @@ class SongService:
             "X-Prompt-Tokens": str(first.prompt_tokens), "X-Sample-Rate": str(song.sample_rate),
             "X-Channels": str(CHANNELS), "Cache-Control": "no-store",
         }
+        if dropped := dropped_lyrics(order.request.lyrics):  # the engine logs them; the client is told here
+            headers["X-Dropped-Lyrics-Lines"] = ",".join(map(str, dropped[:MAX_DROPPED_SHOWN]))
         return Started(song, events, encoder, headers)
 
     def streamed(self, started: Started, framing: Framing | None = None) -> SongStream:
@@ -142,14 +146,25 @@ class SongService:
         try:
             if header := encoder.header():
                 yield framing.audio(header), 0
-            async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
-                async for data, samples in audio:
-                    yield framing.audio(data), samples
+            try:
+                async with contextlib.aclosing(self.audio(song, events, encoder)) as audio:
+                    async for data, samples in audio:
+                        yield framing.audio(data), samples
+            except asyncio.CancelledError:  # only the server's shutdown cancels a request task (its grace is over)
+                message = f"the server shut down before song {song.id} was finished"
+                if ending := framing.ended_early(503, message, "server_shutdown"):
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the event is sent, then the cut
+                    yield ending, 0
+                raise
             if song.state == "failed":
-                if ending := framing.failed(song):
+                if ending := framing.ended_early(500, f"song {song.id} failed: {song.error}", None):
                     yield ending, 0
                 raise SongFailedMidStream(f"song {song.id} failed after {song.samples_sent} samples: {song.error}")
-            if song.state == "done" and (ending := framing.done(song)):
+            if song.state == "cancelled":
+                ending = framing.ended_early(409, f"song {song.id} was cancelled before it was finished", "cancelled")
+            else:
+                ending = framing.done(song) if song.state == "done" else b""
+            if ending:
                 yield ending, 0
         finally:
             encoder.close()

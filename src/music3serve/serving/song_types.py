@@ -15,14 +15,14 @@ from .events import Event, SongRequest
 
 @dataclass
 class SongState:
-    """What the API server knows of one song; GET /v1/songs/{id} returns it (without `stop` and `name`)."""
+    """What the API server knows of one song; GET /v1/songs/{id} returns it (without `stop`, `name` and `queued`)."""
 
     id: str
     seed: int
     frame_budget: int
     format: str
     sample_rate: int
-    state: str = "running"  # running | done | failed | cancelled
+    state: str = "running"  # running | done | failed | cancelled; public() says "queued" for a running song queued
     error: str | None = None
     frames: int | None = None
     ended_by: str | None = None
@@ -35,6 +35,7 @@ class SongState:
     timings: dict[str, float] | None = None  # the engine's, once done: first_audio_s and total_s since it was queued
     prompt_tokens: int = 0
     first_audio_s: float | None = None  # from the POST to the first audio, once done (timings' first_audio_s)
+    queued: bool = True  # waiting in the talker's queue, with no rows yet (SongRegistry.refresh)
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     name: str = ""  # the engine's id of the song: `id` within its API key's own ids (song_service.scoped); default `id`
 
@@ -42,7 +43,8 @@ class SongState:
         self.name = self.name or self.id
 
     def public(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stop", "name")}
+        public = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stop", "name", "queued")}
+        return {**public, "state": "queued" if self.state == "running" and self.queued else self.state}
 
 
 def song_request(caption: str, lyrics: str, duration_s: float, seed: int | None, steps: int | None,
@@ -89,8 +91,9 @@ class Framing:
         """What follows the audio of a song that ended done."""
         return b""
 
-    def failed(self, song: SongState) -> bytes:
-        """What follows the audio of a song that failed, before the connection is dropped."""
+    def ended_early(self, status: int, message: str, code: str | None) -> bytes:
+        """What follows the audio of a song that failed (before the connection is dropped) or was cancelled, in the
+        error shape of an HTTP `status` (500, 409) with this `message` and `code` (None: a failure)."""
         return b""
 
 

@@ -15,7 +15,7 @@ from ..hashing import as_int64
 from ..kernels.pdl import pdl_mode
 from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
-from ..models.fusion import enable_fusion
+from ..models.fusion import enable_fusion, fusion_enabled
 from ..models.language_model import LanguageModel
 from .bookkeeping import InFlightStep, TalkerSong, new_song
 from .config import TalkerConfig
@@ -46,7 +46,7 @@ class Talker:
         self.step_fn = FrameStep(
             lm, depth, self._mix, self.slots, list(config.capture_sizes), use_graphs, config.depth_cache
         )
-        if config.fuse and self.device.type == "cuda":
+        if fusion_enabled():  # on the CPU too where a caller enabled fusion: compiles now, not in the first songs
             self.warm_prefill()
         # Step outputs come back through pinned buffers and an event on the talker's own stream: a pageable
         # copy could wait for work of other streams (the renderer's long DiT graphs) before returning. Two of

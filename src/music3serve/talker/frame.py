@@ -15,7 +15,7 @@ from .. import contract
 from ..models.depth_decoder import DepthDecoder, DepthKV
 from ..models.fusion import hot
 from ..models.language_model import LanguageModel
-from ..models.layers import linear
+from ..models.layers import Weight, linear
 from .sampling import guided_draw
 
 if TYPE_CHECKING:
@@ -37,7 +37,12 @@ def both_rows(per_song: torch.Tensor) -> torch.Tensor:
 
 def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
-    return guided_draw(lm.logits(hidden, widen=False), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
+    return semantic_draw(hidden, lm.head.weight, seeds, frames)
+
+
+def semantic_draw(hidden: torch.Tensor, head: Weight, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+    """sample_semantic on the LM's head weight (its logits in the head's dtype: the draw widens them itself)."""
+    return guided_draw(linear(hidden, head), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
                        cond_top_k=contract.AR_CFG_TOP_K)
 
 
@@ -50,24 +55,24 @@ def embed_both_rows(codes: torch.Tensor, first_row: int, table: torch.Tensor) ->
 
 @hot
 def embed_codes(
-    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor | None,
-    position: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """embed_both_rows, and with a projection weight that embedding's depth projection plus its position embedding
-    `position` [hidden]: one fused gather, and the position added in the GEMM's epilogue, not by a kernel of its own."""
+    codes: torch.Tensor, first_row: int, table: torch.Tensor, projection: torch.Tensor, position: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """embed_both_rows, and that embedding's depth projection plus its position embedding `position` [hidden]: one
+    fused gather, and the position added in the GEMM's epilogue, not by a kernel of its own."""
     embedded = embed_both_rows(codes, first_row, table)
-    if projection is None or position is None:
-        return embedded, None
     return embedded, linear(embedded, projection, residual=position.expand_as(embedded))
 
 
 @hot
 def first_depth_positions(
-    column: torch.Tensor, hidden: torch.Tensor, table: torch.Tensor, projection: torch.Tensor, positions: torch.Tensor
+    hidden: torch.Tensor, head: Weight, seeds: torch.Tensor, frames: torch.Tensor, table: torch.Tensor,
+    projection: Weight, positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the drawn legal columns: audio_end flags, semantic codes, their embedding (both rows) and the depth
-    decoder's first two positions [rows, 2, hidden] with their position embeddings `positions` [2, hidden], the
-    backbone hidden and that embedding projected in one GEMM (one read of the projection weight)."""
+    """The semantic draw from the pair hiddens, then audio_end flags, semantic codes, their embedding (both rows) and
+    the depth decoder's first two positions [rows, 2, hidden] with their position embeddings `positions` [2, hidden],
+    the backbone hidden and that embedding projected in one GEMM (one read of the projection weight). The draw is
+    part of this graph: its guided_draw with the conditional top-k compiles no graph of its own."""
+    column = semantic_draw(hidden, head, seeds, frames)
     ended = column == 0
     semantic = (column - 1).clamp_min(0)
     embedded = embed_both_rows(semantic, contract.AUDIO_CODE_OFFSET, table)
@@ -78,10 +83,13 @@ def first_depth_positions(
 @hot
 def frame_outputs(
     codes: list[torch.Tensor], ended: torch.Tensor, semantic_embed: torch.Tensor, residual_embeds: list[torch.Tensor],
-    hidden: torch.Tensor, depth_hiddens: list[torch.Tensor],
+    last_table: torch.Tensor, last_row: int, hidden: torch.Tensor, depth_hiddens: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The frame's codes (c0 = -1 where the song ended), conditioning and feedback embedding."""
-    residual = torch.stack(residual_embeds, dim=1).sum(dim=1)
+    """The frame's codes (c0 = -1 where the song ended), conditioning and feedback embedding. residual_embeds: those
+    of c1..c6; c7's, which feeds no depth call, is gathered here (rows last_row + code of `last_table`), not by a
+    compiled graph of its own."""
+    last_embed = embed_both_rows(codes[-1], last_row, last_table)
+    residual = torch.stack([*residual_embeds, last_embed], dim=1).sum(dim=1)
     feedback = (semantic_embed + residual.to(semantic_embed.dtype)) * contract.NUM_CODEBOOKS**-0.5
     conditioning = torch.cat([hidden[0::2], *depth_hiddens], dim=-1)
     codes_t = torch.stack([torch.where(ended, -1, codes[0]), *codes[1:]], dim=1)  # not in place: no guard on songs
@@ -102,10 +110,9 @@ def talker_frame(
     `inputs`, whose rows then replace computing the new position and its first q, k, v)."""
     if inputs is not None and not depth_cache:
         raise ValueError("DepthInputs serve cached depth calls (depth_cache=True)")
-    column = sample_semantic(lm, hidden, seeds, frames)
     position_table = depth.positions.weight
     ended, semantic, semantic_embed, positions = first_depth_positions(
-        column, hidden, lm.embed.weight, depth.projection.weight, position_table[:2]
+        hidden, lm.head.weight, seeds, frames, lm.embed.weight, depth.projection.weight, position_table[:2]
     )
     cache = DepthKV() if depth_cache else None
     codes, depth_hiddens, residual_embeds, qkv = [semantic], [], [], None
@@ -115,17 +122,18 @@ def talker_frame(
         logits = depth.head_logits(out, codebook, widen=False)
         code = guided_draw(logits, contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, codebook)
         codes.append(code)
-        last = codebook == contract.NUM_CODEBOOKS - 1
-        if inputs is not None and not last:
+        if codebook == contract.NUM_CODEBOOKS - 1:  # the last code: embedded by frame_outputs
+            break
+        if inputs is not None:
             embedded, projected, qkv = inputs.lookup(code, depth.code_row(codebook), depth.embed.weight)
         else:
             embedded, projected = embed_codes(code, depth.code_row(codebook), depth.embed.weight,
-                                              None if last else depth.projection.weight,
-                                              None if last else position_table[codebook + 1])
+                                              depth.projection.weight, position_table[codebook + 1])
         residual_embeds.append(embedded)
-        if not last:
-            new = projected[:, None]
-            positions = new if cache is not None else torch.cat((positions, new), dim=1)
-    codes_t, conditioning, feedback = frame_outputs(codes, ended, semantic_embed, residual_embeds, hidden,
-                                                    depth_hiddens)
+        new = projected[:, None]
+        positions = new if cache is not None else torch.cat((positions, new), dim=1)
+    codes_t, conditioning, feedback = frame_outputs(
+        codes, ended, semantic_embed, residual_embeds, depth.embed.weight, depth.code_row(contract.NUM_CODEBOOKS - 1),
+        hidden, depth_hiddens,
+    )
     return Frame(codes_t, ended, conditioning, feedback)

@@ -8,12 +8,14 @@ so replays need no host work unless the set of songs changes.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
 from .. import contract
 from ..models.depth_decoder import DepthDecoder
+from ..models.fusion import fusion_enabled
 from ..models.language_model import LanguageModel
 from .depth_inputs import DepthInputs
 from .frame import talker_frame
@@ -47,6 +49,8 @@ class FrameStep:
         # The stage's own stream, high priority: graphs captured on it keep its priority and its cuBLAS
         # workspace, which no other stage's graphs share. Steps run (and replay) on it.
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        if use_graphs or fusion_enabled():  # compiles now, not in the first songs (and never during a capture)
+            self.warm_up()
         if use_graphs:
             self.capture()
 
@@ -77,19 +81,34 @@ class FrameStep:
             self.graphs[size].replay()
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Record one graph per capture size on the stage's stream; buffers are left as they were (rows idle)."""
-        saved = [t.clone() for t in (self.hidden, self.positions, self.seeds, self.frames)]
-        pool = torch.cuda.graph_pool_handle()
-        self.stream.wait_stream(torch.cuda.current_stream(self.hidden.device))
-        with torch.cuda.stream(self.stream):
-            for size in self.capture_sizes:  # warm-up: kernel selection, Triton compilation
+    def warm_up(self) -> None:
+        """One eager step of every capture size (kernel selection, Triton and inductor compiles), on the stage's
+        stream; buffers are left as they were (rows idle)."""
+        with self._restoring_buffers():
+            for size in self.capture_sizes:
                 self.run_eager(size)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record one graph per capture size on the stage's stream (after warm_up: capture compiles nothing);
+        buffers are left as they were (rows idle)."""
+        pool = torch.cuda.graph_pool_handle()
+        with self._restoring_buffers():
             for size in reversed(self.capture_sizes):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                     self.run_eager(size)
                 self.graphs[size] = graph
+
+    @contextlib.contextmanager
+    def _restoring_buffers(self) -> Iterator[None]:
+        """Run on the stage's stream, then put the step's inputs back as they were."""
+        saved = [t.clone() for t in (self.hidden, self.positions, self.seeds, self.frames)]
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.hidden.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            yield
             for buffer, value in zip((self.hidden, self.positions, self.seeds, self.frames), saved):
                 buffer.copy_(value)
-        self.stream.synchronize()
+        if self.stream is not None:
+            self.stream.synchronize()

@@ -41,8 +41,9 @@ function showProgress() {
   const now = times.end ?? performance.now() - last.t0;
   const audio = last.frames / last.rate;
   const parts = [];
-  const state = { waiting: "Waiting for the server", writing: "Writing", done: "Done", stopped: "Stopped",
-                  failed: "Failed" }[studio.state];
+  const queued = studio.state === "writing" && status?.state === "queued"; // accepted, waiting for the talker's rows
+  const state = { waiting: "Waiting for the server", writing: queued ? "Queued" : "Writing", done: "Done",
+                  stopped: "Stopped", failed: "Failed" }[studio.state];
   parts.push(state);
   if (status) parts.push(`frames ${status.frames_written} / ${status.frame_budget}`,
                          `windows ${status.windows_rendered}`);
