@@ -42,7 +42,7 @@ fetch speech.ogg -N -H 'Content-Type: application/json' \
 
 # POST /v1/music_generation, the hosted shape: the audio comes hex-encoded (jq and xxd turn it into a file).
 fetch hosted.json -H 'Content-Type: application/json' \
-  -d '{"model": "MiniMax-Music3", "prompt": "indie folk", "lyrics": "[Verse]\nriver to the sea", "max_new_tokens": 250}' \
+  -d '{"model": "MiniMax-Music3", "prompt": "indie folk", "lyrics": "[Verse]\nriver to the sea", "max_new_tokens": 250, "seed": 7}' \
   "$URL/v1/music_generation"
 jq -r .data.audio hosted.json | xxd -r -p > hosted.mp3
 rm hosted.json

@@ -20,6 +20,7 @@ REQUEST = {
     "audio_setting": {"sample_rate": 44100, "bitrate": 256000, "format": "mp3"},
     "output_format": "hex",
     "max_new_tokens": 250,  # ours: the frame cap (25 a second: 10 s); the hosted API has none
+    "seed": 7,  # ours: the same song each time (left out: a random one)
 }
 
 # The server's key, if it was started with one (serve --api-key, or MUSIC3_API_KEY).

@@ -312,14 +312,18 @@ def test_a_song_finished_as_its_client_leaves_reads_done_and_not_delivered(base_
     busy, release = hold(monkeypatch, song_service.PcmEncoder, "feed")
     finished, cancels = sample("music3_song_seconds_count"), sample("music3_cancels_total")
     conn = reader_that_stops(base_url, post_bytes({**SONG, "id": "left"}))
-    poll_until(lambda: busy.is_set() and sample("music3_song_seconds_count") == finished + 1)
+    def engine_done() -> bool:  # its Done is out (counted in music3_song_seconds as its stream closes)
+        clients = [engine.held.client(key) for key in engine.held.held_keys()]
+        return any(held.song.endswith("left") and held.done_s is not None for held in clients if held)
+
+    poll_until(lambda: busy.is_set() and engine_done())
     conn.close()
     time.sleep(0.3)  # the server sees the connection closed
     release.set()
     poll_until(lambda: client.get("/v1/songs/left", headers=ONE).json()["state"] != "running")
     status = client.get("/v1/songs/left", headers=ONE).json()
     assert (status["state"], status["delivered"], status["samples_sent"]) == ("done", False, 0)
-    assert sample("music3_cancels_total") == cancels
+    assert sample("music3_cancels_total") == cancels and sample("music3_song_seconds_count") == finished + 1
 
 
 # --- the schema agrees with the server ---------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Errors a user can act on: each message says what was wrong and where."""
 
+import secrets
+
 
 class Music3Error(Exception):
     """Base class of every error music3serve raises on purpose."""
@@ -26,6 +28,16 @@ def error_text(error: BaseException) -> str:
     """An error's text for users: its message alone (a repr such as `RuntimeError('...')` shows internals), or its
     type's name where it has no message."""
     return str(error) or type(error).__name__
+
+
+def public_text(error: BaseException) -> tuple[str, str | None]:
+    """An error's text for a client, and the reference to log its traceback under: our own errors (Music3Error) tell
+    what went wrong, with no reference; any other's text may show internals (paths, scoped song ids), so the client
+    gets a short reference to the server's log instead."""
+    if isinstance(error, Music3Error):
+        return error_text(error), None
+    reference = secrets.token_hex(4)
+    return f"an unexpected error (reference {reference} in the server's log)", reference
 
 
 def install_hint(extra: str) -> str:

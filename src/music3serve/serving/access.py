@@ -170,6 +170,15 @@ class Cors(CORSMiddleware):
         return "a page on a public site may not call a server on a private network (Private Network Access)"
 
 
+def cors_headers(access: Access, origin: str | None) -> dict[str, str]:
+    """The CORS headers Cors gives an answer to `origin`, for one sent outside it (the 500 of an unexpected error,
+    which Starlette's ServerErrorMiddleware sends from outside every middleware); none for an origin not allowed."""
+    cors = Cors(None, access.allowed_origins, [])  # type: ignore[arg-type]  # never called: only its headers are read
+    if origin is None or not access.allowed_origins or not cors.is_allowed_origin(origin):
+        return {}
+    return {**cors.simple_headers, "Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+
 def install(app: Any, access: Access) -> None:
     """Put the access checks in front of a FastAPI app's routes (after its other middleware, so outside it),
     outermost first: the Host header, CORS (a browser's preflight carries no key; a 401 needs CORS headers for the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 from functools import partial
 from typing import AsyncIterator, Sequence
@@ -22,8 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import __version__, contract
-from ..errors import error_text
-from .access import OWNER, Access, allowed_methods, install, route_path
+from ..errors import public_text
+from .access import OWNER, Access, allowed_methods, cors_headers, install, route_path
 from .engine import Engine
 from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response
 from .music_generation import add_music_routes
@@ -37,6 +38,8 @@ from .song_service import SongService, scoped
 from .web import mount_studio
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger(__name__)
 
 
 def create_app(engine: Engine, close_engine: bool = False, access: Access = Access(),
@@ -93,10 +96,15 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        """An error no route expected (a bug): a 500 in the route's error body, with the error's text alone; Starlette
-        then raises it on to the server, which logs its traceback and closes the connection (which the answer says,
-        so that no client sends another request on it). A response already started is cut instead."""
-        return reply_for(request)(500, f"the server failed: {error_text(exc)}", {"Connection": "close"})
+        """An error no route expected (a bug): a 500 in the route's error body, with our own error's text or a
+        reference to its traceback, logged here (another's text may show internals), and the CORS headers of an
+        allowed origin (this answer is sent from outside their middleware); Starlette then raises it on to the server,
+        which closes the connection (which the answer says, so that no client sends another request on it). A
+        response already started is cut instead."""
+        text, reference = public_text(exc)
+        log.error("unexpected error", exc_info=exc, extra={"path": request.url.path, "reference": reference})
+        headers = {**cors_headers(access, request.headers.get("origin")), "Connection": "close"}
+        return reply_for(request)(500, f"the server failed: {text}", headers)
 
     @app.post(SONGS_PATH, response_model=None, dependencies=[Depends(json_object_of(SongBody))],
               operation_id="create_song", response_class=Response, responses=post_responses(AUDIO_CONTENT, "plain"))

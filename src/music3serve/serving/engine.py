@@ -157,6 +157,8 @@ class Engine:
         finally:
             if not client.read_to_end:  # the caller stopped reading before the end
                 self.held.count_cancel(key)
+            if client.done_s is not None:  # done, and not failed by its caller since
+                self.metrics.song_seconds.observe(client.done_s)
             if self.held.forget(key):
                 self._cancel(key)
 
@@ -171,8 +173,12 @@ class Engine:
 
     def fail(self, song: str, message: str) -> bool:
         """End a song as failed for a reason of the caller's (say the server could not encode its audio), as cancel
-        does but counted as a failure: its stream ends with Failed(message). Whether it did, as for cancel."""
-        return self._end(song, partial(self.reports.fail, message=message))
+        does but counted as a failure: its stream ends with Failed(message). A song whose Done is out but whose stream
+        is still open is counted as failed instead of done. Whether it did, as for cancel."""
+        if self._end(song, partial(self.reports.fail, message=message)):
+            return True
+        key = self.held.key_of(song)
+        return key is not None and self.reports.fail_done(key)
 
     def _end(self, song: str, end: Callable[[str], bool]) -> bool:
         """End the song held as `song` if end(key) does: its id free at once, its work stopped in both stages."""
@@ -192,7 +198,9 @@ class Engine:
             return None
         finished, decoding = client.finished, self.talker.songs.get(key)
         frames = finished.frames if finished is not None else decoding.frames if decoding is not None else 0
-        return SongProgress(frames, client.windows, finished is None and (decoding is None or decoding.pair is None))
+        # Queued: waiting for the talker to take it (before it does, or in its queue); never again once it has rows.
+        waiting = not client.accepted if decoding is None else decoding.pair is None
+        return SongProgress(frames, client.windows, finished is None and waiting)
 
     @property
     def max_songs(self) -> int:

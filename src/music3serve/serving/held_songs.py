@@ -40,6 +40,8 @@ class SongClient:
     submitted: float
     first_audio: float | None = None
     finished: SongFinished | None = None
+    accepted: bool = False  # stage 0 has taken it (from then on it is queued only while the talker holds it waiting)
+    done_s: float | None = None  # its Done's seconds from submit, counted in music3_song_seconds as its stream closes
     ended: bool = False  # done, failed or cancelled, once: the caller gets nothing after its Done or Failed
     unread_bytes: int = 0  # PCM the song may still queue: its request's audio (its budget's once Accepted is read)
     # less the chunks read

@@ -133,7 +133,7 @@ class RemoteEngine:
             raise too_long(request.duration_s, audio, self.max_unread_bytes)
         if self.unread_audio() + audio > self.max_unread_bytes:
             raise unread_refusal(self.unread_audio(), audio, self.max_unread_bytes)
-        started, first_audio, stream, ended = time.perf_counter(), None, None, False
+        started, first_audio, stream, ended, done_s = time.perf_counter(), None, None, False, None
         if song is not None:
             self._waiting.add(song)
         self._unread[call] = audio
@@ -161,9 +161,9 @@ class RemoteEngine:
                     if first_audio is None:
                         first_audio = time.perf_counter() - started
                         self.metrics.first_audio.observe(first_audio)
+                if isinstance(item, Done):  # counted as the stream closes, unless its caller fails it first (fail)
+                    done_s = time.perf_counter() - started
                 yield item
-                if isinstance(item, Done):
-                    self.metrics.song_seconds.observe(time.perf_counter() - started)
                 if isinstance(item, (Done, Failed)):
                     ended = True
                     return
@@ -183,6 +183,8 @@ class RemoteEngine:
             self._waiting.discard(request.id)  # type: ignore[arg-type]
             del self._unread[call]
             if song is not None and self._streams.get(song) is stream:
+                if done_s is not None:
+                    self.metrics.song_seconds.observe(done_s)
                 del self._streams[song]
                 self._progress.pop(song, None)
             if stream is not None and not ended:  # a call still running on its replica ends there, which cancels the
@@ -213,8 +215,9 @@ class RemoteEngine:
         return self._end(song, self.metrics.cancels)
 
     def fail(self, song: str, message: str) -> bool:
-        """End the song's call on its replica, counted here as a failure (as Engine.fail; its replica counts a
-        cancel, and its stream ends as a cancelled one: the caller has recorded the failure)."""
+        """End the song's call on its replica, counted here as a failure (as Engine.fail, also for a song whose Done is
+        out but whose stream is still open; its replica counts a cancel, and its stream ends as a cancelled one: the
+        caller has recorded the failure)."""
         return self._end(song, self.metrics.failures)
 
     def _end(self, song: str, counter: Counter) -> bool:

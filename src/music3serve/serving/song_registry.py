@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 
-from ..errors import error_text
+from ..errors import public_text
 from .engine import Engine
 from .events import Done, Failed
 from .song_types import SongState
@@ -68,8 +68,9 @@ class SongRegistry:
     def failed(self, song: SongState, exc: Exception) -> None:
         """The server could not go on with a running song (say its encoder raised): the song fails here and in the
         engine, counted as a failure (not a cancel), and the traceback is logged."""
-        log.error("song failed in the server", exc_info=exc, extra={"song": song.name})
-        message = f"the server failed: {error_text(exc)}"
+        text, reference = public_text(exc)
+        log.error("song failed in the server", exc_info=exc, extra={"song": song.name, "reference": reference})
+        message = f"the server failed: {text}"
         if song.state == "running":
             self.engine.fail(song.name, message)
         self.finish(song, "failed", message)

@@ -251,4 +251,7 @@ class SongService:
                 elif isinstance(event, Failed):
                     self.songs.ended(song, event)
         except Exception as exc:  # say the encoder's: this song fails, never the server (a response ends as failed)
-            self.songs.failed(song, exc)
+            if song.stop.is_set():  # a DELETE or a client gone came first: the engine has counted it cancelled
+                self.songs.finish(song, "cancelled")
+            else:
+                self.songs.failed(song, exc)

@@ -30,6 +30,9 @@ class StageReports:
                        fail=self.fail)
 
     def accepted(self, key: str, seed: int, budget: int, prompt_tokens: int) -> None:
+        client = self.held.client(key)
+        if client is not None:
+            client.accepted = True
         self.held.emit(key, Accepted, seed, budget, prompt_tokens)
 
     def refused(self, key: str, message: str) -> None:
@@ -76,7 +79,7 @@ class StageReports:
         if self.held.end(key) is None:  # cancelled or failed since its last window was taken
             return
         timings = {"first_audio_s": client.first_audio - client.submitted, "total_s": now - client.submitted}
-        self.metrics.song_seconds.observe(timings["total_s"])
+        client.done_s = timings["total_s"]  # counted as the stream closes, unless its caller fails it first
         self.held.emit(key, Done, finished.frames, finished.ended_by, timings)
 
     def fail(self, key: str, message: str) -> bool:
@@ -85,6 +88,16 @@ class StageReports:
             return False
         self.metrics.failures.inc()
         self.held.emit(key, Failed, callers_ids(message))
+        return True
+
+    def fail_done(self, key: str) -> bool:
+        """Count as failed, not done, a song whose Done is out but whose caller could not deliver it (say the server
+        could not encode its last piece); whether it did (once)."""
+        client = self.held.client(key)
+        if client is None or client.done_s is None:
+            return False
+        client.done_s = None
+        self.metrics.failures.inc()
         return True
 
     def fail_all(self, message: str) -> None:
