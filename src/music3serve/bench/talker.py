@@ -10,7 +10,7 @@ from .. import contract
 from ..prompt import unconditional_ids
 from ..talker.config import TalkerConfig
 from ..talker.engine import Talker
-from ..talker.frame import sample_semantic, talker_frame
+from ..talker.frame import semantic_draw, talker_frame
 from ..talker.quantize import quantize_talker
 from . import attention
 from .common import COPY_BW, graphed, param_bytes, random_module, table, time_ms
@@ -45,7 +45,7 @@ def split_ms(talker: Talker, rows: int) -> dict[str, float]:
     positions = step.positions[:rows]
     feedback = hidden.clone()
     parts = {
-        "sampling": lambda: sample_semantic(lm, hidden, seeds, frames),
+        "sampling": lambda: semantic_draw(hidden, lm.head.weight, seeds, frames),
         "frame": lambda: talker_frame(lm, depth, hidden, seeds, frames, step.depth_cache, step.depth_inputs),
         "backbone": lambda: lm(feedback[:, None], positions[:, None], talker.slots.decode(rows, positions)),
     }

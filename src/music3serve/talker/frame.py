@@ -35,13 +35,9 @@ def both_rows(per_song: torch.Tensor) -> torch.Tensor:
     return per_song[:, None].expand(-1, 2).reshape(-1)
 
 
-def sample_semantic(lm: LanguageModel, hidden: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-    """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden]."""
-    return semantic_draw(hidden, lm.head.weight, seeds, frames)
-
-
 def semantic_draw(hidden: torch.Tensor, head: Weight, seeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-    """sample_semantic on the LM's head weight (its logits in the head's dtype: the draw widens them itself)."""
+    """Legal column drawn per song (0 = audio_end, 1 + k = code k) from the pair hiddens [2 * songs, hidden] and the
+    LM's head weight (its logits in the head's dtype: the draw widens them itself)."""
     return guided_draw(linear(hidden, head), contract.AR_CFG_SCALE, contract.AR_TOP_K, seeds, frames, 0,
                        cond_top_k=contract.AR_CFG_TOP_K)
 
