@@ -23,7 +23,8 @@ from music3serve.acoustic.renderer import Renderer
 from music3serve.acoustic.windows import song_windows
 from music3serve.bench.common import random_module
 from music3serve.prompt import unconditional_ids
-from music3serve.talker.engine import SongFailed, SongFinished, Talker, TalkerConfig, WindowReady
+from music3serve.talker.engine import Talker, TalkerConfig
+from music3serve.talker.events import SongFailed, SongFinished, WindowReady
 
 pytestmark = pytest.mark.gpu
 
