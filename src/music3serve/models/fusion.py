@@ -14,6 +14,7 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 import torch.fx.experimental._config
+from torch.torch_version import TorchVersion
 
 from ..kernels.pdl import inductor_pdl
 
@@ -22,7 +23,10 @@ _plain: dict[str, Callable] = {}
 _fused: dict[str, Callable] = {}
 _between_library_calls: set[str] = set()
 RECOMPILE_LIMIT = 64
-SHARED_SHAPE_SETTINGS = {"backed_size_oblivious": True, "use_duck_shape": False}  # torch.fx.experimental._config
+# torch.fx.experimental._config. Size-oblivious sizes from torch 2.13 on: 2.11's inductor fails to lower slices of
+# them (KeyError 'unbacked_bindings'), so there a song count of one compiles graphs of its own, as dynamo's default.
+SHARED_SHAPE_SETTINGS = {"use_duck_shape": False} | (
+    {"backed_size_oblivious": True} if TorchVersion(torch.__version__) >= "2.13" else {})
 _saved_settings: dict[tuple[object, str], object] = {}  # (torch config module, key): its value before enable_fusion
 _enabled_with: tuple[str, str | None] | None = None  # enable_fusion's (backend, mode) while fusion is on
 
@@ -95,10 +99,10 @@ def graphs_per_function() -> dict[str, int]:
 
 
 def share_graphs_across_sizes() -> None:
-    """One compiled graph per hot function serves every row count: no graph of its own for one song (dynamo specialises
-    sizes 0 and 1 by default) nor for two dimensions that happen to be equal. Compiles are most of the time to ready;
-    capture sizes share their graphs (tests/test_fusion.py). Process-wide while fusion is on (torch's shape
-    settings are global); disable_fusion restores them."""
+    """One compiled graph per hot function serves every row count: no graph of its own for two dimensions that happen
+    to be equal, nor, from torch 2.13 on, for one song (dynamo specialises sizes 0 and 1 by default). Compiles are most
+    of the time to ready; capture sizes share their graphs (tests/test_fusion.py). Process-wide while fusion is on
+    (torch's shape settings are global); disable_fusion restores them."""
     shapes = torch.fx.experimental._config
     for key, value in SHARED_SHAPE_SETTINGS.items():
         if hasattr(shapes, key):  # a torch without the setting compiles as before

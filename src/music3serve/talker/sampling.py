@@ -28,7 +28,7 @@ def uniform_draws(seeds: torch.Tensor, frames: torch.Tensor, codebook: int, colu
 
 def guide(logits: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Split interleaved [cond, uncond, ...] rows and blend: uncond + (cond - uncond) * scale."""
-    cond, uncond = logits.unflatten(0, (-1, 2)).unbind(1)  # not logits[0::2]: torch 2.11's inductor cannot lower it here
+    cond, uncond = logits[0::2], logits[1::2]
     return cond, uncond + (cond - uncond) * scale
 
 
