@@ -19,7 +19,7 @@ print(e2e.run(quantization='fp8'))"
 step e2e_bf16 100 python3 -c "from music3serve.bench import e2e
 e2e.SCENARIOS = [('one 20 s song', [20.0])]
 print(e2e.run())"
-step memory 90 python3 -m music3serve.bench.fp8 memory
+step memory 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m music3serve.bench.fp8 memory
 step precision 120 python3 -m music3serve.bench.fp8 precision --frames 150
 step dit ${DIT_S:-0} python3 -c "from music3serve.bench import acoustic as a
 from music3serve.acoustic.precision import BFLOAT16, FP8

@@ -184,3 +184,14 @@ def test_fusion_leaves_torchs_settings_as_it_found_them():
     assert settings() == before
     compiled = torch.compile(lambda x, y: x + y, backend="aot_eager", dynamic=True, fullgraph=True)
     assert torch.equal(compiled(torch.ones(3, 4), torch.ones(1, 4)), torch.full((3, 4), 2.0))
+
+
+def test_size_oblivious_shapes_only_from_the_torch_whose_inductor_lowers_them():
+    """torch 2.11's inductor failed on the H200 to lower a slice of a size-oblivious size (the engine never got ready):
+    there a song count of one keeps graphs of its own; from 2.13 on, one graph serves every count."""
+    from music3serve.models.fusion import shared_shape_settings
+
+    assert shared_shape_settings("2.11.0+cu130") == {"use_duck_shape": False}
+    for version in ("2.13.0+cpu", "2.14.1", "2.15.0"):
+        assert shared_shape_settings(version) == {"use_duck_shape": False, "backed_size_oblivious": True}
+

@@ -18,15 +18,21 @@ from torch.torch_version import TorchVersion
 
 from ..kernels.pdl import inductor_pdl
 
+
+def shared_shape_settings(torch_version: str) -> dict[str, bool]:
+    """torch.fx.experimental._config's settings for graphs shared across sizes. Size-oblivious sizes from torch 2.13
+    on: 2.11's inductor fails to lower slices of them (KeyError 'unbacked_bindings' on CUDA), so there a song count of
+    one compiles graphs of its own, as by dynamo's default."""
+    oblivious = TorchVersion(torch_version) >= "2.13"
+    return {"use_duck_shape": False, **({"backed_size_oblivious": True} if oblivious else {})}
+
+
 F = TypeVar("F", bound=Callable)
 _plain: dict[str, Callable] = {}
 _fused: dict[str, Callable] = {}
 _between_library_calls: set[str] = set()
 RECOMPILE_LIMIT = 64
-# torch.fx.experimental._config. Size-oblivious sizes from torch 2.13 on: 2.11's inductor fails to lower slices of
-# them (KeyError 'unbacked_bindings'), so there a song count of one compiles graphs of its own, as dynamo's default.
-SHARED_SHAPE_SETTINGS = {"use_duck_shape": False} | (
-    {"backed_size_oblivious": True} if TorchVersion(torch.__version__) >= "2.13" else {})
+SHARED_SHAPE_SETTINGS = shared_shape_settings(torch.__version__)
 _saved_settings: dict[tuple[object, str], object] = {}  # (torch config module, key): its value before enable_fusion
 _enabled_with: tuple[str, str | None] | None = None  # enable_fusion's (backend, mode) while fusion is on
 

@@ -6,6 +6,8 @@ import logging
 from collections import defaultdict, deque
 from typing import Any, Callable, Iterable
 
+import torch
+
 from .. import contract
 from ..acoustic.payloads import RenderedWindow, WindowPayload
 from ..acoustic.precision import PrecisionPolicy
@@ -21,11 +23,15 @@ def stage1_renderer(models: Any, stage1: Stage1Config) -> Renderer:
     """Stage 1's renderer as the deploy config describes it (models: its three components, loaded in float32), its
     weights checked against its memory share, its graphs captured and its first window rendered. On CUDA its
     elementwise chains are fused (inductor) with or without graphs, in a worker of its own as beside the talker,
-    whose process fuses everything it runs."""
+    whose process fuses everything it runs. The cached blocks nobody uses (the talker's warm-up) go back to the driver
+    first: on a small card the warm-up's vocoder calls need large blocks that those could not serve."""
     renderer = Renderer.from_models(
         models, PrecisionPolicy.named(stage1.precision), graphs=stage1.graphs, max_batch=stage1.render_batch, fuse=True,
     )
     check_weights_fit(renderer, stage1.gpu_memory_utilization)
+    if renderer.device.type == "cuda":
+        with torch.cuda.device(renderer.device):
+            torch.cuda.empty_cache()
     renderer.warmup(stage1.compilation_config.cudagraph_capture_sizes)
     return renderer
 
