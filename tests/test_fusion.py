@@ -194,4 +194,3 @@ def test_size_oblivious_shapes_only_from_the_torch_whose_inductor_lowers_them():
     assert shared_shape_settings("2.11.0+cu130") == {"use_duck_shape": False}
     for version in ("2.13.0+cpu", "2.14.1", "2.15.0"):
         assert shared_shape_settings(version) == {"use_duck_shape": False, "backed_size_oblivious": True}
-
