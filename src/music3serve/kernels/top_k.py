@@ -55,11 +55,11 @@ def kth_largest(x: Tensor, k: int, num_warps: int = 4) -> Tensor:
     """[rows, 1]: the k-th largest value of each row of x [rows, columns]; the Triton kernel for float32 CUDA rows
     of at most MAX_COLUMNS columns, kth_largest_reference otherwise. num_warps: bench/top_k.py sweeps it."""
     _check(x, k)
+    if not uses_kernel(x, k):
+        return kth_largest_reference(x, k).contiguous()
     rows, columns = x.shape
     keep = _keep(k)
     candidates = _candidates(columns, keep)
-    if not uses_kernel(x, k):
-        return kth_largest_reference(x, k).contiguous()
     one_pass, chunk_top = _kernels()
     x = x.contiguous()
     if columns > MAX_COLUMNS:  # pass 1: each chunk's top `keep`, side by side (the last chunk padded with -inf)

@@ -27,7 +27,7 @@ from .heartbeat import TALKER_STEP_LIMIT_S
 from .request_body import SongBody
 from .song_feed import SILENCE, next_event, window_slices
 from .song_registry import SongRegistry
-from .song_stream import SEND_PIECE_BYTES, HeldAudio, Piece, SongFailedMidStream, SongStream, watch_disconnect
+from .song_stream import HeldAudio, Piece, SongFailedMidStream, SongStream, pieces, watch_disconnect
 from .song_types import Framing, SongOrder, SongState, Started, song_request
 
 log = logging.getLogger(__name__)
@@ -243,9 +243,8 @@ class SongService:
                         if not data:
                             continue
                         samples, counted = encoder.samples_out - counted, encoder.samples_out
-                        for start in range(0, len(data), SEND_PIECE_BYTES):  # a whole song (codec_streaming false) too
-                            end = min(start + SEND_PIECE_BYTES, len(data))
-                            yield data[start:end], samples * end // len(data) - samples * start // len(data)
+                        for piece in pieces(data, samples):  # a whole song (codec_streaming false) too
+                            yield piece
                     if isinstance(event, Done):
                         self.songs.ended(song, event)
                 elif isinstance(event, Failed):

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Protocol
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -31,6 +31,13 @@ ACK_POLL_S = (0.005, 0.5)  # first and longest wait between two looks at the byt
 # A piece of a response: its bytes and the samples (per channel, at the output rate) they complete; a header or a
 # framing event carries none, and a compressed file's piece its share of the samples encoded into it.
 Piece = tuple[bytes, int]
+
+
+def pieces(data: bytes, samples: int) -> Iterator[Piece]:
+    """data, which encodes `samples`, in pieces of at most SEND_PIECE_BYTES, each with its share of the samples."""
+    for start in range(0, len(data), SEND_PIECE_BYTES):
+        end = min(start + SEND_PIECE_BYTES, len(data))
+        yield data[start:end], samples * end // len(data) - samples * start // len(data)
 
 
 class SongFailedMidStream(RuntimeError):
