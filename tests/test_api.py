@@ -588,9 +588,10 @@ def test_the_server_and_audio_file_packages_stay_out_of_the_engine_core():
     assert users == {"serving/api.py", service, "serving/request_body.py", "serving/http_guard.py", "serving/server.py",
                      "serving/access.py", "serving/song_stream.py", "serving/web.py", "serving/error_bodies.py",
                      "serving/openapi_docs.py", "serving/ray_app.py", "bench/ray_replicas.py", *endpoints}
-    for module, readers in (("request_body", {"serving/api.py", service, "serving/http_guard.py", *endpoints}),
+    for module, readers in (("request_body", {"serving/api.py", service, *endpoints}),
                             ("error_bodies", {"serving/api.py", service, "serving/access.py", "serving/http_guard.py",
-                                              "serving/request_body.py", "serving/openapi_docs.py", *endpoints}),
+                                              "serving/body_limits.py", "serving/openapi_docs.py", *endpoints}),
+                            ("body_limits", {"serving/api.py", "serving/http_guard.py"}),
                             ("http_guard", {"serving/server.py"}),
                             ("access", {"serving/api.py", service, "serving/server.py", "serving/openapi_docs.py",
                                         "serving/ray_app.py", "serving/ray_front.py",

@@ -36,7 +36,8 @@ from music3serve.serving.deploy_config import load_deploy_config, parse_deploy_c
 from music3serve.serving.engine import Engine
 from music3serve.serving.engine_limits import MAX_SONGS
 from music3serve.serving.events import Accepted, AudioChunk, Done, SongRequest
-from music3serve.serving.request_body import DRAIN_BYTES, MAX_BODY_BYTES, BoundedBody, SongBody
+from music3serve.serving.body_limits import DRAIN_BYTES, MAX_BODY_BYTES, BoundedBody
+from music3serve.serving.request_body import SongBody
 from polling import poll_until  # tests/ is on the import path (no package)
 from song_keys import caller_id
 

@@ -18,7 +18,8 @@ from music3serve.serving.engine import Engine
 from music3serve.serving import music_generation, openai_speech
 from music3serve.serving.music_generation import AudioSetting, MusicBody
 from music3serve.serving.openai_speech import SpeechBody
-from music3serve.serving.request_body import MAX_BODY_BYTES, SongBody
+from music3serve.serving.body_limits import MAX_BODY_BYTES
+from music3serve.serving.request_body import SongBody
 
 TINY = {"seed": 1, "steps": 1}
 SONG = {"caption": "pop", "lyrics": "[verse]\nla", "duration": 0.04, **TINY}

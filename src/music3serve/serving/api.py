@@ -33,7 +33,8 @@ from .openapi_docs import (
     AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, mount_docs, openapi_schema,
     post_responses,
 )
-from .request_body import BoundedBody, SongBody, body_model, describe, first_field, json_object_of, not_utf8
+from .body_limits import BoundedBody
+from .request_body import SongBody, body_model, describe, first_field, json_object_of, not_utf8
 from .song_service import SongService, scoped
 from .web import mount_studio
 

@@ -4,7 +4,7 @@
   one) to the request's last body byte. uvicorn has none, so a client that opens a connection and never finishes
   its request would hold it, and an open file, forever.
 - A JSON 413 for a Content-Length of more than 20 digits, which h11 refuses itself (with a plain-text 400) before
-  the app's own check (request_body.BoundedBody) could see it.
+  the app's own check (body_limits.BoundedBody) could see it.
 - Whether the bytes written have reached the client (its TCP acknowledged them), for the app to say whether a
   song's end was delivered (song_stream.UNACKNOWLEDGED).
 - A cap on open connections below the open-files limit: beyond it a new connection is closed at once, so accept()
@@ -30,7 +30,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .error_bodies import error_reply_for
-from .request_body import MAX_BODY_BYTES, too_large
+from .body_limits import MAX_BODY_BYTES, too_large
 from .song_stream import RESET, UNACKNOWLEDGED
 
 log = logging.getLogger(__name__)
