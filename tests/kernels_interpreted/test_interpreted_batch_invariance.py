@@ -132,9 +132,13 @@ def talker_attention(rows: list[Row], q_norm: torch.Tensor, k_norm: torch.Tensor
     return [(out[i], k[i][:, r.seen()], v[i][:, r.seen()]) for i, r in enumerate(rows)]
 
 
-def test_the_talkers_decode_attention_gives_a_row_the_same_bits_beside_any_rows(launches):
-    """The split count is the launcher's, from the capacity alone; a row's share of its filled length, and so the order
-    its positions are summed and merged in, follow its own length."""
+@pytest.mark.parametrize("programs", ["one per share", "fewer beside more rows"])
+def test_the_talkers_decode_attention_gives_a_row_the_same_bits_beside_any_rows(launches, monkeypatch, programs):
+    """The share count is the launcher's, from the capacity alone; a row's shares of its filled length, and so the
+    order its positions are summed and merged in, follow its own length. The programs that take the shares follow the
+    row count on a GPU (one per share here): with 8 programs a KV head alone and 1 beside 15 rows, a row's bits stay."""
+    if programs != "one per share":
+        monkeypatch.setattr(attention, "_choose_programs", lambda rows, kv_heads, splits, device: max(1, splits // rows))
     rows = [Row.drawn(n) for n in LENGTHS]
     q_norm, k_norm = ((1 + 0.2 * torch.randn(HEAD_DIM)).to(torch.bfloat16) for _ in range(2))
     alone = [talker_attention([r], q_norm, k_norm)[0] for r in rows]
@@ -144,6 +148,7 @@ def test_the_talkers_decode_attention_gives_a_row_the_same_bits_beside_any_rows(
             for name, a, b in zip(("output", "keys", "values"), got, alone[i]):
                 assert torch.equal(a, b), f"length {LENGTHS[i]} beside {len(call) - 1} rows: its {name} changed"
     assert sorted(shape[0] for shape in launches["attention"]) == [1] * len(rows) + [2] * 8 + [4] * 4 + [8] * 2 + [16]
+    assert attention._choose_num_splits(CAPACITY, attention._BLOCK_N) == 8
 
 
 # A depth decoder small enough for the interpreter: one head of 32 and the tile rule's smallest tiles (16 columns).
