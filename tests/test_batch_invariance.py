@@ -1,5 +1,5 @@
 """What makes a song's arithmetic independent of the songs beside it, checked without a GPU: the decode attention's
-split count, the GEMM dispatch of every row count a frame step has, the depth decoder's first-call attention, the mix
+shares, the GEMM dispatch of every row count a frame step has, the depth decoder's first-call attention, the mix
 of a frame's conditioning streams, and the chunks a prompt is prefilled in (tests/test_batch_invariance_gpu.py runs
 the whole engine on the GPU)."""
 
@@ -39,21 +39,24 @@ class Launches:
 
 
 @pytest.mark.parametrize("capacity", [16, 300, 2049, 10241])
-def test_the_attentions_split_count_follows_the_capacity_never_the_row_count(monkeypatch, capacity):
-    """The launch for 1 to 128 rows (a frame step's decode rows, the depth decoder's) has the same split count, so each
-    row's share of its filled length, and the order its partial results merge in, is the same whatever the rows."""
+def test_the_attentions_shares_follow_the_capacity_and_only_its_programs_the_row_count(monkeypatch, capacity):
+    """The launch for 1 to 128 rows (a frame step's decode rows, the depth decoder's) cuts every row into the same
+    shares, so each row's share of its filled length, and the order its partial results merge in, is the same whatever
+    the rows; the programs that take the shares in turn follow the row count (about one per SM of 132)."""
     split, combine = Launches(), Launches()
     fake_triton = SimpleNamespace(next_power_of_2=lambda n: 1 << max(0, n - 1).bit_length())
     monkeypatch.setattr(attention, "triton_kernels", lambda: (fake_triton, split, combine))
     monkeypatch.setattr(attention, "uses_pdl", lambda device: False)
+    monkeypatch.setattr(attention, "_sm_count", lambda index: 132)
+    shares, row_counts = min(8, -(-capacity // 256)), (1, 2, 3, 16, 17, 64, 128)
     with FakeTensorMode():
-        for rows in (1, 2, 3, 16, 17, 64, 128):
+        for rows in row_counts:
             q = torch.empty(rows, 32, 128, dtype=torch.bfloat16, device="cuda")
             cache = torch.empty(rows, 8, capacity, 128, dtype=torch.bfloat16, device="cuda")
             lengths = torch.empty(rows, dtype=torch.int32, device="cuda")
             attention._decode_attention_triton(q, cache, cache, lengths)
-    assert {(c["NUM_SPLITS"], c["SPLIT_BLOCKS"]) for c in split.constants} == {(min(8, -(-capacity // 256)), 4)}
-    assert len(split.grids) == 7 and {g[0] for g in split.grids} == {min(8, -(-capacity // 256))}
+    assert {(c["NUM_SPLITS"], c["SPLIT_BLOCKS"]) for c in split.constants} == {(shares, 4)}
+    assert [g[0] for g in split.grids] == [min(shares, -(-132 // (rows * 8))) for rows in row_counts]
     assert len({tuple(sorted(c.items())) for c in combine.constants}) <= 1  # one merge order for every row count
 
 

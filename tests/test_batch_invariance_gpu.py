@@ -6,7 +6,7 @@ rendered beside other songs' windows stay within the measured bound of rendering
 
 A mid-size random model keeps the run short: the talker at its full widths (every GEMM, attention and sampling shape
 of the released checkpoint, so the same kernels, tiles and row counts: up to 32 rows, 64 in the depth decoder's first
-call) with 4 backbone layers instead of 36, KV slots of 2049 positions (the attention's 8 split programs, as at full
+call) with 4 backbone layers instead of 36, KV slots of 2049 positions (the attention's 8 shares, as at full
 capacity); the DiT at its full widths with 2 layers instead of 36. Random weights make near-uniform logits, so any
 difference in rounding would change a code within a few frames.
 """

@@ -1,5 +1,5 @@
 """A row's bits do not depend on the rows beside it, through the launchers the frame step calls, under the interpreter:
-decode attention as the talker's backbone calls it (the launcher picks its split count), the skinny GEMMs as the depth
+decode attention as the talker's backbone calls it (the launcher picks its shares and programs), the skinny GEMMs as the depth
 decoder's blocks call them (bf16 and e4m3 weights; its first call two positions a row) and the depth decoder's calls
 of a frame. Each row's result is compared bit for bit alone and beside 1, 3, 7 and 15 other rows (the GEMMs: up to 63)
 of other contents and lengths, with fresh garbage past every row's length.
