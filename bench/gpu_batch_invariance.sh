@@ -3,7 +3,7 @@
 #   bash bench/gpu_batch_invariance.sh probe   (<= 5 min) bench/batch_invariance_probe.py, then the talker's GPU
 #                                              invariance tests (tests/test_batch_invariance_gpu.py without the renders)
 #   bash bench/gpu_batch_invariance.sh verify  (<= 5 min) every GPU invariance test, then the kernel and talker GPU tests
-#   bash bench/gpu_batch_invariance.sh ab      (<= 3 min) bench/batch_invariance_ab.py: the talker step against the
+#   bash bench/gpu_batch_invariance.sh ab      (<= 5 min) bench/batch_invariance_ab.py: the talker step against the
 #                                              row-count-dependent dispatch it replaced, interleaved
 source bench/gpu_env.sh
 tests() {  # timeout, log name, pytest arguments...
@@ -22,5 +22,5 @@ case "${1:-probe}" in
     tests 170 invariance_tests.txt tests/test_batch_invariance_gpu.py
     tests 120 kernel_tests.txt tests/test_skinny_linear.py tests/test_decode_attention.py tests/test_talker_gpu.py ;;
   ab)
-    timeout 170 python3 bench/batch_invariance_ab.py 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/ab.txt" ;;
+    timeout 290 python3 bench/batch_invariance_ab.py 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/ab.txt" ;;
 esac
