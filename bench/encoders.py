@@ -7,7 +7,11 @@ On a CPU (tiny checkpoint, a smoke run):  `PYTHONPATH=src python3 bench/encoders
 Time to first audio is from sending the request to the first byte of audio (after a WAV header; for events, the
 first delta); each request is closed once its first audio has come, which cancels its song, and the next starts once
 the engine holds no song; the endpoints take turns, `--repeats` times each (median and max). The window period is
-the time between the first and the second window's audio at concurrency 1: what one window costs the pipeline."""
+the time between the first and the second window's audio at concurrency 1: what one window costs the pipeline.
+
+What encoding adds to time to first audio is measured directly too: the ms from a new song's first window to its
+first encoded bytes (one song, and as many at once as the concurrency, on threads as the server runs them), as a share
+of raw PCM's median time to first audio. Identical requests' times to first audio spread by more than that."""
 
 from __future__ import annotations
 
@@ -19,12 +23,14 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from music3serve import contract
 from music3serve.bench.common import table
+from music3serve.serving.audio_io import PcmEncoder
 from music3serve.serving.encoders import FORMATS, make_encoder
 from music3serve.serving.song_feed import window_slices
 
@@ -56,24 +62,34 @@ def music_like(seconds: float, seed: int = 0) -> np.ndarray:
     return (np.stack([tones, np.roll(tones, 300)]) + noise).astype(np.float32)
 
 
-def first_bytes_ms(fmt: str, rate: int) -> float:
+def first_bytes_ms(fmt: str, rate: int, songs: int = 1) -> float:
     """Wall ms from a song's first window reaching a new encoder to its first encoded bytes, fed as the server feeds
-    it (serving/song_feed.window_slices): what encoding adds to time to first audio."""
-    encoder, pcm = make_encoder(fmt, rate, streaming=True), music_like(WINDOW_S[0])
-    encoder.header()
-    start = time.perf_counter()
-    for piece, last in window_slices(pcm, last=False, first=True):
-        if encoder.feed(piece, last):
-            break
-    elapsed = (time.perf_counter() - start) * 1000
-    encoder.close()
+    it (serving/song_feed.window_slices), for `songs` songs at once on threads of their own as the server runs them
+    (the slowest): what encoding adds to time to first audio."""
+
+    def first_bytes(encoder: PcmEncoder, pcm: np.ndarray) -> float:
+        start = time.perf_counter()
+        for piece, last in window_slices(pcm, last=False, first=True):
+            if encoder.feed(piece, last):
+                break
+        return (time.perf_counter() - start) * 1000
+
+    encoders = [make_encoder(fmt, rate, streaming=True) for _ in range(songs)]
+    for encoder in encoders:
+        encoder.header()
+    pcm = [music_like(WINDOW_S[0], seed=i) for i in range(songs)]
+    with ThreadPoolExecutor(songs) as pool:
+        elapsed = max(pool.map(first_bytes, encoders, pcm))
+    for encoder in encoders:
+        encoder.close()
     return elapsed
 
 
-def encode_costs(windows: int) -> list[list]:
+def encode_costs(windows: int, concurrency: tuple[int, ...]) -> tuple[list[list], dict[tuple[str, int, int], float]]:
     """Per format and rate: median and largest CPU ms per 4 s window, streamed, over `windows` windows; and the median
-    ms to a new song's first bytes (first_bytes_ms)."""
-    rows = []
+    ms to a new song's first bytes for each number of songs at once (first_bytes_ms), also returned by (format, rate,
+    songs)."""
+    rows, first = [], {}
     for rate in (44_100, 32_000):
         for fmt in FORMATS:
             encoder, costs = make_encoder(fmt, rate, streaming=True), []
@@ -83,9 +99,21 @@ def encode_costs(windows: int) -> list[list]:
                 start = time.thread_time()  # the CPU time of the encoding thread, whatever else runs
                 encoder.feed(pcm, index == windows - 1)
                 costs.append((time.thread_time() - start) * 1000 * 4.0 / WINDOW_S[index > 0])
-            first = statistics.median(first_bytes_ms(fmt, rate) for _ in range(windows))
-            rows.append([fmt, rate, f"{statistics.median(costs):.1f}", f"{max(costs):.1f}", f"{first:.1f}"])
-    return rows
+            for n in concurrency:
+                first[fmt, rate, n] = statistics.median(first_bytes_ms(fmt, rate, n) for _ in range(windows))
+            rows.append([fmt, rate, f"{statistics.median(costs):.1f}", f"{max(costs):.1f}",
+                         *(f"{first[fmt, rate, n]:.1f}" for n in concurrency)])
+    return rows, first
+
+
+def encoding_shares(first: dict[tuple[str, int, int], float], times: dict[tuple[str, int], list[float]],
+                    concurrency: tuple[int, ...]) -> list[list]:
+    """Per compressed format as /v1/audio/speech serves it by default: its ms to first bytes as a share of raw PCM's
+    median time to first audio at each concurrency (what encoding moves time to first audio by)."""
+    pcm = {n: statistics.median(times["songs pcm 44.1k", n]) for n in concurrency}
+    return [[fmt, 32_000, *(f"{first[fmt, 32_000, n]:.1f} ms = {first[fmt, 32_000, n] / 10 / pcm[n]:.2f}%"
+                            for n in concurrency)]
+            for fmt in ("wav", "flac", "mp3", "opus", "aac")]
 
 
 async def first_audio(client, url: str, body: dict, shows: str) -> float:
@@ -124,7 +152,7 @@ async def idle(client, timeout: float = 60.0) -> None:
 
 
 async def endpoint_rows(base: str, seconds: float, steps: int | None, concurrency: tuple[int, ...],
-                        repeats: int) -> tuple[list, float | None]:
+                        repeats: int) -> tuple[list, dict[tuple[str, int], list[float]], float | None]:
     import httpx
 
     frames = int(seconds * contract.FRAME_RATE)
@@ -145,10 +173,11 @@ async def endpoint_rows(base: str, seconds: float, steps: int | None, concurrenc
                     await idle(client)
                     times[name, n] += await asyncio.gather(*(first_audio(client, PATHS[kind], b, shows)
                                                              for b in bodies))
-                    print(f"{name} c={n}: first audio {max(times[name, n][-n:]):.3f} s (slowest of the burst)", flush=True)
+                    slowest = max(times[name, n][-n:])
+                    print(f"{name} c={n}: first audio {slowest:.3f} s (slowest of the burst)", flush=True)
         for name in ENDPOINTS:
             rows.append([name] + [f"{f(times[name, n]):.3f}" for n in concurrency for f in (statistics.median, max)])
-    return rows, period
+    return rows, times, period
 
 
 def serve_in_thread(engine) -> tuple[str, object, threading.Thread]:
@@ -187,16 +216,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="song length asked for (the --tiny default: 10)")
     parser.add_argument("--repeats", type=int, default=3, help="requests per endpoint and concurrency, interleaved")
     args = parser.parse_args()
-    print(table(["format", "rate", "median CPU ms / 4 s window", "max", "median ms to first bytes"],
-                encode_costs(args.windows)))
     seconds = 10.0 if args.tiny and args.seconds == parser.get_default("seconds") else args.seconds
     steps = 2 if args.tiny else None
     concurrency = (1, 2) if args.tiny else (1, 8)
+    costs, first = encode_costs(args.windows, concurrency)
+    print(table(["format", "rate", "median CPU ms / 4 s window", "max",
+                 *(f"median ms to first bytes, {n} at once" for n in concurrency)], costs), flush=True)
     with tempfile.TemporaryDirectory() as folder:
         engine = make_engine(args.tiny, Path(folder))
         try:
             base, server, thread = serve_in_thread(engine)
-            rows, period = asyncio.run(endpoint_rows(base, seconds, steps, concurrency, args.repeats))
+            rows, times, period = asyncio.run(endpoint_rows(base, seconds, steps, concurrency, args.repeats))
             server.should_exit = True  # the songs of closed requests end first (cancelled), then the engine closes
             thread.join(60)
         finally:
@@ -205,6 +235,8 @@ def main() -> None:
     print(table(heads, rows))
     if period is not None:
         print(f"window period at concurrency 1 (first to second window's audio): {period * 1000:.0f} ms")
+    print(table(["format", "rate", *(f"to first bytes, share of pcm's median TTFA, c={n}" for n in concurrency)],
+                encoding_shares(first, times, concurrency)))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def measure(precision: str, checkpoint: Path | None = None, cpu_fusion: str | No
     return {"ready_s": ready, **{f"{part}_s": s for part, s in engine.ready_s.items()},
             "first_audio_s": first["first_audio_s"], "song_s": first["total_s"],
             "graphs_at_ready": graphs_at_ready, "graphs_in_song": compiled_graphs() - graphs_at_ready,
-            "compiled_in_song": compiled}
+            "compiled_by_ready": functions, "compiled_in_song": compiled}
 
 
 async def songs_after_ready(engine: Engine, steps: int) -> dict[str, float]:
@@ -142,6 +142,8 @@ def run(precisions: list[str] | None = None, checkpoint: Path | None = None, war
                 rows.append([precision, caches, r["ready_s"], r["talker_s"], r["renderer_s"], r["first_audio_s"],
                              r["song_s"], graphs])
                 print(table(headers, rows[-1:]), flush=True)
+                print("graphs by ready, by function: " + ", ".join(
+                    f"{name} {n}" for name, n in sorted(r["compiled_by_ready"].items())), flush=True)
     weights = "full-size random weights" if checkpoint is None else f"the checkpoint {checkpoint}"
     weights += ", hot paths compiled by inductor on the CPU" if fuse and checkpoint is not None else ""
     return (f"colocated engine of the default deploy file, {weights} (ready: from weights on the device), each start "
