@@ -17,7 +17,7 @@ TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 TRITON ?= triton>=3.6,<3.7
 TRITON_SITE := $(VENV)/triton-interpret
 # Test worker processes, each handed whole files (their module fixtures build engines once): CI has two cores, and
-# the tests run single-threaded (tests/conftest.py); about 10.5 min in one process, 6.5 min in two on two cores.
+# the tests run single-threaded (tests/conftest.py); about 8 min in two processes on two cores.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test install install-test browser

@@ -49,3 +49,5 @@ with client.audio.speech.with_streaming_response.create(
             file.write(base64.b64decode(event["audio"]))
         elif event["type"] == "speech.audio.done":
             print("song.pcm (s16le, stereo, 32 kHz), usage", event["usage"])
+        elif event["type"] == "error":  # the song failed or was cancelled after its audio began
+            sys.exit(f"song.pcm is cut short: {event['error']['message']}")

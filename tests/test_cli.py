@@ -82,6 +82,28 @@ def test_generate_wav_44k(tiny_dir: Path, tmp_path: Path, capsys):
     assert not np.array_equal(data[:, 0], data[:, 1])  # two real channels, not one copied
 
 
+@pytest.fixture
+def two_threads(monkeypatch):
+    """torch on two intra-op threads and OMP_NUM_THREADS unset for the test (the suite runs one), restored after."""
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_cpu_run_takes_one_thread_unless_omp_num_threads_says_otherwise(two_threads, tiny_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    code, err = run_cli(generate_args(tmp_path / "song.wav", "--model", str(tiny_dir), "--device", "cpu"), capsys)
+    assert code == 0, err
+    assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"  # a split worker inherits it
+    assert "the CPU runs on one thread (set OMP_NUM_THREADS for more)" in err
+    torch.set_num_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    cli.one_cpu_thread("cpu")
+    assert torch.get_num_threads() == 2
+
+
 def test_generate_wav_32k(tiny_dir: Path, tmp_path: Path, capsys):
     out = tmp_path / "song.wav"
     code, err = run_cli(generate_args(out, "--model", str(tiny_dir), "--sample-rate", "32000"), capsys)

@@ -128,11 +128,19 @@ def test_play_stream_html_stop_cancels_the_song_on_the_server(page, api_url, eng
     assert page.evaluate("document.getElementById('player').paused")
 
 
-def test_play_stream_html_shows_the_servers_refusal(page):
-    page.fill("#seconds", "400")  # past the model's 6 minutes: max_new_tokens 10000
+BLANK = "must be a non-empty string, got only whitespace or invisible characters (' ')"
+
+
+@pytest.mark.parametrize("field,value,status", [
+    ("#seconds", "400", "Seconds, at most: 1 to 360"),  # past the model's 6 minutes: the page refuses it itself
+    ("#seconds", "", "Seconds, at most: 1 to 360"),
+    ("#lyrics", " ", f"Lyrics: {BLANK}"),  # the server's refusal of `input`, under the page's label
+])
+def test_play_stream_html_says_what_is_wrong_in_its_own_words(page, field, value, status):
+    page.fill(field, value)
     page.click("#play")
     page.wait_for_function("() => !document.getElementById('play').disabled")
-    assert page.inner_text("#status") == "max_new_tokens: Input should be less than or equal to 9000"
+    assert page.inner_text("#status") == status
 
 
 def test_play_stream_html_says_how_to_let_it_reach_a_server_that_does_not_answer(page, page_origin):
@@ -158,9 +166,9 @@ def test_play_stream_html_sends_its_api_key(page, engine, serve_http, page_origi
     access = Access(api_keys=("k3y",), allowed_origins=(page_origin,), hosts=HostPolicy.for_bind("127.0.0.1"))
     with serve_http(create_app(engine, access=access)) as url:
         page.fill("#server", url)
-        page.fill("#seconds", "400")  # refused, once the key is taken: no song is written
+        page.fill("#lyrics", " ")  # refused, once the key is taken: no song is written
         for key, message in (("", "this server needs an API key: send Authorization: Bearer <key>"),
-                             ("k3y", "max_new_tokens: Input should be less than or equal to 9000")):
+                             ("k3y", f"Lyrics: {BLANK}")):
             page.fill("#key", key)
             page.click("#play")
             page.wait_for_function("() => !document.getElementById('play').disabled")

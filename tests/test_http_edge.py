@@ -49,6 +49,29 @@ def raw(base_url: str, request: bytes, timeout: float = 60) -> bytes:
     return answer
 
 
+@pytest.mark.parametrize("access", ["open", "keys", "origins", "hosts"])
+def test_the_apps_start_and_shutdown_run_whatever_access_it_has(access):
+    """The ASGI lifespan reaches the app through every access middleware: at shutdown create_app(close_engine=True)
+    closes the engine (a middleware that fails on the lifespan scope makes the server run the app without one)."""
+    from starlette.testclient import TestClient
+
+    from music3serve.serving.access import Access, HostPolicy
+    from music3serve.serving.api import create_app
+
+    class Closable:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    options = {"open": {}, "keys": {"api_keys": KEYS}, "origins": {"allowed_origins": (ORIGIN,)},
+               "hosts": {"hosts": HostPolicy.for_bind("127.0.0.1", ["music.example"])}}[access]
+    engine = Closable()
+    with TestClient(create_app(engine, close_engine=True, access=Access(**options)), base_url="http://127.0.0.1"):
+        assert not engine.closed
+    assert engine.closed
+
+
 # --- API keys, ownership, CORS ----------------------------------------------------------------------------------
 def test_v1_routes_need_a_key_and_health_and_metrics_stay_open(client):
     for headers, why in (({}, "needs an API key"), ({"Authorization": "Bearer nope"}, "not valid"),

@@ -74,8 +74,9 @@ def test_refusals_come_in_the_envelope_naming_the_field(client, change, needle):
     assert body["data"] is None
 
 
-def test_an_unknown_model_is_a_404_in_the_envelope(client):
-    response = client.post("/v1/music_generation", json={**MUSIC, "model": "music-2.6"})
+@pytest.mark.parametrize("other", [{}, {"lyrics_optimizer": True, "prompt": 7}], ids=["alone", "before other faults"])
+def test_an_unknown_model_is_a_404_in_the_envelope(client, other):
+    response = client.post("/v1/music_generation", json={**MUSIC, "model": "music-2.6", **other})
     assert response.status_code == 404 and "MiniMax-Music3" in response.json()["base_resp"]["status_msg"]
 
 

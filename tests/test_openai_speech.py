@@ -162,10 +162,29 @@ def test_the_sdk_raises_its_typed_errors(sdk):
     with pytest.raises(openai.NotFoundError) as error:
         sdk.audio.speech.create(model="tts-1", voice="default", input=LYRICS, instructions=CAPTION)
     assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as error:  # a call written for OpenAI's voices: the model comes first
+        sdk.audio.speech.create(model="tts-1", voice="alloy", input=LYRICS, speed=1.5)
+    assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as error:  # past the prompt's tokens: this endpoint's field names
         sdk.audio.speech.create(model="MiniMax-Music3", voice="default", input="[verse]\n" + "q7 " * 6000,
                                 instructions=CAPTION, extra_body=EXTRA)
     assert error.value.body["message"].startswith("the prompt (instructions + input) is ")
+
+
+def test_a_song_that_does_not_fit_the_unread_audio_gets_429_saying_a_lower_cap_reserves_less(sdk, engine):
+    """Without max_new_tokens a song reserves its 9000 frames' audio; the 429 says so in one unit."""
+    limit, held = engine.max_unread_bytes, 2**30  # 1 GiB a caller holds, read, of 1.1 GiB
+    engine.max_unread_bytes = int(1.1 * 2**30)
+    engine.hold_read_audio(held)
+    try:
+        with pytest.raises(openai.RateLimitError) as error:
+            sdk.audio.speech.create(model="MiniMax-Music3", voice="default", input=LYRICS, instructions=CAPTION)
+    finally:
+        engine.hold_read_audio(-held)
+        engine.max_unread_bytes = limit
+    message = error.value.body["message"]
+    assert "this song's 121.3 MiB would pass the engine's 1.10 GiB" in message, message
+    assert message.endswith("by its max_new_tokens (9000 frames, 121.3 MiB, by default): a lower one reserves less")
 
 
 SPEECH = {"model": "MiniMax-Music3", "input": LYRICS, "instructions": CAPTION, **EXTRA}

@@ -63,13 +63,16 @@ BODIES += [("/v1/music_generation", {**MUSIC, field: value}) for field, value in
     ("audio_url", "https://a.example/a.mp3"), ("refer_voice", "v"), ("output_format", "url"),
     ("output_format", "hex"), ("lyrics_optimizer", True), ("lyrics_optimizer", False), ("aigc_watermark", True))]
 BODIES += [("/v1/songs", {**SONG, "steps": 0}), ("/v1/songs", {**SONG, "temperature": 1.0})]
+BODIES += [("/v1/audio/speech", {**SPEECH, "voice": voice}) for voice in ("", "alloy")]
+BODIES += [("/v1/songs", {**SONG, "caption": "a" * 5001}), ("/v1/audio/speech", {**SPEECH, "input": "a" * 20001}),
+           ("/v1/music_generation", {**MUSIC, "prompt": "a" * 5001})]
 
 
 @pytest.mark.parametrize(("path", "body"), BODIES, ids=[f"{p}-{sorted(set(b) - set(SONG) - set(SPEECH) - set(MUSIC))}-"
                                                         f"{b.get('seed')}" for p, b in BODIES])
 def test_the_schema_takes_what_the_server_takes(schema, client, path, body):
-    """A validator (or an SDK generated from the schema) accepts a body exactly when the server does: refused fields
-    and values are not in it, and the seed's bound is the integer 2**64 - 1."""
+    """A validator (or an SDK generated from the schema) accepts these bodies exactly when the server does: refused
+    fields and values are not in it, the seed's bound is the integer 2**64 - 1, the voice and lengths are bounded."""
     ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     valid = jsonschema.Draft202012Validator({"$ref": ref, "components": schema["components"]}).is_valid(body)
     response = client.post(path, json={**body, "stream": False})

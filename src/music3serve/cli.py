@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,6 +35,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     check_device(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    one_cpu_thread(device)
     root = resolve_model(args.model, args.tiny)
     if (root / "tokenizer" / "tokenizer.json").is_file():  # the prompt's token limit too, before minutes of loading
         encode_prompt(load_tokenizer(root / "tokenizer"), args.caption, args.lyrics)
@@ -67,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> None:
     warn_if_open(args)
     access = Access(tuple(args.api_key), tuple(args.allowed_origins), HostPolicy.for_bind(args.host, args.allowed_hosts))
     check_device(args.device)
+    one_cpu_thread(args.device)
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
                                       "config": args.config or "default"})
@@ -109,6 +112,20 @@ def check_device(device: str | None) -> None:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
+
+
+def one_cpu_thread(device: str | None) -> None:
+    """A run on the CPU takes one intra-op thread unless OMP_NUM_THREADS says otherwise (the split placement's worker
+    process too): the tiny models' small ops gain little from more, and OpenMP's spin-waits beside a core that another
+    process keeps busy cost seconds a call (a 12 s tiny song on two cores other work kept busy: 97 s with two threads,
+    7 s with one)."""
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ or (device != "cpu" and torch.cuda.is_available()):
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    log.info("the CPU runs on one thread (set OMP_NUM_THREADS for more)")
 
 
 def show_progress() -> bool:

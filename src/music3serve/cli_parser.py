@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds (default: %(default)s; the model may end sooner)")
     gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     gen.add_argument("--steps", type=int, default=contract.DIT_STEPS, help="Euler steps per window (default: %(default)s)")
-    gen.add_argument("-o", "--output", required=True, help="output .wav or .flac")
+    gen.add_argument("-o", "--output", required=True, help="output .wav or .flac (missing folders are made)")
     gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES,
                      help="default: %(default)s")

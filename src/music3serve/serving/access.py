@@ -147,9 +147,10 @@ class Cors(CORSMiddleware):
         self.routes = routes  # the app's, filled in after the middleware is added
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] != "OPTIONS":  # lifespan and websocket scopes have no headers
+            return await super().__call__(scope, receive, send)
         headers = Headers(scope=scope)
-        preflight = scope["type"] == "http" and scope["method"] == "OPTIONS"
-        if not (preflight and "origin" in headers and "access-control-request-method" in headers):
+        if not ("origin" in headers and "access-control-request-method" in headers):
             return await super().__call__(scope, receive, send)
         reply = error_reply_for(route_path(scope))
         if next(_routes_at(self.routes, scope), None) is None:

@@ -26,7 +26,7 @@ from .. import __version__, contract
 from ..errors import public_text
 from .access import OWNER, Access, allowed_methods, cors_headers, install, route_path
 from .engine import Engine
-from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response
+from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response, model_not_served
 from .music_generation import add_music_routes
 from .openai_speech import add_speech_routes
 from .openapi_docs import (
@@ -76,7 +76,14 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return reply_for(request)(400, describe(exc, body_model(request.scope)), param=first_field(exc))
+        model = body_model(request.scope)
+        # A model this server does not serve comes first, as the 404 OpenAI's and MiniMax's clients look for: a
+        # request written for another model (tts-1, alloy) has other fields wrong as well.
+        named = exc.body.get("model") if isinstance(exc.body, dict) and "model" in getattr(model, "model_fields", ()) \
+            else None
+        if isinstance(named, str) and named not in served_model_names:
+            return model_not_served(reply_for(request), named, served_model_names)
+        return reply_for(request)(400, describe(exc, model), param=first_field(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

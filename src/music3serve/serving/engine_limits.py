@@ -18,7 +18,7 @@ from .events import SongRequest
 # raises EngineBusy (HTTP 429) instead of growing the queue without bound.
 MAX_SONGS = 1024
 # Audio the songs held may still queue for callers who have not read it (a client playing a song in real time
-# reads it over minutes; a six-minute song is 127 MB of float32 PCM). A song is admitted only if its whole audio
+# reads it over minutes; a six-minute song is 121 MiB of float32 PCM). A song is admitted only if its whole audio
 # fits beside what the others may still hold: the engine's memory for unread audio is bounded, however slowly its
 # callers read.
 MAX_UNREAD_BYTES = 4 << 30

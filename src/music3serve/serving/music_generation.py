@@ -21,7 +21,7 @@ from ..prompt import MAX_STEPS, duration_for_frames
 from .audio_io import CHANNELS, PcmEncoder
 from .error_bodies import MINIMAX_CODES, MUSIC_PATH, minimax_error, model_not_served, renaming
 from .openapi_docs import EVENTS_CONTENT, post_responses
-from .request_body import integer_of, json_object_of, refused
+from .request_body import CAPTION_LENGTH, LYRICS_LENGTH, integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
 
 if TYPE_CHECKING:
@@ -65,8 +65,9 @@ class MusicBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    prompt: str = Field(description="the caption: style, instruments, mood, tempo")
-    lyrics: str | None = Field(None, description="with [verse]-style tags; required unless is_instrumental")
+    prompt: str = Field(description="the caption: style, instruments, mood, tempo", json_schema_extra=CAPTION_LENGTH)
+    lyrics: str | None = Field(None, description="with [verse]-style tags; required unless is_instrumental",
+                               json_schema_extra=LYRICS_LENGTH)
     stream: bool = False
     output_format: Literal["hex", "url"] = Field("hex", json_schema_extra={"enum": ["hex"]})  # url: refused, below
     audio_setting: AudioSetting = Field(default_factory=AudioSetting)

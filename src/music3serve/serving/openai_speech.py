@@ -23,7 +23,7 @@ from .encoders import FORMATS
 from .engine_limits import audio_bytes
 from .error_bodies import MODELS_PATH, OPENAI_TYPES, SPEECH_PATH, model_not_served, openai_error, renaming
 from .openapi_docs import AUDIO_CONTENT, EVENTS_CONTENT, MODEL_RESPONSES, MODELS_RESPONSES, post_responses
-from .request_body import integer_of, json_object_of, refused
+from .request_body import CAPTION_LENGTH, LYRICS_LENGTH, integer_of, json_object_of, refused
 from .song_types import Framing, SongOrder, SongState, server_sent_event, song_request
 
 if TYPE_CHECKING:
@@ -53,9 +53,11 @@ class SpeechBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    input: str = Field(description="the lyrics, with [verse]-style tags")
-    instructions: str = Field(description="the caption: style, instruments, mood, tempo")
-    voice: str = Field("default", description="accepted for OpenAI clients; only 'default' (or empty)")
+    input: str = Field(description="the lyrics, with [verse]-style tags", json_schema_extra=LYRICS_LENGTH)
+    instructions: str = Field(description="the caption: style, instruments, mood, tempo",
+                              json_schema_extra=CAPTION_LENGTH)
+    voice: str = Field("default", description="accepted for OpenAI clients; only 'default' (or empty)",
+                       json_schema_extra={"enum": ["default", ""]})
     seed: int = Field(0, ge=0, lt=contract.SEED_LIMIT)
     max_new_tokens: int = Field(contract.MAX_FRAMES, ge=1, le=contract.MAX_FRAMES,
                                 description="the most frames (25 a second) the song may have; it may end sooner")
@@ -121,7 +123,7 @@ class SpeechEvents(Framing):
 speech_error = renaming(
     openai_error, FIELD_NAMES, "instructions + input",
     busy_hint=f"; the engine reserves room for a song's unread audio by its max_new_tokens ({contract.MAX_FRAMES} "
-              f"frames, {audio_bytes(contract.MAX_FRAMES) / 1e6:.0f} MB, by default): a lower one reserves less")
+              f"frames, {audio_bytes(contract.MAX_FRAMES) / 2**20:.1f} MiB, by default): a lower one reserves less")
 
 
 def add_speech_routes(app: FastAPI, service: SongService, served: Sequence[str]) -> None:

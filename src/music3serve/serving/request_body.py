@@ -13,11 +13,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from starlette.exceptions import HTTPException
 
 from .. import contract
-from ..prompt import MAX_STEPS
+from ..prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS, MAX_STEPS
 from .audio_io import OUTPUT_RATES
 from .encoders import FORMATS
 
 MAX_ERRORS = 5  # an error message names at most this many problems, then says how many more there are
+# The caption's and lyrics' length limits as /openapi.json states them (prompt.py checks them).
+CAPTION_LENGTH = {"maxLength": MAX_CAPTION_CHARS}
+LYRICS_LENGTH = {"maxLength": MAX_LYRICS_CHARS}
 
 
 def integer_of(choices: tuple[int, ...]) -> Any:
@@ -48,8 +51,8 @@ class SongBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    caption: str
-    lyrics: str
+    caption: str = Field(json_schema_extra=CAPTION_LENGTH)
+    lyrics: str = Field(json_schema_extra=LYRICS_LENGTH)
     duration: float = Field(30.0, gt=0, le=contract.MAX_DURATION_S, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=contract.SEED_LIMIT)
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
