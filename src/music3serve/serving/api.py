@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__, contract
 from ..errors import public_text
 from .access import OWNER, Access, allowed_methods, cors_headers, install, route_path
+from .body_limits import BoundedBody
 from .engine import Engine
 from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response, model_not_served
 from .music_generation import add_music_routes
@@ -33,7 +34,6 @@ from .openapi_docs import (
     AUDIO_CONTENT, HEALTH_RESPONSES, METRICS_RESPONSES, SongStatus, error_responses, mount_docs, openapi_schema,
     post_responses,
 )
-from .body_limits import BoundedBody
 from .request_body import SongBody, body_model, describe, first_field, json_object_of, not_utf8
 from .song_service import SongService, scoped
 from .web import mount_studio

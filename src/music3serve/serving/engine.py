@@ -17,22 +17,19 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from ..acoustic.precision import PrecisionPolicy, apply_policy
 from ..checkpoint import Music3Models, load_models
 from ..errors import InputError, Music3Error
 from ..prompt import encode_prompt, warn_dropped_lyrics
-from ..talker.engine import Talker
-from ..talker.quantize import quantize_talker
 from .deploy_config import DeployConfig, load_deploy_config
 from .deploy_schema import precision_log_level
 from .engine_limits import MAX_SONGS, MAX_UNREAD_BYTES, audio_bytes, checked_request, too_long
+from .engine_start import start_stages
 from .events import Event, Failed, SongProgress, SongRequest
 from .heartbeat import (
     RENDER_CALL, RENDER_LIMIT_PER_WINDOW_S, TALKER_CALL, TALKER_STEP_LIMIT_S, StageWatch, hang_limit,
 )
 from .held_songs import HeldSongs, SongClient
 from .metrics import EngineMetrics
-from .render_loop import stage1_renderer
 from .stage1 import LocalStage1, Stage1, WorkerStage1
 from .stage_devices import stage_devices
 from .stage_guard import StageGuard
@@ -56,23 +53,12 @@ class Engine:
         self.device = models.language_model.embed.weight.device
         log.log(precision_log_level(deploy.stages[1].precision, self.device.type), "stage precision",
                 extra=deploy.precisions(str(models.language_model.embed.weight.dtype).removeprefix("torch.")))
-        started = time.perf_counter()
-        if worker is None:  # stage 1's weights in their precision first: the float32 copies are gone before the KV
-            apply_policy(models.condition_encoder, models.dit, models.vocoder,
-                         PrecisionPolicy.named(deploy.stages[1].precision))
-        policy_s, started = time.perf_counter() - started, time.perf_counter()  # stage 1's part, before the talker's
-        if deploy.stages[0].quantization == "fp8":
-            quantize_talker(models.language_model, models.depth_decoder)
-        self.talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder,
-                             deploy.talker_config())
-        talker_ready = time.perf_counter()
+        stages = start_stages(models, deploy, colocated=worker is None)
+        # Seconds from loaded weights to ready, per stage in this process (a worker's renderer gets ready in its own).
+        self.talker, self.ready_s = stages.talker, stages.ready_s
         self.worker = worker  # (split) and self.renderer (colocated): for callers and tests; the engine uses stage1
         if worker is None:
-            self.renderer = stage1_renderer(models, deploy.stages[1])
-        # Seconds from loaded weights to ready, per stage in this process (a worker's renderer gets ready in its own).
-        self.ready_s = {"talker": talker_ready - started}
-        if worker is None:
-            self.ready_s["renderer"] = policy_s + time.perf_counter() - talker_ready
+            self.renderer = stages.renderer
         log.info("engine ready", extra={f"{part}_s": s for part, s in self.ready_s.items()})
         self.metrics = EngineMetrics(lambda: len(self.held), lambda: len(self.talker.waiting), self.unread_audio)
         # A song whose caller's loop is gone: its talker rows go (stage 1 drops its windows as the talker stops).

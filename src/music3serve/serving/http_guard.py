@@ -29,8 +29,8 @@ from typing import Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .error_bodies import error_reply_for
 from .body_limits import MAX_BODY_BYTES, too_large
+from .error_bodies import error_reply_for
 from .song_stream import RESET, UNACKNOWLEDGED
 
 log = logging.getLogger(__name__)
