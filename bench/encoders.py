@@ -11,7 +11,8 @@ the time between the first and the second window's audio at concurrency 1: what 
 
 What encoding adds to time to first audio is measured directly too: the ms from a new song's first window to its
 first encoded bytes (one song, and as many at once as the concurrency, on threads as the server runs them), as a share
-of raw PCM's median time to first audio. Identical requests' times to first audio spread by more than that."""
+of /v1/audio/speech's raw PCM median time to first audio. Identical requests' times to first audio spread by more
+than that."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from music3serve import contract
 from music3serve.bench.common import table
 from music3serve.serving.audio_io import PcmEncoder
-from music3serve.serving.encoders import FORMATS, make_encoder
+from music3serve.serving.encoders import FORMATS, make_encoder, output_rate
 from music3serve.serving.song_feed import window_slices
 
 AUDIO_EVENT = re.compile(rb'"audio":"[^"]')  # an event with audio in it (speech's base64, music's hex)
@@ -108,11 +109,14 @@ def encode_costs(windows: int, concurrency: tuple[int, ...]) -> tuple[list[list]
 
 def encoding_shares(first: dict[tuple[str, int, int], float], times: dict[tuple[str, int], list[float]],
                     concurrency: tuple[int, ...]) -> list[list]:
-    """Per compressed format as /v1/audio/speech serves it by default: its ms to first bytes as a share of raw PCM's
-    median time to first audio at each concurrency (what encoding moves time to first audio by)."""
-    pcm = {n: statistics.median(times["songs pcm 44.1k", n]) for n in concurrency}
-    return [[fmt, 32_000, *(f"{first[fmt, 32_000, n]:.1f} ms = {first[fmt, 32_000, n] / 10 / pcm[n]:.2f}%"
-                            for n in concurrency)]
+    """Per format as /v1/audio/speech serves it by default (32 kHz; Opus 48 kHz): its ms to first bytes as a share of
+    that endpoint's raw PCM median time to first audio at each concurrency (what encoding moves time to first audio
+    by)."""
+    pcm = {n: statistics.median(times["speech pcm 32k", n]) for n in concurrency}
+    def share(fmt: str, n: int) -> str:
+        return f"{first[fmt, 32_000, n]:.1f} ms = {first[fmt, 32_000, n] / 10 / pcm[n]:.2f}%"
+
+    return [[fmt, output_rate(fmt, 32_000), *(share(fmt, n) for n in concurrency)]
             for fmt in ("wav", "flac", "mp3", "opus", "aac")]
 
 
@@ -235,7 +239,7 @@ def main() -> None:
     print(table(heads, rows))
     if period is not None:
         print(f"window period at concurrency 1 (first to second window's audio): {period * 1000:.0f} ms")
-    print(table(["format", "rate", *(f"to first bytes, share of pcm's median TTFA, c={n}" for n in concurrency)],
+    print(table(["format", "rate", *(f"to first bytes, share of speech pcm's median TTFA, c={n}" for n in concurrency)],
                 encoding_shares(first, times, concurrency)))
 
 

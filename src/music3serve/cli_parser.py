@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     gen.add_argument("--steps", type=int, default=contract.DIT_STEPS, help="Euler steps per window (default: %(default)s)")
     gen.add_argument("-o", "--output", required=True, help="output .wav or .flac (missing folders are made)")
-    gen.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    gen.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                     help="default: cuda when available (the CPU runs one thread unless OMP_NUM_THREADS says more)")
     gen.add_argument("--sample-rate", type=int, default=contract.SAMPLE_RATE, choices=OUTPUT_RATES,
                      help="default: %(default)s")
     for sub in (gen, serve := commands.add_parser("serve", help="HTTP API: stream songs to clients while they are "
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="deploy YAML (default: the built-in default_deploy.yaml)")
     serve.add_argument("--device", default=None, choices=["cpu", "cuda"],
                        help="run both stages on this device (default: each stage on its deploy-config `devices` GPU, "
-                            "split into two processes when they differ; cpu when there is no GPU)")
+                            "split into two processes when they differ; cpu when there is no GPU, on one thread "
+                            "unless OMP_NUM_THREADS says more)")
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     serve.add_argument("--port", type=port_number, default=8000, help="default: %(default)s")
     serve.add_argument("--ray", action="store_true",
