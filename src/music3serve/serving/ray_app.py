@@ -31,7 +31,8 @@ from .deploy_config import DeployConfig, load_deploy_config, with_quantization, 
 from .engine import Engine
 from .engine_limits import MAX_SONGS
 from .events import Event, SongRequest
-from .ray_front import Progress, RemoteEngine, ReplicaHeader, with_progress
+from .ray_front import RemoteEngine, ReplicaHeader
+from .ray_progress import Progress, with_progress
 from .ray_metrics import RayMetricsCopy
 from .server import SHUTDOWN_GRACE_S
 

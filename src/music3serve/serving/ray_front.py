@@ -4,9 +4,8 @@ The front is the application's one HTTP ingress replica. A song's POST becomes a
 deployment (Ray's router picks a replica with a free song slot, or queues the call); its events come back window by
 window. Every song's HTTP state (GET /v1/songs/{id}) lives here, built by api.py from the events it relays, and a
 DELETE cancels the relayed call, which Ray delivers to the replica running the song: status and cancel never reach an
-engine replica's request slots. A replica's call also carries the song's Progress beside its events (with each
-window, and every PROGRESS_EVERY_S while it changes), so GET reports frames written and windows rendered without
-asking the replica. Audio the front holds for clients that have not read it counts toward its own budget, as on one
+engine replica's request slots. A replica's call also carries the song's Progress beside its events
+(serving/ray_progress.py), so GET reports frames written and windows rendered without asking the replica. Audio the front holds for clients that have not read it counts toward its own budget, as on one
 engine (max_unread_bytes). Design and limits: docs/scaling.md.
 """
 
@@ -17,7 +16,6 @@ import concurrent.futures
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from prometheus_client import Counter
@@ -27,58 +25,14 @@ from ray.serve.exceptions import BackPressureError, RayServeException, RequestCa
 from ..errors import EngineBusy, InputError, Music3Error
 from ..prompt import frames_for_duration
 from .access import OWNER
-from .engine import Engine
 from .engine_limits import MAX_UNREAD_BYTES, audio_bytes, too_long, unread_refusal
 from .events import Accepted, AudioChunk, Done, Event, Failed, SongProgress, SongRequest
 from .metrics import EngineMetrics
 from .song_registry import KEEP_FINISHED
+from .ray_progress import Progress
 from .song_service import scoped
 
 REPLICA_HEADER = b"x-replica"  # the engine replica that holds the song, on the POST's response
-PROGRESS_EVERY_S = 0.5  # a running song's progress is sent this often while it changes (and with every window)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A running song's progress on its replica (Engine.progress), sent beside its events."""
-
-    frames: int
-    windows: int
-    queued: bool
-
-
-async def _pull(events: AsyncIterator[Event]) -> Event | None:
-    try:
-        return await anext(events)
-    except StopAsyncIteration:
-        return None
-
-
-async def with_progress(engine: Engine, events: AsyncIterator[Event]) -> AsyncIterator[Event | Progress]:
-    """A song's events, each preceded by its Progress where that changed, and a Progress every PROGRESS_EVERY_S
-    between events while it changes. Closing this cancels the song (its engine stream is cancelled)."""
-    song, sent, step = None, None, None
-    try:
-        while True:
-            step = step or asyncio.ensure_future(_pull(events))
-            done, _ = await asyncio.wait({step}, timeout=PROGRESS_EVERY_S)
-            event = step.result() if done else None  # the engine's refusal raises here
-            step = None if done else step
-            progress = engine.progress(song) if song is not None else None
-            if progress is not None and progress != sent:
-                sent = progress
-                yield Progress(*progress)
-            if done and event is None:  # the engine's stream ended
-                return
-            if event is not None:
-                song = event.song if isinstance(event, Accepted) else song
-                yield event
-    finally:
-        if step is not None and not step.done():
-            step.cancel()  # raises CancelledError inside the engine's stream: it cancels the song
-            await asyncio.wait({step})
-
-
 def _song_audio(request: SongRequest) -> int:
     """The PCM bytes of the song the request asks for (0 for a duration the replica will refuse)."""
     try:
