@@ -117,8 +117,7 @@ def check_device(device: str | None) -> None:
 def one_cpu_thread(device: str | None) -> None:
     """A run on the CPU takes one intra-op thread unless OMP_NUM_THREADS says otherwise (the split placement's worker
     process too): the tiny models' small ops gain little from more, and OpenMP's spin-waits beside a core that another
-    process keeps busy cost seconds a call (a 12 s tiny song on two cores other work kept busy: 97 s with two threads,
-    7 s with one)."""
+    process keeps busy cost seconds a call."""
     import torch
 
     if "OMP_NUM_THREADS" in os.environ or (device != "cpu" and torch.cuda.is_available()):

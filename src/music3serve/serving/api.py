@@ -79,9 +79,9 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         model = body_model(request.scope)
         # A model this server does not serve comes first, as the 404 OpenAI's and MiniMax's clients look for: a
         # request written for another model (tts-1, alloy) has other fields wrong as well.
-        named = exc.body.get("model") if isinstance(exc.body, dict) and "model" in getattr(model, "model_fields", ()) \
-            else None
-        if isinstance(named, str) and named not in served_model_names:
+        named = exc.body.get("model") if isinstance(exc.body, dict) else None
+        takes_model = model is not None and "model" in model.model_fields
+        if takes_model and isinstance(named, str) and named not in served_model_names:
             return model_not_served(reply_for(request), named, served_model_names)
         return reply_for(request)(400, describe(exc, model), param=first_field(exc))
 

@@ -32,8 +32,8 @@ def start_stages(models: Music3Models, deploy: DeployConfig, colocated: bool) ->
         quantize_talker(models.language_model, models.depth_decoder)
     talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, deploy.talker_config())
     talker_ready = time.perf_counter()
-    if not colocated:
-        return StartedStages(talker, None, {"talker": talker_ready - started})
-    renderer = stage1_renderer(models, deploy.stages[1])
-    return StartedStages(talker, renderer, {"talker": talker_ready - started,
-                                            "renderer": policy_s + time.perf_counter() - talker_ready})
+    ready_s = {"talker": talker_ready - started}
+    renderer = stage1_renderer(models, deploy.stages[1]) if colocated else None
+    if colocated:
+        ready_s["renderer"] = policy_s + time.perf_counter() - talker_ready
+    return StartedStages(talker, renderer, ready_s)
