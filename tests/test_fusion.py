@@ -157,6 +157,23 @@ def test_every_capture_size_shares_the_talkers_compiled_graphs(models):
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+def test_one_song_and_one_token_compile_no_graphs_of_their_own_before_torch_2_13(models, monkeypatch):
+    """Without size-oblivious shapes (torch before 2.13, models/fusion.py) dynamo compiles a graph of its own for a
+    size of one. The talker never gives its hot paths one: a lone song's frame is drawn beside an idle pair, and the
+    per-token paths take every token as a row (a decode step's rows and a prefill chunk's tokens alike). Its warm-up
+    (frames of 1, 2, 4 and 8 songs, prefill chunks of three tokens and of one) compiles each of them once."""
+    from music3serve.models import fusion
+
+    monkeypatch.setattr(fusion, "SHARED_SHAPE_SETTINGS", fusion.shared_shape_settings("2.11.0"))
+    torch._dynamo.reset()
+    enable_fusion(backend="aot_eager")
+    Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))
+    per_song = ["first_depth_positions", "guided_draw", "gather_code_inputs", "frame_outputs", "embed_codes"]
+    per_token = ["normed", "attention_inputs"]
+    counts = fusion.graphs_per_function()
+    assert {name: counts.get(name) for name in per_song + per_token} == dict.fromkeys(per_song + per_token, 1)
+
+
 def test_fusion_leaves_torchs_settings_as_it_found_them():
     """enable_fusion sets torch's process-wide settings for its graphs (shapes, bf16 roundings, recompile limit);
     disable_fusion puts back what was there (other code's torch.compile in the process broadcasts size-1 dimensions

@@ -12,7 +12,9 @@ from torch import nn
 from .. import contract
 from ..errors import CheckpointError
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, Weight, apply_rope, linear, normed, residual_mlp, rms_norm, rope_angles
+from .layers import (
+    GatedMLP, RMSNorm, Weight, apply_rope, as_tokens, linear, normed, residual_mlp, rms_norm, rope_angles,
+)
 from .weights import Source, require
 
 
@@ -122,13 +124,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
 
     def inputs(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated, normed queries and keys, and values, of already-normed inputs."""
-        return attention_inputs(
-            x, self.qkv.weight, self.q_norm.weight, self.k_norm.weight, *rope, self.cfg.eps, self.cfg.heads,
+        """Rotated, normed queries and keys [rows, t, heads, head_dim], and values, of already-normed inputs x
+        [rows * t, 1, hidden] (as_tokens) with rope's angles for [t] or [rows, t] positions."""
+        cos, sin = (as_tokens(angles.expand(rows, -1, -1) if angles.dim() == 2 else angles).contiguous()
+                    for angles in rope)
+        q, k, v = attention_inputs(
+            x, self.qkv.weight, self.q_norm.weight, self.k_norm.weight, cos, sin, self.cfg.eps, self.cfg.heads,
             self.cfg.kv_heads,
         )
+        return tuple(p.view(rows, -1, *p.shape[2:]) for p in (q, k, v))  # type: ignore[return-value]
 
 
 def projections(
@@ -161,16 +167,18 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: AttentionBackend, layer: int,
     ) -> torch.Tensor:
         eps, cfg = self.attn.cfg.eps, self.attn.cfg
-        h = normed(x, self.attn_norm.weight, eps)
+        tokens = as_tokens(x)
+        h = normed(tokens, self.attn_norm.weight, eps)
         if getattr(attend, "takes_projections", False):
             transform = QKTransform(self.attn.q_norm.weight, self.attn.k_norm.weight, eps, *rope)
-            attn_out = attend(layer, *projections(h, self.attn.qkv.weight, cfg.heads, cfg.kv_heads, cfg.head_dim),
-                              transform)
+            attn_out = attend(layer, *projections(h.view(x.shape), self.attn.qkv.weight, cfg.heads, cfg.kv_heads,
+                                                  cfg.head_dim), transform)
         else:
-            attn_out = attend(layer, *self.attn.inputs(h, rope))
+            attn_out = attend(layer, *self.attn.inputs(h, rope, x.shape[0]))
         return residual_mlp(
-            x, attn_out, self.attn.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight, self.mlp.down.weight, eps
-        )
+            tokens, as_tokens(attn_out), self.attn.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight,
+            self.mlp.down.weight, eps,
+        ).view(x.shape)
 
 
 class LanguageModel(nn.Module):

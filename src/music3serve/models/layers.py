@@ -20,7 +20,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return normed(x, self.weight, self.eps)
+        return normed(as_tokens(x), self.weight, self.eps).view(x.shape)
+
+
+def as_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[..., width] -> [tokens, 1, width]: every token a row of its own. The per-token hot paths take this shape, so a
+    decode step's rows and a prefill chunk's tokens run one compiled graph (before torch 2.13 a size of one compiles
+    graphs of its own, models/fusion.py)."""
+    return x.reshape(-1, 1, x.shape[-1])
 
 
 @hot

@@ -45,6 +45,9 @@ class FrameStep:
         self.ended = torch.zeros(songs, dtype=torch.bool, device=device)
         self.mixed = torch.zeros(songs, hidden_size, dtype=torch.float32, device=device)
         self.capture_sizes = sorted(s for s in capture_sizes if s <= rows and s % 2 == 0)  # whole pairs only
+        # A lone song's codes are drawn beside an idle pair's, which are discarded: the frame's compiled functions
+        # then never see one song, for which torch before 2.13 compiles graphs of their own (models/fusion.py).
+        self.min_drawn_songs = min(2, songs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The stage's own stream, high priority: graphs captured on it keep its priority and its cuBLAS
         # workspace, which no other stage's graphs share. Steps run (and replay) on it.
@@ -56,16 +59,17 @@ class FrameStep:
 
     def run_eager(self, rows: int) -> None:
         songs = rows // 2
+        drawn = max(songs, self.min_drawn_songs)
         frame = talker_frame(
-            self.lm, self.depth, self.hidden[:rows], self.seeds[:songs], self.frames[:songs], self.depth_cache,
+            self.lm, self.depth, self.hidden[: 2 * drawn], self.seeds[:drawn], self.frames[:drawn], self.depth_cache,
             self.depth_inputs,
         )
-        self.codes[:songs] = frame.codes
-        self.ended[:songs] = frame.ended
-        self.mixed[:songs] = self.mix(frame.conditioning)
+        self.codes[:songs] = frame.codes[:songs]
+        self.ended[:songs] = frame.ended[:songs]
+        self.mixed[:songs] = self.mix(frame.conditioning[:songs])
         positions = self.positions[:rows]
         backend = self.slots.decode(rows, self.positions)
-        self.hidden[:rows] = self.lm(frame.feedback[:, None], positions[:, None], backend)[:, 0]
+        self.hidden[:rows] = self.lm(frame.feedback[:rows, None], positions[:, None], backend)[:, 0]
         self.positions[:rows] = torch.where(positions >= self.slots.scratch, positions, positions + 1)
         self.frames[:songs] += 1
 
