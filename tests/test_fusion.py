@@ -205,7 +205,7 @@ def test_fusion_leaves_torchs_settings_as_it_found_them():
 
 def test_size_oblivious_shapes_only_from_the_torch_whose_inductor_lowers_them():
     """torch 2.11's inductor failed on the H200 to lower a slice of a size-oblivious size (the engine never got ready):
-    there a song count of one keeps graphs of its own; from 2.13 on, one graph serves every count."""
+    there a size of one keeps graphs of its own; from 2.13 on, one graph serves every size."""
     from music3serve.models.fusion import shared_shape_settings
 
     assert shared_shape_settings("2.11.0+cu130") == {"use_duck_shape": False}

@@ -147,6 +147,22 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(op, shape):
 
 
 @pytest.mark.gpu
+def test_one_binary_serves_every_row_count():
+    """Triton compiles a kernel again for each way its integer arguments divide by 16. The row count is not
+    specialised: 2 to 16 rows (one to eight songs) run one binary, compiled once per tile in warm-up."""
+    from music3serve.kernels.skinny_linear_kernel import _kernel, run_kernel
+
+    def binaries() -> int:
+        return sum(len(caches[0]) for caches in _kernel().device_caches.values())
+
+    x, w = operands(MAX_ROWS, 1024, 4096, "cuda")
+    before = binaries()
+    for rows in (2, 5, 8, 16):
+        run_kernel(x[:rows], w, (16, 64, 2, 2))  # a tile no other call takes
+    assert binaries() == before + 1
+
+
+@pytest.mark.gpu
 def test_graph_replay_and_compiled_callers_give_the_eager_bits():
     x, w = operands(4, 6144, 4096, "cuda")
     gate_up, down = operands(1, 4096, 6144, "cuda")[1], operands(1, 4096, 2048, "cuda")[1]

@@ -29,10 +29,10 @@ from .windows import crop_waveform, song_windows
 
 log = logging.getLogger(__name__)
 
-# A song's last window is shorter than a full one. Triton compiles a kernel once for each way its integer arguments
-# divide by 16 (the DiT attention's and RoPE's token count: the latent length plus the time token), so warm-up also
-# renders a window of this many frames, whose token count does divide by 16 where a full window's (690) does not:
-# otherwise the first song whose last window has such a length waits for those compiles.
+# A song's last window is shorter than a full one and runs outside the captured graphs. Warm-up also renders a
+# window of this many frames, whose token count (the latent length plus the time token) divides by 16 where a full
+# window's (690) does not: a kernel compiled per divisibility of its sizes meets both in warm-up, not while songs play.
+# Our own Triton kernels take the token count unspecialised (kernels/dit_attention.py, kernels/split_rope.py).
 SHORT_WARMUP_FRAMES = max(f for f in range(1, contract.WINDOW_FRAMES) if (contract.latent_length(f) + 1) % 16 == 0)
 
 

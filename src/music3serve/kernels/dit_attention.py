@@ -83,7 +83,7 @@ def _kernel():
         alpha = tl.math.exp2(m_i - m_new)
         return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])  # it bounds masks and loops only: one binary for every window length
     def dit_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tokens, qk_scale,
                              sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                              HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -74,7 +74,9 @@ def _kernel():
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
-    @triton.jit
+    # `rows` only bounds masks: not specialised, one binary serves every row count (Triton would compile another for
+    # a count divisible by 16, at every warm-up, and the rows beside a song would pick its binary).
+    @triton.jit(do_not_specialize=["rows"])
     def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, residual_ptr, scale_ptr, rows, n, k, stride_w, stride_x,
                              stride_residual, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,

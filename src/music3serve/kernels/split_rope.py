@@ -74,7 +74,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])  # a divisor only: one binary for every window length
     def split_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, tokens,
                           HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):

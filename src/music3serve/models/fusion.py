@@ -21,8 +21,9 @@ from ..kernels.pdl import inductor_pdl
 
 def shared_shape_settings(torch_version: str) -> dict[str, bool]:
     """torch.fx.experimental._config's settings for graphs shared across sizes. Size-oblivious sizes from torch 2.13
-    on: 2.11's inductor fails to lower slices of them (KeyError 'unbacked_bindings' on CUDA), so there a song count of
-    one compiles graphs of its own, as by dynamo's default."""
+    on: 2.11's inductor fails to lower slices of them (KeyError 'unbacked_bindings' on CUDA), so there a size of one
+    compiles graphs of its own, as by dynamo's default; the talker gives its hot paths none (talker/step.py,
+    layers.as_tokens)."""
     oblivious = TorchVersion(torch_version) >= "2.13"
     return {"use_duck_shape": False, **({"backed_size_oblivious": True} if oblivious else {})}
 
@@ -106,7 +107,7 @@ def graphs_per_function() -> dict[str, int]:
 
 def share_graphs_across_sizes() -> None:
     """One compiled graph per hot function serves every row count: no graph of its own for two dimensions that happen
-    to be equal, nor, from torch 2.13 on, for one song (dynamo specialises sizes 0 and 1 by default). Compiles are most
+    to be equal, nor, from torch 2.13 on, for a size of one (dynamo specialises sizes 0 and 1 by default). Compiles are most
     of the time to ready; capture sizes share their graphs (tests/test_fusion.py). Process-wide while fusion is on
     (torch's shape settings are global); disable_fusion restores them."""
     shapes = torch.fx.experimental._config
