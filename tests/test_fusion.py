@@ -167,11 +167,20 @@ def test_one_song_and_one_token_compile_no_graphs_of_their_own_before_torch_2_13
     monkeypatch.setattr(fusion, "SHARED_SHAPE_SETTINGS", fusion.shared_shape_settings("2.11.0"))
     torch._dynamo.reset()
     enable_fusion(backend="aot_eager")
-    Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig(max_num_seqs=16))
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder,
+                    TalkerConfig(max_num_seqs=16))
     per_song = ["first_depth_positions", "guided_draw", "gather_code_inputs", "frame_outputs", "embed_codes"]
     per_token = ["normed", "attention_inputs"]
     counts = fusion.graphs_per_function()
     assert {name: counts.get(name) for name in per_song + per_token} == dict.fromkeys(per_song + per_token, 1)
+    step, gen = talker.step_fn, torch.Generator().manual_seed(5)
+    with torch.inference_mode():  # the idle pair beside a lone song changes none of its codes
+        step.hidden.copy_(torch.randn(step.hidden.shape, generator=gen))
+        step.seeds[:2], step.frames[:2] = torch.tensor([7, 123]), torch.tensor([3, 999])
+        alone = talker_frame(models.language_model, models.depth_decoder, step.hidden[:2].clone(), step.seeds[:1],
+                             step.frames[:1], step.depth_cache, step.depth_inputs)
+        step.run_eager(2)
+    assert torch.equal(step.codes[:1], alone.codes) and torch.equal(step.ended[:1], alone.ended)
 
 
 def test_fusion_leaves_torchs_settings_as_it_found_them():

@@ -369,7 +369,9 @@ def test_the_front_has_everything_the_app_asks_of_an_engine():
 
 def test_shutdown_drains_the_songs_and_leaves_no_process_and_no_shared_memory(cluster):
     url, stop, state = cluster
-    serve.run(build(RayAppArgs(tiny=True, replicas=1)), name=APP_NAME, route_prefix="/")  # the benchmark deleted it
+    # A grace far above the song's time, so that a busy machine cannot cut it (the default is 10 s).
+    args = RayAppArgs(tiny=True, replicas=1, shutdown_grace_s=120)
+    serve.run(build(args), name=APP_NAME, route_prefix="/")  # the benchmark deleted it
     song = Listener(url, seed=99, duration=LONG)
     assert song.accepted.wait(120) and song.status == 200
     ours = stop()  # while the song runs: it gets shutdown_grace_s to finish

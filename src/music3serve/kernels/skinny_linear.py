@@ -70,8 +70,9 @@ MEASURED_GATED_TILES = {
 
 
 # e4m3 weights, (n, k, gated) -> tile: the fastest of `python -m music3serve.bench.fp8 sweep` at 16 rows on the H200
-# (2026-12-04). They reach only 40-55% of copy bandwidth (bf16: 71-88%): the widened tile is the dot's B operand,
-# which goes back through shared memory (docs/performance.md). Without an entry: the bf16 tile with BLOCK_K doubled.
+# (2026-12-04). They reach only 40-55% of copy bandwidth (bf16: 71-88%). Triton 3.6's sm_90 code moves the e4m3 tile
+# as it moves bf16 (cp.async into shared memory, pipelined) but widens it with 1.5 conversion instructions per element
+# and re-reads x per warp (docs/performance.md). Without an entry: the bf16 tile with BLOCK_K doubled.
 MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (6144, 4096, False): (32, 512, 4, 4),  # backbone qkv: 14.6 us (0.40 of copy bandwidth)
     (4096, 4096, False): (32, 512, 4, 4),  # backbone o, depth o and projection: 9.9 us (0.39)

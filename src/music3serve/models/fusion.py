@@ -96,6 +96,12 @@ def fusion_enabled() -> bool:
     return bool(_fused)
 
 
+def compiles_sizes_of_one() -> bool:
+    """Whether the compiled hot paths would compile graphs of their own for a dimension of size one: fusion is on and
+    torch lacks size-oblivious sizes (before 2.13, shared_shape_settings)."""
+    return fusion_enabled() and not SHARED_SHAPE_SETTINGS.get("backed_size_oblivious", False)
+
+
 def graphs_per_function() -> dict[str, int]:
     """Compiled graphs dynamo holds for each hot function that has any (recompiles included): which function a
     compile came from."""

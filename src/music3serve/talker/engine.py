@@ -66,8 +66,9 @@ class Talker:
     def warm_prefill(self) -> None:
         """Compile the fused hot paths for prefill shapes (several tokens per row) now, not in the first request.
 
-        Writes a first chunk of three tokens and a later one of one token (its own compiled shape) into pair 0's
-        KV rows, which any admission overwrites from position 0 before they can be read."""
+        Writes a first chunk of three tokens (causal attention) and a later one of one token (attention over the
+        cache before it, without a mask) into pair 0's KV rows, which any admission overwrites from position 0 before
+        they can be read."""
         for start, tokens in ((0, 3), (3, 1)):
             ids = torch.zeros(2, tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(start, start + tokens, device=self.device)

@@ -15,7 +15,7 @@ import torch
 
 from .. import contract
 from ..models.depth_decoder import DepthDecoder
-from ..models.fusion import fusion_enabled
+from ..models.fusion import compiles_sizes_of_one, fusion_enabled
 from ..models.language_model import LanguageModel
 from .depth_inputs import DepthInputs
 from .frame import talker_frame
@@ -45,9 +45,6 @@ class FrameStep:
         self.ended = torch.zeros(songs, dtype=torch.bool, device=device)
         self.mixed = torch.zeros(songs, hidden_size, dtype=torch.float32, device=device)
         self.capture_sizes = sorted(s for s in capture_sizes if s <= rows and s % 2 == 0)  # whole pairs only
-        # A lone song's codes are drawn beside an idle pair's, which are discarded: the frame's compiled functions
-        # then never see one song, for which torch before 2.13 compiles graphs of their own (models/fusion.py).
-        self.min_drawn_songs = min(2, songs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The stage's own stream, high priority: graphs captured on it keep its priority and its cuBLAS
         # workspace, which no other stage's graphs share. Steps run (and replay) on it.
@@ -59,7 +56,9 @@ class FrameStep:
 
     def run_eager(self, rows: int) -> None:
         songs = rows // 2
-        drawn = max(songs, self.min_drawn_songs)
+        # Where a song count of one would compile graphs of its own (models/fusion.py), a lone song's codes are drawn
+        # beside an idle pair's, which are discarded.
+        drawn = max(songs, min(2, self.slots.pairs)) if compiles_sizes_of_one() else songs
         frame = talker_frame(
             self.lm, self.depth, self.hidden[: 2 * drawn], self.seeds[:drawn], self.frames[:drawn], self.depth_cache,
             self.depth_inputs,
