@@ -537,7 +537,7 @@ HUGE = 10**400  # float() of it overflows
         ([(S0 + ("devices",), HUGE)], "stages[0].devices"),
         ([(S0 + ("devices",), "1" * 4400)], "stages[0].devices"),  # int() refuses over 4300 digits
         ([(S0 + ("devices",), 2**16000)], "stages[0].devices"),  # str() refuses it too (devices: 0xfff...)
-        ([((2**16000,), 1)], "<an integer of about 4816 digits>"),  # an unknown key: str() refuses it too
+        ([((2**16000,), 1)], "<an integer of about 4817 digits>"),  # an unknown key: str() refuses it too
     ],
 )
 def test_huge_values_are_refused_and_quoted_short(changes, path):
@@ -631,7 +631,7 @@ NOT_DECIMAL = [
     ("max_num_seqs", '!!int "0x10"', "'0x10' is written in hexadecimal"),  # an explicit tag reads it too
     ("max_num_seqs", '!!int " 4"', "' 4' is not written in plain decimal (YAML 1.1 reads it as 4): write "
      "integers in decimal, as 4"),
-    ("max_num_seqs", "0x" + "f" * 200, "is written in hexadecimal (YAML 1.1 reads it as <an integer of about 240 "
+    ("max_num_seqs", "0x" + "f" * 200, "is written in hexadecimal (YAML 1.1 reads it as <an integer of about 241 "
      "digits>): write integers in decimal\n"),
     ("gpu_memory_utilization", "0:30.5", "'0:30.5' is written in base 60 (YAML 1.1 reads it as 30.5): write "
      "numbers in decimal\n"),

@@ -132,7 +132,29 @@ def test_every_status_and_media_type_a_route_answers_with_is_in_the_schema(schem
         assert media in {key.split(";")[0] for key in content} or (not content and not response.content), where
         if response.status_code >= 400 and method != "head":
             jsonschema.validate(response.json(), content["application/json"]["schema"])
+        declared = {name.lower() for name in documented[str(response.status_code)].get("headers", {})}
+        assert not {"retry-after", "www-authenticate"} & set(response.headers) - declared, where
     assert statuses == {200, 204, 400, 404, 411, 413, 429}
+
+
+def test_401_and_the_host_checks_400_are_listed_where_the_server_may_send_them(engine):
+    """A server without keys sends no 401, and one answering any Host no Host refusal: their schema lists neither
+    (a generated client would expect them). With keys and a loopback bind, every /v1/ route lists both, and the Host
+    check's 400 is on every route but /health and /metrics."""
+    from music3serve.serving.access import Access, HostPolicy
+    from music3serve.serving.api import create_app
+
+    def statuses(access: Access) -> dict[str, set[str]]:
+        paths = create_app(engine, access=access).openapi()["paths"]
+        return {f"{method} {path}": set(op["responses"]) for path, ops in paths.items() for method, op in ops.items()}
+
+    open_server = statuses(Access())
+    assert not any("401" in codes for codes in open_server.values())
+    assert "400" not in open_server["get /v1/models"] and "400" in open_server["post /v1/songs"]
+    guarded = statuses(Access(api_keys=("key",), hosts=HostPolicy.for_bind("127.0.0.1")))
+    for operation, codes in guarded.items():
+        assert ("401" in codes) == (" /v1/" in operation), operation
+        assert ("400" in codes) == (operation.split()[1] not in ("/health", "/metrics")), operation
 
 
 def test_docs_render_the_schema_from_files_served_here(client):

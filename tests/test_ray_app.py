@@ -172,6 +172,24 @@ def test_serve_ray_arguments_are_checked(argv, error, capsys):
     assert code == 2 and error in capsys.readouterr().err
 
 
+def test_a_serve_config_gives_replicas_or_autoscale_not_both(monkeypatch):
+    """The command line refuses --replicas with --autoscale; a Serve config's `args` did not (autoscale won, silently).
+    The command line's --autoscale alone still reaches the application."""
+    from pydantic import ValidationError
+
+    from music3serve import cli
+    from music3serve.serving import ray_app
+
+    with pytest.raises(ValidationError, match="give replicas or autoscale, not both"):
+        RayAppArgs.model_validate({"tiny": True, "replicas": 2, "autoscale": "1:2"})
+    assert RayAppArgs.model_validate({"tiny": True, "autoscale": "1:2"}).autoscale == "1:2"
+    built = []
+    monkeypatch.setattr(ray_app, "serve_on_ray", lambda args, host, port: built.append(args))
+    assert cli.main(["serve", "--tiny", "--ray", "--port", "0", "--autoscale", "1:3"]) == 0
+    assert cli.main(["serve", "--tiny", "--ray", "--port", "0", "--replicas", "3"]) == 0
+    assert [(args.autoscale, args.replicas) for args in built] == [("1:3", 1), (None, 3)]
+
+
 def test_serve_ray_passes_its_access_flags_to_the_application(monkeypatch):
     """serve --ray's --api-key (or MUSIC3_API_KEY), --allowed-origins and --allowed-hosts reach the front's Access as
     `music3serve serve` builds it for the plain server, the proxy's --host deciding the loopback names."""

@@ -88,12 +88,13 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
             raise
         raise Music3Error(f"--ray needs Ray Serve ({exc}): {install_hint('ray')}") from None
     warn_if_open(args)
-    queue = {} if args.max_queued_songs is None else {"max_queued_songs": args.max_queued_songs}
+    given = {name: value for name, value in (("max_queued_songs", args.max_queued_songs), ("replicas", args.replicas))
+             if value is not None}
     app = RayAppArgs(model=args.model, tiny=args.tiny, config=args.config, device=args.device,
-                     replicas=args.replicas or 1, autoscale=args.autoscale, api_keys=args.api_key,
+                     autoscale=args.autoscale, api_keys=args.api_key,
                      allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, host=args.host,
                      served_model_names=list(args.served_model_name), quantization=args.quantization,
-                     acoustic_dtype=args.acoustic_dtype, **queue)
+                     acoustic_dtype=args.acoustic_dtype, **given)
     serve_on_ray(app, args.host, args.port)
 
 

@@ -139,7 +139,8 @@ class ApiKeys:
 class Cors(CORSMiddleware):
     """Starlette's CORS for the `allowed` origins, with its refusals in the route's error body
     (serving/error_bodies.py): a preflight to a path no route has is a 404, one from an origin, or for a method, not
-    allowed is a 400 that names those allowed."""
+    allowed is a 400 that says which (naming the methods allowed, never the origins), as is one asking for access to a
+    private network."""
 
     def __init__(self, app: ASGIApp, allowed: tuple[str, ...], routes: list[BaseRoute]):
         super().__init__(app, allow_origins=allowed, allow_methods=CORS_METHODS, allow_headers=["*"],

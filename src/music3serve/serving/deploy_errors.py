@@ -28,7 +28,7 @@ class _Quote(reprlib.Repr):
         # repr() of a huge int takes quadratic time, and past 4300 digits raises (YAML reads hex without that limit)
         if x.bit_length() <= 128:
             return repr(x)
-        return f"<an integer of about {int(x.bit_length() * math.log10(2))} digits>"
+        return f"<an integer of about {int(math.log10(abs(x))) + 1} digits>"
 
     def repr_bool(self, x: bool, level: int) -> str:
         return "true" if x else "false"

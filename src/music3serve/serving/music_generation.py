@@ -74,7 +74,7 @@ class MusicBody(BaseModel):
     is_instrumental: bool = False
     lyrics_optimizer: bool = Field(False, json_schema_extra={"enum": [False]})  # true: refused, below
     aigc_watermark: bool = Field(False, json_schema_extra={"enum": [False]})
-    seed: int | None = Field(None, ge=0, lt=contract.SEED_LIMIT, description="ours; null: a random seed")
+    seed: int | None = Field(None, ge=0, lt=contract.SEED_LIMIT, description="ours; null: the deploy file's seed, else a random one")
     max_new_tokens: int = Field(contract.MAX_FRAMES, ge=1, le=contract.MAX_FRAMES, description="ours: the frame cap")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="ours: Euler steps per window; null: 30")
     # REFUSED: taken only to be refused with a reason; left out of /openapi.json, which lists what is accepted.

@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 from starlette.staticfiles import StaticFiles
 
-from .access import PROTECTED, Access
+from .access import ANY_HOST, PROTECTED, Access
 from .encoders import MEDIA_TYPES
 from .error_bodies import error_reply_for, error_response, minimax_error, openai_error
 
@@ -43,6 +43,7 @@ ERROR_WHY = {
     503: "the engine is closed or a stage died, or it did not take the song within 150 s",
 }
 UNEXPECTED = "an unexpected error in the server (a bug): the message gives its text, the server logs its traceback"
+HOST_REFUSED = "a Host header this server does not answer to (serve --allowed-hosts)"
 BODY_OF_REPLY = {error_response: "plain", openai_error: "openai", minimax_error: "minimax"}
 POST_ERRORS = (400, 401, 409, 411, 413, 429, 500, 503)
 SONG_HEADERS = {
@@ -64,8 +65,15 @@ AUDIO_CONTENT = {media: {"schema": BINARY} for media in dict.fromkeys(MEDIA_TYPE
 EVENTS_CONTENT = {"text/event-stream": {"schema": TEXT}}
 
 
+ERROR_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "Bearer", "schema": TEXT}},
+    429: {"Retry-After": {"description": "seconds to wait before asking again (10)", "schema": {"type": "integer"}}},
+}
+
+
 def error_responses(statuses: tuple[int, ...], body: str = "plain") -> dict[int | str, dict[str, Any]]:
-    return {status: {"description": ERROR_WHY[status], "content": {"application/json": {"schema": ERROR_BODIES[body]}}}
+    return {status: {"description": ERROR_WHY[status], "content": {"application/json": {"schema": ERROR_BODIES[body]}},
+                     **({"headers": ERROR_HEADERS[status]} if status in ERROR_HEADERS else {})}
             for status in statuses}
 
 
@@ -134,8 +142,8 @@ def integer_bounds(node: Any) -> None:
 
 def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
     """FastAPI's schema, built once, without the 422 it adds to every route with a body (this API answers 400), with
-    the 500 of an unexpected error on every route, integer bounds as integers, and with the API keys' bearer scheme
-    on /v1/ routes where keys are required."""
+    the 500 of an unexpected error on every route, the Host check's 400 where it may refuse, integer bounds as
+    integers, and with the API keys' bearer scheme and their 401 on /v1/ routes only where keys are required."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         integer_bounds(schema)
@@ -146,8 +154,13 @@ def openapi_schema(app: FastAPI, access: Access) -> dict[str, Any]:
                 body = ERROR_BODIES[BODY_OF_REPLY[error_reply_for(path)]]  # every route may answer an unexpected 500
                 responses.setdefault("500", {"description": UNEXPECTED,
                                              "content": {"application/json": {"schema": body}}})
+                if "*" not in access.hosts.patterns and path not in ANY_HOST:
+                    responses.setdefault("400", {"description": HOST_REFUSED,
+                                                 "content": {"application/json": {"schema": body}}})
                 if access.api_keys and path.startswith(PROTECTED):
                     operation["security"] = [{"bearer": []}]
+                else:
+                    responses.pop("401", None)
         components = schema.setdefault("components", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.get("schemas", {}).pop(name, None)

@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any, AsyncIterator, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 
@@ -93,6 +93,12 @@ class RayAppArgs(EngineArgs):
         if value is not None:
             replica_range(value)
         return value
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscale(self) -> "RayAppArgs":
+        if self.autoscale is not None and "replicas" in self.model_fields_set:
+            raise ValueError("give replicas or autoscale, not both (autoscale sets the replicas)")
+        return self
 
     @field_validator("api_keys", "allowed_origins", "allowed_hosts")
     @classmethod
