@@ -109,6 +109,20 @@ def test_append_is_storing_first_then_attending(splits):
     assert torch.equal(k, k_first) and torch.equal(v, v_first)
 
 
+def test_append_stores_nothing_outside_the_slot():
+    """A position below 0 or at the capacity is stored nowhere: not before the row's slot (the previous head's or
+    row's last position), not after it."""
+    rows = 3
+    k, v = caches(rows)
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM).to(torch.bfloat16)
+    k_new, v_new = (torch.randn(rows, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([5, 5, 5], dtype=torch.int32)
+    positions = torch.tensor([-1, CAPACITY, -1])
+    k_before, v_before = k.clone(), v.clone()
+    _decode_attention_triton(q, k, v, lengths, block_n=BLOCK_N, append=(k_new, v_new, positions))
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_rotation_gives_the_torch_ops_bits(splits):
     """q and the new keys as projections, RMS-normed and rotated inside the kernel: the stored keys and the output are

@@ -88,7 +88,7 @@ def triton_kernels():
             else:
                 k_new = tl.load(k_row + offs_d).to(k_ptr.dtype.element_ty)
             v_new = tl.load(v_new_ptr + row64 * stride_vnr + kvh * stride_vnh + offs_d).to(v_ptr.dtype.element_ty)
-            if (program == 0) & (pos < capacity):
+            if (program == 0) & (pos >= 0) & (pos < capacity):
                 tl.store(k_base + pos.to(tl.int64) * stride_kn + offs_d, k_new)
                 tl.store(v_base + pos.to(tl.int64) * stride_vn + offs_d, v_new)
 

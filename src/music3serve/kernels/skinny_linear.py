@@ -20,10 +20,11 @@ smallest tensor-core tile, for up to 16 rows; 32 beyond; the last tile padded) a
 
 ``skinny_linear`` and ``skinny_gated_silu`` are custom ops (``music3serve::...``) so compiled hot paths
 (models/fusion.py) call them as one opaque kernel each. They run the Triton kernel for bf16 CUDA inputs of at most
-``MAX_ROWS`` rows (every row count of a frame step: 64 rows of 32 songs, the depth decoder's first call two positions
-each) (x and a residual are read with their row stride, copied only without unit stride along K; w
-needs unit stride along K) and the torch ops otherwise (prefill, float32, CPU), always returning a contiguous tensor
-in x's dtype. The GPU tests bound the kernel against the exact float64 product (tests/test_skinny_linear.py).
+``MAX_ROWS`` rows and the torch ops otherwise (prefill, float32, CPU), always returning a contiguous tensor in x's
+dtype. 128 rows hold every frame step of up to 32 songs (64 rows; the depth decoder's first call, two positions a row,
+128): past that cuBLAS takes the calls, and a song's rounding follows the batch again. x and a residual are read with
+their row stride (copied only without unit stride along K); w needs unit stride along K. The GPU tests bound the
+kernel against the exact float64 product (tests/test_skinny_linear.py).
 
 FP8 weights (models/fp8.py): w in e4m3 with a float32 `scale` per output row. The same kernel loads the e4m3 tile
 (half the bytes), widens it to bf16 in registers (exact), and multiplies the float32 accumulator by the column's
