@@ -82,6 +82,16 @@ def test_generate_wav_44k(tiny_dir: Path, tmp_path: Path, capsys):
     assert not np.array_equal(data[:, 0], data[:, 1])  # two real channels, not one copied
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine where torch sees no CUDA device")
+def test_cuda_without_a_cuda_device_is_refused_plainly_from_the_cli_and_from_python(tiny_dir: Path, tmp_path: Path,
+                                                                                   capsys):
+    code, err = run_cli(generate_args(tmp_path / "song.wav", "--model", str(tiny_dir), "--device", "cuda"), capsys)
+    assert code != 0 and "'cuda' was asked for, but torch sees no CUDA device" in err
+    assert not (tmp_path / "song.wav").exists()
+    with pytest.raises(Music3Error, match="torch sees no CUDA device.*use device 'cpu'"):
+        Pipeline.from_pretrained(tiny_dir, device="cuda")
+
+
 @pytest.fixture
 def two_threads(monkeypatch):
     """torch on two intra-op threads and OMP_NUM_THREADS unset for the test (the suite runs one), restored after."""

@@ -87,6 +87,13 @@ def load_component(
     return module.eval().requires_grad_(False)
 
 
+def require_device(device: torch.device | str | None) -> None:
+    """A CUDA device must be one torch can see: said plainly before any weight is read."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise Music3Error(f"device {str(device)!r} was asked for, but torch sees no CUDA device (a CPU build of torch, "
+                          "or no GPU visible): use device 'cpu' or a CUDA build of torch")
+
+
 @access_errors()
 def load_models(
     root: Path,
@@ -101,6 +108,7 @@ def load_models(
     acoustic=False the DiT and vocoder stay on disk (stage 1 runs in another process). progress: a bar per component.
     quantization "fp8": the talker's weights turned to e4m3 as soon as they are read (talker/quantize.py), before
     stage 1's load, so its bf16 copy and stage 1's float32 one never share the device."""
+    require_device(device)
     root = Path(root)
     check_layout(root)
     check_fit(root)

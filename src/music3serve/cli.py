@@ -29,11 +29,12 @@ log = logging.getLogger("music3serve")
 def run_generate(args: argparse.Namespace) -> None:
     import torch
 
+    from .checkpoint import require_device
     from .pipeline import Pipeline
     from .prompt import encode_prompt
     from .tokenizer import load_tokenizer
 
-    check_device(args.device)
+    require_device(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     one_cpu_thread(device)
     root = resolve_model(args.model, args.tiny)
@@ -63,12 +64,13 @@ def run_serve(args: argparse.Namespace) -> None:
         if (exc.name or "").split(".")[0] not in SERVE_PACKAGES:
             raise
         raise Music3Error(f"{SERVE_EXTRA} ({exc}): {install_hint('serve')}") from None
+    from .checkpoint import require_device
     from .serving.access import Access, HostPolicy
     from .serving.engine import Engine
 
     warn_if_open(args)
     access = Access(tuple(args.api_key), tuple(args.allowed_origins), HostPolicy.for_bind(args.host, args.allowed_hosts))
-    check_device(args.device)
+    require_device(args.device)
     one_cpu_thread(args.device)
     root = resolve_model(args.model, args.tiny)
     log.info("loading engine", extra={"path": str(root), "device": args.device or "deploy config",
@@ -105,14 +107,6 @@ def warn_if_open(args: argparse.Namespace) -> None:
     if not args.api_key and not is_loopback(args.host):
         log.warning("the server listens beyond this machine without API keys: anyone who can reach it may use it (set "
                     "--api-key or MUSIC3_API_KEY, or --host 127.0.0.1)", extra={"host": args.host})
-
-
-def check_device(device: str | None) -> None:
-    """`--device cuda` needs a CUDA device torch can see (checked before the weights load)."""
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Music3Error("--device cuda was asked for, but torch sees no CUDA device")
 
 
 def one_cpu_thread(device: str | None) -> None:

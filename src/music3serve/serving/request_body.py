@@ -166,7 +166,8 @@ def describe(exc: RequestValidationError, model: type[BaseModel] | None = None) 
             parts.append("the body is empty: send the song request as a JSON object")
             continue
         if not keys and kind in OBJECT_EXPECTED:
-            parts.append("the body must be a JSON object, sent with Content-Type: application/json")
+            parts.append("the body must be a JSON object ({...}, not a list, string, number or null), sent with "
+                         "Content-Type: application/json")
             continue
         if err.get("type") == "json_invalid":  # loc: ("body", offset of the error)
             why = err.get("ctx", {}).get("error", "malformed")
