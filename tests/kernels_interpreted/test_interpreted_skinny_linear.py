@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from music3serve.kernels.skinny_linear import gated_silu_reference, tile_config
-from music3serve.kernels.skinny_linear_kernel import MAX_ROWS, run_kernel
+from music3serve.kernels.skinny_linear_kernel import ROW_TILE, run_kernel
 from music3serve.models.fp8 import Fp8Weight, quantize, weight_only_reference
 
 # Neither a multiple of the column tile (16) nor of the K tile (128 bf16, 256 e4m3): both tails are masked.
@@ -47,7 +47,7 @@ def product(x, w, scale):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
-@pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 5, ROW_TILE, 2 * ROW_TILE + 3])  # the last: tiles of 32 rows, one partial
 def test_the_product_is_the_torch_ops_within_rounding(rows, fp8):
     w, scale = weight(fp8=fp8)
     x = torch.randn(rows, K).to(torch.bfloat16)
@@ -87,7 +87,7 @@ def test_rows_sliced_from_a_longer_sequence_give_the_bits_of_their_copy():
 @pytest.mark.parametrize("gated", [False, True])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(gated):
     w, _ = weight(2 * N if gated else N)
-    x = torch.randn(MAX_ROWS, K).to(torch.bfloat16)
+    x = torch.randn(ROW_TILE, K).to(torch.bfloat16)
     full = linear(x, w, None, gated=gated)
     for rows in (1, 2, 7):
         assert torch.equal(linear(x[:rows].clone(), w, None, gated=gated), full[:rows])

@@ -11,9 +11,9 @@ from torch import Tensor
 
 from .pdl import launch_options, uses_pdl
 
-__all__ = ["MAX_ROWS", "PREFETCH_BYTES", "run_kernel"]
+__all__ = ["PREFETCH_BYTES", "ROW_TILE", "run_kernel"]
 
-MAX_ROWS = 16  # rows per call: one tile of rows per program (BLOCK_M)
+ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond
 
 
 def run_kernel(
@@ -31,9 +31,10 @@ def run_kernel(
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
-    _kernel()[(math.ceil(n / block_n),)](
+    block_m = ROW_TILE if rows <= ROW_TILE else 2 * ROW_TILE
+    _kernel()[(math.ceil(rows / block_m), math.ceil(n / block_n))](
         x_rows, w, y, added, y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0),
-        added.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
+        added.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
         RESIDUAL=residual is not None, SCALED=scale is not None, PDL=pdl,
         PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps, num_stages=stages,
         **launch_options(pdl),
@@ -83,8 +84,8 @@ def _kernel():
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
         # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         if PDL:  # the weights are constant: start them towards L2 while the previous kernel finishes (kernels/pdl.py)
             lines = tl.arange(0, PREFETCH_LINES) * LINE
