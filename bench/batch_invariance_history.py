@@ -18,8 +18,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_batch_invariance_gpu as scenarios  # noqa: E402  (its songs, scenarios and run loop)
 
-from music3serve.bench.common import random_module  # noqa: E402
-from music3serve.talker.engine import Talker, TalkerConfig  # noqa: E402
 
 
 def first_differing(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -33,16 +31,16 @@ def main() -> None:
     parser.add_argument("order", help=f"comma-separated: solo or one of {', '.join(scenarios.SCENARIOS)}")
     args = parser.parse_args()
     torch._logging.set_logs(recompiles=True)
-    lm = random_module("language_model", "cuda", torch.bfloat16, num_hidden_layers=4)
-    depth = random_module("depth_decoder", "cuda", torch.bfloat16, seed=1)
-    encoder = random_module("condition_encoder", "cuda", torch.float32, seed=2)
-    talker = Talker(lm, depth, encoder, TalkerConfig(max_num_seqs=32, max_model_len=2048, capture_sizes=(2, 4, 8, 16)))
+    talker = scenarios.make_talker()
     first = None
     for name in args.order.split(","):
         started = time.perf_counter()
         print(f"=== {name}", file=sys.stderr, flush=True)  # recompiles below this line happened in this run
         arrival, beside = (0, []) if name == "solo" else scenarios.SCENARIOS[name]
-        codes, mixed = scenarios.run(talker, scenarios.Song(scenarios.SONG, 300, 7, scenarios.FRAMES, arrival), beside)
+        codes, mixed = scenarios.run(talker, scenarios.the_song(arrival), beside)
+        if codes is None:
+            print(f"{name:24s} the song did not finish", flush=True)
+            continue
         first = first or (codes, mixed)
         print(f"{name:24s} codes part from frame {first_differing(codes, first[0])}, conditioning from frame "
               f"{first_differing(mixed, first[1])} ({time.perf_counter() - started:.1f} s)", flush=True)

@@ -6,8 +6,9 @@ rendered beside other songs' windows stay within the measured bound of rendering
 
 A mid-size random model keeps the run short: the talker at its full widths (every GEMM, attention and sampling shape
 of the released checkpoint, so the same kernels, tiles and row counts: up to 32 rows, 64 in the depth decoder's first
-call) with 4 backbone layers instead of 36, KV slots of 2049 positions (the attention's 8 shares, as at full
-capacity); the DiT at its full widths with 2 layers instead of 36. Random weights make near-uniform logits, so any
+call) with 4 backbone layers instead of 36, KV slots of 4097 positions (at most 8 attention shares, as at full
+capacity), the song's prompt 1400 tokens long so that its length crosses 2048 positions, where its shares grow past
+their least 4 blocks; the DiT at its full widths with 2 layers instead of 36. Random weights make near-uniform logits, so any
 difference in rounding would change a code within a few frames.
 """
 
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.gpu
 
 FRAMES = 750
 SONG = "the song"
+PROMPT = 1400  # tokens of the song's prompt
 # Stage 1 batches with cuBLAS, whose kernel follows the batch, so a window rendered beside others rounds differently
 # from the same window alone. Measured on the H200 over the song's first three windows beside seven others (2026-12-04):
 # the latents' relative L2 difference 7.9e-7 (float32) and 1.3e-3 (bfloat16); the random vocoder amplifies and
@@ -65,13 +67,22 @@ def others(count: int, seed: int) -> list[Song]:
     ]
 
 
-@pytest.fixture(scope="module")
-def talker() -> Iterator[Talker]:
+def make_talker() -> Talker:
+    """The mid-size talker of these tests (module docstring), on the GPU."""
     lm = random_module("language_model", "cuda", torch.bfloat16, num_hidden_layers=4)
     depth = random_module("depth_decoder", "cuda", torch.bfloat16, seed=1)
     encoder = random_module("condition_encoder", "cuda", torch.float32, seed=2)
-    config = TalkerConfig(max_num_seqs=32, max_model_len=2048, capture_sizes=(2, 4, 8, 16))  # 16 songs: eager
-    yield Talker(lm, depth, encoder, config)
+    config = TalkerConfig(max_num_seqs=32, max_model_len=4096, capture_sizes=(2, 4, 8, 16))  # 16 songs: eager
+    return Talker(lm, depth, encoder, config)
+
+
+def the_song(arrival: int) -> Song:
+    return Song(SONG, PROMPT, 7, FRAMES, arrival)
+
+
+@pytest.fixture(scope="module")
+def talker() -> Iterator[Talker]:
+    yield make_talker()
     disable_fusion()
 
 
@@ -124,7 +135,7 @@ def run(talker: Talker, song: Song, beside: list[Song]) -> tuple[torch.Tensor, t
 
 @pytest.fixture(scope="module")
 def solo(talker) -> tuple[torch.Tensor, torch.Tensor]:
-    first, again = run(talker, Song(SONG, 300, 7, FRAMES, 0), []), run(talker, Song(SONG, 300, 7, FRAMES, 5), [])
+    first, again = run(talker, the_song(0), []), run(talker, the_song(5), [])
     assert first[0].shape == (FRAMES, 8)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])  # a solo run repeats bit for bit
     return first
@@ -156,12 +167,12 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_a_songs_codes_and_conditioning_do_not_depend_on_the_songs_beside_it(talker, solo, scenario):
     arrival, beside = SCENARIOS[scenario]
-    assert_same_song(*run(talker, Song(SONG, 300, 7, FRAMES, arrival), beside), solo)
+    assert_same_song(*run(talker, the_song(arrival), beside), solo)
 
 
 def test_nothing_but_rounding_could_differ_other_prompts_seeds_and_garbage_in_free_rows_change_nothing(talker, solo):
     fill_with_garbage(talker)
-    assert_same_song(*run(talker, Song(SONG, 300, 7, FRAMES, 25), others(7, seed=57)), solo)
+    assert_same_song(*run(talker, the_song(25), others(7, seed=57)), solo)
 
 
 @pytest.mark.parametrize("policy", [FLOAT32, BFLOAT16], ids=lambda p: p.name)

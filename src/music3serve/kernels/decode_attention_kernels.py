@@ -31,6 +31,17 @@ def triton_kernels():
         return (first + second).to(dtype)
 
     @triton.jit
+    def row_shares(len_ptr, row, capacity, NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A row's filled length (clamped to [0, capacity]), the blocks of BLOCK_N positions in each of its shares, and
+        how many shares hold a position: from the row's own length alone. Split writes and combine reads exactly
+        these shares."""
+        length = tl.load(len_ptr + row).to(tl.int32)
+        length = tl.minimum(tl.maximum(length, 0), capacity)
+        n_blocks = tl.cdiv(length, BLOCK_N)
+        blocks_per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), SPLIT_BLOCKS)
+        return length, blocks_per_split, tl.cdiv(n_blocks, blocks_per_split)
+
+    @triton.jit
     def split_kernel(
         q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr, out_ptr,
         k_new_ptr, v_new_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr,
@@ -53,11 +64,7 @@ def triton_kernels():
         row = tl.program_id(2)
         q_heads = tl.num_programs(1) * GROUP
 
-        length = tl.load(len_ptr + row).to(tl.int32)
-        length = tl.minimum(tl.maximum(length, 0), capacity)
-        n_blocks = tl.cdiv(length, BLOCK_N)
-        blocks_per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), SPLIT_BLOCKS)
-        n_active = tl.cdiv(n_blocks, blocks_per_split)
+        length, blocks_per_split, n_active = row_shares(len_ptr, row, capacity, NUM_SPLITS, SPLIT_BLOCKS, BLOCK_N)
 
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -146,11 +153,7 @@ def triton_kernels():
         row = tl.program_id(1)
         q_heads = tl.num_programs(0)
 
-        length = tl.load(len_ptr + row).to(tl.int32)
-        length = tl.minimum(tl.maximum(length, 0), capacity)
-        n_blocks = tl.cdiv(length, BLOCK_N)
-        blocks_per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), SPLIT_BLOCKS)
-        n_active = tl.cdiv(n_blocks, blocks_per_split)
+        _, _, n_active = row_shares(len_ptr, row, capacity, NUM_SPLITS, SPLIT_BLOCKS, BLOCK_N)
 
         # Pass 1: the max and the sum of the weights over all active splits' log-sum-exps (scalars, cheap).
         offs_s = tl.arange(0, SPLITS_PAD)

@@ -39,10 +39,10 @@ from torch import Tensor
 
 from ..models.fp8 import Fp8Weight, weight_only_reference
 from .decode_attention import triton_available
-from .skinny_linear_kernel import ROW_TILE, run_kernel
+from .skinny_linear_kernel import run_kernel
 
 __all__ = [
-    "MAX_ROWS", "ROW_TILE", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config",
+    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config",
     "uses_kernel",
 ]
 
