@@ -12,14 +12,13 @@ import math
 
 import torch
 
-from music3serve.bench.attention import CAPACITY, KV_HEADS, LAYERS, AttentionCase
+from music3serve.bench.attention import CAPACITY, LAYERS, AttentionCase
 from music3serve.bench.attention import run as table_run
 from music3serve.bench.common import graphed, time_ms
 from music3serve.kernels.decode_attention import (
     _BLOCK_N,
     _choose_num_splits,
     _decode_attention_triton,
-    _sm_count,
     decode_attention,
 )
 from music3serve.kernels.decode_attention_reference import decode_attention_reference
@@ -42,7 +41,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other block sizes / warps / stages / splits")
     args = parser.parse_args()
     print(table_run(ROWS, FILLED))
-    sms = _sm_count(torch.cuda.current_device())
     for rows in ROWS:
         case = AttentionCase(rows)
         for n in FILLED:
@@ -57,13 +55,13 @@ def main() -> None:
             for block_n in (32, 64, 128):
                 for num_warps in (4, 8):
                     for num_stages in (2, 3, 4):
-                        splits = _choose_num_splits(rows, KV_HEADS, CAPACITY, block_n, sms)
+                        splits = _choose_num_splits(CAPACITY, block_n)
                         kw = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=splits)
                         try:
                             results.append((per_layer_us(graphed(tuned(case, **kw))), kw))
                         except Exception as e:  # e.g. out of shared memory
                             print(f"  {kw}: {type(e).__name__}: {str(e)[:100]}")
-            base = _choose_num_splits(rows, KV_HEADS, CAPACITY, _BLOCK_N, sms)
+            base = _choose_num_splits(CAPACITY, _BLOCK_N)
             for mult in (0.25, 0.5, 2, 4):
                 kw = dict(num_splits=max(1, int(base * mult)))
                 results.append((per_layer_us(graphed(tuned(case, **kw))), kw))

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from music3serve import contract
+from music3serve.acoustic.windows import song_windows
 from music3serve.bench.common import table
 from music3serve.serving.audio_io import PcmEncoder
 from music3serve.serving.encoders import FORMATS, make_encoder, output_rate
@@ -132,9 +133,11 @@ async def first_audio(client, url: str, body: dict, shows: str) -> float:
     raise RuntimeError(f"{url}: no audio")
 
 
-async def window_period(client, url: str, body: dict) -> float | None:
-    """Seconds between the first window's audio and the second's, for raw PCM at 44.1 kHz (None: one window)."""
-    first_window = int(WINDOW_S[0] * contract.SAMPLE_RATE) * 4
+async def window_period(client, url: str, body: dict, frames: int) -> float | None:
+    """Seconds between the first window's audio and the second's, for raw 16-bit stereo PCM at 44.1 kHz from a song of
+    `frames` frames (None: one window)."""
+    window = song_windows(frames)[0]
+    first_window = (window.latent_length * contract.LATENT_HOP - sum(window.crop)) * 4  # 5.004 s: 220672 samples
     got, first = 0, None
     async with client.stream("POST", url, json=body) as response:
         async for piece in response.aiter_bytes():
@@ -167,7 +170,7 @@ async def endpoint_rows(base: str, seconds: float, steps: int | None, concurrenc
     rows = []
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         songs = {**common["songs"], "format": "pcm", "seed": 0, **({"steps": steps} if steps else {})}
-        period = await window_period(client, "/v1/songs", songs)
+        period = await window_period(client, "/v1/songs", songs, frames)
         times = {(name, n): [] for name in ENDPOINTS for n in concurrency}
         for _ in range(repeats):  # the endpoints interleaved, each started on an idle engine
             for name, (kind, extra, shows) in ENDPOINTS.items():

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from music3serve.kernels.skinny_linear import MEASURED_FP8_TILES, tile_config
-from music3serve.kernels.skinny_linear_kernel import MAX_ROWS, VARIANTS, _kernel, _prefetch_lines
+from music3serve.kernels.skinny_linear_kernel import ROW_TILE, VARIANTS, _kernel, _prefetch_lines
 
 TALKER = [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False), (16385, 4096, False),
           (12288, 4096, False), (12288, 4096, True), (4096, 6144, False), (1024, 4096, False)]
@@ -42,11 +42,11 @@ def compile_kernel(n: int, k: int, tile: tuple, fp8: bool, gated: bool = False):
 
     block_n, block_k, warps, stages, *variant = tile
     widening, k_over_warps = VARIANTS[variant[0] if variant else "cvt"]
-    ints = {"rows": MAX_ROWS, "n": n // 2 if gated else n, "k": k, "stride_w": k, "stride_x": k,
+    ints = {"rows": ROW_TILE, "n": n // 2 if gated else n, "k": k, "stride_w": k, "stride_x": k,
             "stride_residual": n // 2 if gated else n}
     signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "residual_ptr": "*bf16",
                  "scale_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
-    constants = dict(BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=False, SCALED=fp8,
+    constants = dict(BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=False, SCALED=fp8,
                      WORDS=fp8 and widening == "bits", PARTS=warps if k_over_warps else 1, PDL=True,
                      PREFETCH_LINES=_prefetch_lines(block_n), LINE=128 if fp8 else 64)
     signature.update(dict.fromkeys(constants, "constexpr"))
@@ -131,7 +131,7 @@ def facts(n: int, k: int, tile: tuple, fp8: bool, gated: bool = False, dump: Pat
     elements = block_n * block_k * (2 if gated else 1) / (32 * warps)  # weight elements per thread per iteration
     buffers = [(int(dims.split("x")[0]), math.prod(map(int, dims.split("x")[1:])), dtype) for dims, dtype in
                re.findall(r"local_alloc : \(\) -> !ttg.memdesc<([0-9x]+)x([a-zA-Z]\w*),", ttgir)]
-    x_buffer = (MAX_ROWS * block_k, "bf16")  # x's tile, allocated first; the others hold w (gate and up)
+    x_buffer = (ROW_TILE * block_k, "bf16")  # x's tile, allocated first; the others hold w (gate and up)
     weight = [b for i, b in enumerate(buffers) if i != next(j for j, c in enumerate(buffers) if c[1:] == x_buffer)]
     in_flight = sum(stages * size * {"i32": 4, "f8E4M3FN": 1}.get(dtype, 2) for stages, size, dtype in weight)
     regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)

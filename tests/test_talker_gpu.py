@@ -69,7 +69,8 @@ def test_fused_hot_paths_match_plain_ones(tiny_dir):
 @torch.inference_mode()
 def test_depth_decode_attention_gives_the_recomputed_hidden_states(tiny_dir, dtype):
     """On CUDA the cached depth calls keep keys and values in buffers and run the decode attention kernel: their
-    hidden states agree with recomputing the whole sequence (SDPA), within the attention's roundings."""
+    hidden states agree with recomputing the whole sequence (SDPA in float32; in bf16 the decode kernel a position at a
+    time, over the sequence's own keys and values), within the attention's roundings."""
     from music3serve.models.depth_decoder import DepthKV
 
     depth = load_models(tiny_dir, device="cuda", talker_dtype=dtype).depth_decoder
@@ -88,7 +89,7 @@ def test_depth_decode_attention_gives_the_recomputed_hidden_states(tiny_dir, dty
 def test_looked_up_depth_inputs_equal_computed_ones(tiny_dir, dtype):
     """With the hot paths fused as the engine runs them, frames whose depth calls 2..7 look their new position and
     first q, k, v up (DepthInputs) equal frames that compute them: bit for bit in bf16, where the skinny GEMM's rows
-    do not depend on each other (the table is built 16 rows at a time, the frames run 2-16); in float32 cuBLAS picks
+    do not depend on each other (the table is built 128 rows at a time, the frames run 2-16); in float32 cuBLAS picks
     its kernel by the row count, so the conditioning agrees to float32 precision and the codes exactly."""
     from music3serve.models.fusion import disable_fusion, enable_fusion
     from music3serve.talker.depth_inputs import DepthInputs

@@ -49,6 +49,26 @@ def test_the_kernels_give_the_references_result(splits):
     assert torch.equal(_decode_attention_triton(q, k, v, lengths, num_splits=splits, block_n=BLOCK_N), out)
 
 
+def test_the_program_count_changes_no_bit():
+    """Programs take a row's shares in turn: from one program running all 7 shares of a full row to one per share,
+    the output and the appended keys and values are the same bits (the shares, not the programs, fix the arithmetic)."""
+    rows = len(LENGTHS)
+    k, v = caches(rows)
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM).to(torch.bfloat16)
+    k_new, v_new = (torch.randn(rows, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([max(n, 1) for n in LENGTHS], dtype=torch.int32)
+    append = (k_new, v_new, (lengths - 1).long())
+    results = {}
+    for programs in (1, 2, 3, 5, 8):
+        k_run, v_run = k.clone(), v.clone()
+        out = _decode_attention_triton(q, k_run, v_run, lengths, num_splits=8, split_blocks=1, programs=programs,
+                                       block_n=BLOCK_N, append=append)
+        results[programs] = (out, k_run, v_run)
+    within_roundings(results[1][0], q, results[1][1], results[1][2], lengths)
+    for programs, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results[8])), f"{programs} programs"
+
+
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 16), (32, 8, 128)], ids=["no GQA", "the talker's"])
 def test_other_groups_and_head_dims(q_heads, kv_heads, head_dim):
     k, v = caches(3, kv_heads, head_dim)
@@ -87,6 +107,20 @@ def test_append_is_storing_first_then_attending(splits):
                                    append=(k_new, v_new, positions))
     assert torch.equal(out, expected) and out.isfinite().all()
     assert torch.equal(k, k_first) and torch.equal(v, v_first)
+
+
+def test_append_stores_nothing_outside_the_slot():
+    """A position below 0 or at the capacity is stored nowhere: not before the row's slot (the previous head's or
+    row's last position), not after it."""
+    rows = 3
+    k, v = caches(rows)
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM).to(torch.bfloat16)
+    k_new, v_new = (torch.randn(rows, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([5, 5, 5], dtype=torch.int32)
+    positions = torch.tensor([-1, CAPACITY, -1])
+    k_before, v_before = k.clone(), v.clone()
+    _decode_attention_triton(q, k, v, lengths, block_n=BLOCK_N, append=(k_new, v_new, positions))
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from music3serve.kernels.skinny_linear import gated_silu_reference, tile_config
-from music3serve.kernels.skinny_linear_kernel import MAX_ROWS, run_kernel
+from music3serve.kernels.skinny_linear_kernel import ROW_TILE, run_kernel
 from music3serve.models.fp8 import Fp8Weight, quantize, weight_only_reference
 
 # Neither a multiple of the column tile (16) nor of the K tile (128 bf16, 256 e4m3): both tails are masked.
@@ -47,7 +47,7 @@ def product(x, w, scale):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
-@pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 5, ROW_TILE, 2 * ROW_TILE + 3])  # the last: tiles of 32 rows, one partial
 def test_the_product_is_the_torch_ops_within_rounding(rows, fp8):
     w, scale = weight(fp8=fp8)
     x = torch.randn(rows, K).to(torch.bfloat16)
@@ -87,7 +87,7 @@ def test_rows_sliced_from_a_longer_sequence_give_the_bits_of_their_copy():
 @pytest.mark.parametrize("gated", [False, True])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(gated):
     w, _ = weight(2 * N if gated else N)
-    x = torch.randn(MAX_ROWS, K).to(torch.bfloat16)
+    x = torch.randn(ROW_TILE, K).to(torch.bfloat16)
     full = linear(x, w, None, gated=gated)
     for rows in (1, 2, 7):
         assert torch.equal(linear(x[:rows].clone(), w, None, gated=gated), full[:rows])
@@ -101,7 +101,7 @@ def every_code(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, (torch.rand(n) + 0.5) / 256  # results of a few units: no overflow in silu
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 7, ROW_TILE, 2 * ROW_TILE + 3])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_the_bits_widening_gives_the_bits_of_the_cast_in_either_split_of_k(rows, gated):
     """bits = cvt and bits-kwarps = cvt-kwarps bit for bit; K over the warps within the bound of the exact product."""
@@ -119,7 +119,8 @@ def test_the_bits_widening_gives_the_bits_of_the_cast_in_either_split_of_k(rows,
 @pytest.mark.parametrize("variant", ["bits", "bits-kwarps"])
 def test_the_variants_add_the_residual_and_keep_a_rows_bits_whatever_the_rows_beside_it(variant):
     w, scale = every_code(N)
-    x, residual = torch.randn(MAX_ROWS, K).to(torch.bfloat16), (torch.randn(MAX_ROWS, N) * 4).to(torch.bfloat16)
+    rows = 2 * ROW_TILE + 3  # two tiles of 32 rows, the second partial
+    x, residual = torch.randn(rows, K).to(torch.bfloat16), (torch.randn(rows, N) * 4).to(torch.bfloat16)
     tile = (*tile_config(N, K, fp8=True)[:4], variant)
     full = run_kernel(x, w, tile, scale=scale)
     for rows in (1, 2, 7):
@@ -146,7 +147,7 @@ def test_k_over_the_warps_of_a_bf16_tile_is_within_the_bound_and_a_rows_bits_sta
     """bench/skinny_linear.py --sweep --kwarps tries bf16 tiles with K over their warps: the same bound against the
     torch ops, a row's bits whatever the rows beside it."""
     w, _ = weight(2 * N if gated else N)
-    x = torch.randn(MAX_ROWS, K).to(torch.bfloat16)
+    x = torch.randn(2 * ROW_TILE + 3, K).to(torch.bfloat16)
     tile = (16, 64, 4, 2, "cvt-kwarps")
     full = run_kernel(x, w, tile, gated=gated)
     within_rounding(full, gated_silu_reference(x, w) if gated else product(x, w, None))

@@ -39,17 +39,19 @@ FULL_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def full_size(name: str, dtype: torch.dtype) -> nn.Module:
-    """Our module for a component at full size, on the meta device: shapes and dtypes, no memory."""
+def full_size(name: str, dtype: torch.dtype, **config: Any) -> nn.Module:
+    """Our module for a component at full size (or with the `config` values given instead), on the meta device:
+    shapes and dtypes, no memory."""
     component = COMPONENTS[name]
     with torch.device("meta"):
-        return component.model(component.config(FULL_CONFIGS[name])).to(dtype)
+        return component.model(component.config({**FULL_CONFIGS[name], **config})).to(dtype)
 
 
 @torch.no_grad()
-def random_module(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """Our module for a component at full size, filled with random weights of realistic scale."""
-    module = full_size(name, dtype).to_empty(device=device)
+def random_module(name: str, device: str, dtype: torch.dtype, seed: int = 0, **config: Any) -> nn.Module:
+    """Our module for a component at full size (or with the `config` values given instead, say fewer layers), filled
+    with random weights of realistic scale."""
+    module = full_size(name, dtype, **config).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, param in module.named_parameters():
         if "norm" in pname or pname.endswith(("alpha", "scale")):

@@ -7,22 +7,26 @@ captured for a batch shape replays correctly as the lengths grow.
 
 On CUDA with Triton importable the work runs as flash-decoding, in two kernels:
 
-1. ``split``: grid ``(num_splits, kv_heads, rows)``. Each program takes one KV head of one row and one contiguous
-   share of that row's filled length (the share is ``ceil(blocks(L) / num_splits)`` blocks of ``BLOCK_N``
-   positions, computed on the device from ``lengths[r]``), and all query heads of that head's GQA group together,
-   so each K/V block is loaded once for the whole group. It runs an online softmax in fp32 (exp2 domain) and
-   writes its normalised partial output and its log-sum-exp. Programs whose share starts at or beyond
-   ``lengths[r]`` run no loop iterations and store nothing, so the cost follows the filled length, not the
-   capacity; positions at or beyond ``lengths[r]`` are never loaded (masked loads), so whatever sits there (stale
-   rows, NaN) cannot leak into the result.
-2. ``combine``: grid ``(q_heads, rows)``. Merges the active splits of one head by their log-sum-exps.
+1. ``split``: grid ``(programs, kv_heads, rows)``. A row's filled length L is cut into at most ``num_splits`` shares
+   of ``max(split_blocks, ceil(blocks(L) / num_splits))`` blocks of ``BLOCK_N`` positions (computed on the device
+   from ``lengths[r]``). The programs of one KV head of one row take its shares in turn (program p: shares p,
+   p + programs, ...), each with all query heads of that head's GQA group together, so each K/V block is loaded once
+   for the whole group. Per share a program runs an online softmax in fp32 (exp2 domain) and writes the share's
+   normalised partial output and its log-sum-exp. The cost follows the filled length, not the capacity; positions at
+   or beyond ``lengths[r]`` are never loaded (masked loads), so whatever sits there (stale rows, NaN) cannot leak
+   into the result.
+2. ``combine``: grid ``(q_heads, rows)``. Merges the shares of one head by their log-sum-exps.
 
-``num_splits`` is fixed per (rows, kv_heads, capacity) shape, so the launch grid is static and graph capturable.
+A row's shares, hence the order its positions are summed and merged in, follow its filled length alone; which program
+computes a share changes nothing in it. So ``programs`` can follow the row count (about one program per SM, at most
+``num_splits``: many for a few rows, few for many) while a row's result does not depend on the other rows or on how
+many there are (batch invariance). ``num_splits`` follows the capacity (``_choose_num_splits``) and ``programs`` the
+row count, so a launch grid is static for a captured batch shape.
 
 ``append=(k_new, v_new, positions)`` also stores each row's new key and value at ``positions[r]`` of its slot
 (what a decode step must do before attending). The Triton path does it inside ``split``, with no launch of its
-own: the program whose share holds ``positions[r]`` (split 0 when the position lies in ``[lengths[r], capacity)``,
-as for padded rows) stores them, and uses them in place of what its tile loaded from that position.
+own: the row's first program stores them (where the position lies within the capacity), and every program uses them
+in place of what its tile loaded from that position.
 
 ``rotation=(q_norm, k_norm, eps, cos, sin)`` (Triton path only): q and the appended key arrive as projections, and
 ``split`` turns them into attention inputs as it loads them, rounding as the torch ops of a Qwen3 layer do: each head
@@ -119,22 +123,33 @@ def _sm_count(device_index: int) -> int:
 
 
 # Defaults for Hopper (H100/H200), head_dim 128, bf16: K and V blocks of 64 positions, 4 warps, a 3-stage
-# pipeline, and about one (row, kv_head, split) program per SM at full length (rows 2 -> 9 splits, rows 16 -> 2).
-# Picked from two sweeps on an H200 (bench/decode_attention.py --sweep: 36 layers, capacity 10240, rows 2 and 16,
-# filled 1k/5k/10k): this is within ~5% of the best of 22 configurations in every case and reaches the bytes
-# floor at rows 16 x 10k; 2 stages with these splits cost up to 35% more, 4x the splits 3-15% more.
+# pipeline (bench/decode_attention.py --sweep on an H200: 36 layers, capacity 10240, rows 2 and 16, filled 1k/5k/10k;
+# 2 stages cost up to 35% more). A row's filled length is cut into at most 8 shares of at least 4 blocks (256
+# positions), whatever the rows beside it; about one program per SM at full length takes them (2 rows: 8 programs
+# per KV head; 16 rows: 2, each running 4 shares in turn).
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
+_MAX_SPLITS = 8
+_SPLIT_BLOCKS = 4
 _PROGRAMS_PER_SM = 1
 
 
-def _choose_num_splits(rows: int, kv_heads: int, capacity: int, block_n: int, sm_count: int) -> int:
-    """Splits per (row, kv_head): enough programs to fill the GPU when the slots are full, no more splits than
-    blocks in the capacity. Static for a (rows, kv_heads, capacity) shape, so a captured graph keeps its grid."""
-    max_blocks = max(1, math.ceil(capacity / block_n))
-    want = math.ceil(_PROGRAMS_PER_SM * sm_count / max(1, rows * kv_heads))
-    return max(1, min(want, max_blocks, 128))
+def _choose_num_splits(capacity: int, block_n: int, split_blocks: int = _SPLIT_BLOCKS) -> int:
+    """Shares per (row, kv_head) at most: _MAX_SPLITS, fewer when the capacity holds fewer shares of split_blocks
+    blocks. A function of the capacity alone: each row's share is then max(split_blocks, ceil(blocks(L) / _MAX_SPLITS))
+    blocks of its filled length L, whatever the other rows (and whatever the capacity: a smaller one gives every
+    length it can hold shares of split_blocks)."""
+    return max(1, min(_MAX_SPLITS, math.ceil(capacity / (block_n * split_blocks))))
+
+
+def _choose_programs(rows: int, kv_heads: int, num_splits: int, device: torch.device) -> int:
+    """Programs per (row, kv_head): enough to fill the GPU when the rows are long, at most one per share. They change
+    which program computes a share, never the share (batch invariance holds for any count)."""
+    if device.type != "cuda":  # Triton's interpreter: one program per share
+        return num_splits
+    want = math.ceil(_PROGRAMS_PER_SM * _sm_count(device.index or 0) / max(1, rows * kv_heads))
+    return max(1, min(want, num_splits))
 
 
 def _decode_attention_triton(
@@ -148,6 +163,8 @@ def _decode_attention_triton(
     num_warps: int = _NUM_WARPS,
     num_stages: int = _NUM_STAGES,
     num_splits: int | None = None,
+    split_blocks: int = _SPLIT_BLOCKS,
+    programs: int | None = None,
     append: Append | None = None,
     rotation: Rotation | None = None,
 ) -> Tensor:
@@ -176,8 +193,10 @@ def _decode_attention_triton(
     group = q_heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     if num_splits is None:
-        num_splits = _choose_num_splits(rows, kv_heads, capacity, block_n, _sm_count(q.device.index or 0))
+        num_splits = _choose_num_splits(capacity, block_n, split_blocks)
     splits_pad = max(2, triton.next_power_of_2(num_splits))
+    if programs is None:
+        programs = _choose_programs(rows, kv_heads, num_splits, q.device)
 
     out = torch.empty((rows, q_heads, head_dim), device=q.device, dtype=out_dtype)
     if rows == 0:
@@ -190,7 +209,7 @@ def _decode_attention_triton(
     lse_part = torch.empty((rows, q_heads, num_splits), device=q.device, dtype=torch.float32)
     q_norm, k_norm, eps, cos, sin = rotation if rotation is not None else (q, q, 0.0, lengths, lengths)
 
-    split_kernel[(num_splits, kv_heads, rows)](
+    split_kernel[(min(programs, num_splits), kv_heads, rows)](
         q, k_cache, v_cache, lengths, o_part, lse_part, out,
         k_new, v_new, positions, q_norm, k_norm, cos, sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -198,8 +217,8 @@ def _decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         capacity, scale * _LOG2E, eps,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        APPEND=append is not None, ROTATE=rotation is not None, PDL=pdl, num_warps=num_warps,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLIT_BLOCKS=split_blocks,
+        BLOCK_N=block_n, APPEND=append is not None, ROTATE=rotation is not None, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **launch_options(pdl),
     )  # fmt: skip
     if num_splits == 1:  # the split kernel wrote the result
@@ -208,7 +227,8 @@ def _decode_attention_triton(
         o_part, lse_part, lengths, out,
         out.stride(0), out.stride(1),
         capacity,
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad), BLOCK_N=block_n,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad),
+        SPLIT_BLOCKS=split_blocks, BLOCK_N=block_n,
         PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -1,20 +1,30 @@
-"""y = x @ w.T for a few rows of bf16 x (decode steps: 2-16 rows), reading w once at close to copy bandwidth.
+"""y = x @ w.T for a few rows of bf16 x (decode steps: 2-128 rows), reading w once at close to copy bandwidth.
 
 cuBLAS picks its kernel by the row count, so a row's result can change with the number of rows beside it, and
 on the talker's shapes it reaches only 57-75% of copy bandwidth for the o / qkv / down projections
-(docs/performance.md). Here one Triton program owns ``BLOCK_N`` output columns for all rows (padded to 16, the
-smallest tensor-core tile) and walks the whole K dimension in ``BLOCK_K`` steps, accumulating in float32, so:
+(docs/performance.md). Here one Triton program owns ``BLOCK_N`` output columns of one tile of rows (16 rows, the
+smallest tensor-core tile, for up to 16 rows; 32 beyond; the last tile padded) and walks the whole K dimension in
+``BLOCK_K`` steps, accumulating in float32, so:
 
-- the arithmetic of a row does not depend on the other rows or on how many there are (batch invariance by
-  construction: the tile configuration is chosen from (N, K) only, never from the row count);
-- w streams through once per call; the grid is ``ceil(N / BLOCK_N)`` programs, no split-K, no atomics, so
-  results are deterministic.
+- the arithmetic of a row does not depend on the other rows or on how many there are (batch invariance: the tile
+  configuration is chosen from (N, K) only and every row tile runs the same program). A 16- and a 32-row tile give a
+  row the same bits because Triton lowers both to the same warp-level MMA instruction (mma.sync m16n8k16 on Hopper:
+  its warpgroup MMA needs 64-row tiles), each output summing its K steps in the same order. That is how Triton 3.x
+  compiles them, not a promise of its API: tests/test_skinny_linear.py and bench/batch_invariance_probe.py check it
+  bit for bit on the GPU. At 32 rows (eight songs' depth-decoder first call) 32-row tiles stream the weights at
+  cuBLAS's speed where 16-row ones took up to 40% longer (H200: 13.7 us against 13.3 for cuBLAS and 18.4 for 16-row
+  tiles on a 4096 x 4096 weight);
+- w streams from memory about once per call: the grid is ``(row tiles, ceil(N / BLOCK_N))`` with the row tile
+  varying fastest, so the programs reading the same columns run together and share them through L2; no split-K,
+  no atomics, so results are deterministic.
 
 ``skinny_linear`` and ``skinny_gated_silu`` are custom ops (``music3serve::...``) so compiled hot paths
 (models/fusion.py) call them as one opaque kernel each. They run the Triton kernel for bf16 CUDA inputs of at most
-``MAX_ROWS`` rows (x and a residual are read with their row stride, copied only without unit stride along K; w
-needs unit stride along K) and the torch ops otherwise (prefill, float32, CPU), always returning a contiguous tensor
-in x's dtype. The GPU tests bound the kernel against the exact float64 product (tests/test_skinny_linear.py).
+``MAX_ROWS`` rows and the torch ops otherwise (prefill, float32, CPU), always returning a contiguous tensor in x's
+dtype. 128 rows hold every frame step of up to 32 songs (64 rows; the depth decoder's first call, two positions a row,
+128): past that cuBLAS takes the calls, and a song's rounding follows the batch again. x and a residual are read with
+their row stride (copied only without unit stride along K); w needs unit stride along K. The GPU tests bound the
+kernel against the exact float64 product (tests/test_skinny_linear.py).
 
 FP8 weights (models/fp8.py): w in e4m3 with a float32 `scale` per output row. The same kernel loads the e4m3 tile
 (half the bytes), widens it to bf16 in registers (exact), and multiplies the float32 accumulator by the column's
@@ -29,11 +39,14 @@ from torch import Tensor
 
 from ..models.fp8 import Fp8Weight, weight_only_reference
 from .decode_attention import triton_available
-from .skinny_linear_kernel import MAX_ROWS, run_kernel
+from .skinny_linear_kernel import run_kernel
 
 __all__ = [
-    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config", "uses_kernel",
+    "MAX_ROWS", "gated_silu_reference", "run_kernel", "skinny_gated_silu", "skinny_linear", "tile_config",
+    "uses_kernel",
 ]
+
+MAX_ROWS = 128
 
 
 # Fastest tiles of `python3 bench/skinny_linear.py --sweep` on the H200 (2026-11-30) for the
@@ -91,26 +104,15 @@ def tile_config(n: int, k: int, gated: bool = False, fp8: bool = False) -> tuple
 
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # an e4m3 weight comes with its scale
-# FP8 weights past MAX_ROWS rows (the depth decoder's first call: two positions per row) still take the kernel, in
-# chunks of MAX_ROWS rows, up to this many: below it, rereading the e4m3 weight per chunk moves fewer bytes than
-# widening it for a GEMM.
-MAX_CHUNKED_ROWS = 4 * MAX_ROWS
 
 
-def uses_kernel(x: Tensor, w: Tensor, max_rows: int = MAX_ROWS) -> bool:
+def uses_kernel(x: Tensor, w: Tensor) -> bool:
     """Whether skinny_linear runs the Triton kernel for these inputs (else F.linear)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
-        x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in WEIGHT_DTYPES and 0 < rows <= max_rows
+        x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in WEIGHT_DTYPES and 0 < rows <= MAX_ROWS
         and w.dim() == 2 and w.stride(-1) == 1 and x.shape[-1] == w.shape[1] and triton_available()
     )
-
-
-def _fp8_rows(x: Tensor, w: Tensor, scale: Tensor | None) -> int:
-    """Rows per kernel call for an FP8 weight that can take the kernel in chunks (0: it cannot, or w is not FP8)."""
-    if scale is None or not uses_kernel(x, w, MAX_CHUNKED_ROWS):
-        return 0
-    return MAX_ROWS
 
 
 def _check_scale(w: Tensor, scale: Tensor | None) -> None:
@@ -146,20 +148,10 @@ def skinny_linear(x: Tensor, w: Tensor, residual: Tensor | None = None, scale: T
     rows, the torch ops otherwise. An e4m3 w comes with its float32 `scale` [N] (models/fp8.py)."""
     _check_residual(x, w, residual)
     _check_scale(w, scale)
-    chunk, config = _fp8_rows(x, w, scale), tile_config(*w.shape, fp8=scale is not None)
-    if chunk and not uses_kernel(x, w):
-        return torch.cat([run_kernel(part, w, config, residual=res, scale=scale)
-                          for part, res in _chunks(x, residual, chunk)]).view(*x.shape[:-1], w.shape[0])
+    config = tile_config(*w.shape, fp8=scale is not None)
     if not uses_kernel(x, w):
         return (_product(x, w, scale) if residual is None else residual + _product(x, w, scale)).contiguous()
     return run_kernel(x, w, config, residual=residual, scale=scale)
-
-
-def _chunks(x: Tensor, residual: Tensor | None, rows: int) -> list[tuple[Tensor, Tensor | None]]:
-    """(x, residual) as [rows, K] / [rows, N] pieces, the residual broadcast to every row of x."""
-    x2 = x.reshape(-1, x.shape[-1])
-    res = None if residual is None else residual.expand(*x.shape[:-1], residual.shape[-1]).reshape(x2.shape[0], -1)
-    return [(x2[i : i + rows], None if res is None else res[i : i + rows]) for i in range(0, x2.shape[0], rows)]
 
 
 @torch.library.custom_op("music3serve::skinny_gated_silu", mutates_args=())
@@ -169,10 +161,6 @@ def skinny_gated_silu(x: Tensor, gate_up: Tensor, scale: Tensor | None = None) -
     e4m3 gate_up comes with its float32 `scale` [N]."""
     _check_scale(gate_up, scale)
     config = tile_config(*gate_up.shape, gated=True, fp8=scale is not None)
-    chunk = _fp8_rows(x, gate_up, scale) if not gate_up.shape[0] % 2 else 0
-    if chunk and not uses_kernel(x, gate_up):
-        return torch.cat([run_kernel(part, gate_up, config, gated=True, scale=scale) for part, _ in _chunks(
-            x, None, chunk)]).view(*x.shape[:-1], gate_up.shape[0] // 2)
     if not uses_kernel(x, gate_up) or gate_up.shape[0] % 2:
         return gated_silu_reference(x, gate_up, scale).contiguous()
     return run_kernel(x, gate_up, config, gated=True, scale=scale)

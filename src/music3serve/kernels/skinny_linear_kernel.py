@@ -11,9 +11,9 @@ from torch import Tensor
 
 from .pdl import launch_options, uses_pdl
 
-__all__ = ["MAX_ROWS", "PREFETCH_BYTES", "VARIANTS", "run_kernel"]
+__all__ = ["PREFETCH_BYTES", "ROW_TILE", "VARIANTS", "run_kernel"]
 
-MAX_ROWS = 16  # rows per call: one tile of rows per program (BLOCK_M)
+ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond
 
 # The kernel's variants, a tile's optional fifth element (kernels/skinny_linear.py): name -> (widening, K over warps).
 # Widening "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion
@@ -45,9 +45,10 @@ def run_kernel(
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
-    _kernel()[(math.ceil(n / block_n),)](
+    block_m = ROW_TILE if rows <= ROW_TILE else 2 * ROW_TILE
+    _kernel()[(math.ceil(rows / block_m), math.ceil(n / block_n))](
         x_rows, w, y, added, y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0),
-        added.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
+        added.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
         RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words,
         PARTS=warps if k_over_warps else 1, PDL=pdl,
         PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps, num_stages=stages,
@@ -109,10 +110,9 @@ def _kernel():
         return (bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * unbias).to(tl.bfloat16)
 
     @triton.jit
-    def _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, WORDS: tl.constexpr):
-        # acc + x[:, k0 : k0 + BLOCK_K] @ w[cols, same].T, and GATED: acc_up + the same for w[n + cols]
-        m = tl.arange(0, BLOCK_M)
+    def _accumulate(x_ptr, w_ptr, m, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
+                    BLOCK_K: tl.constexpr, GATED: tl.constexpr, WORDS: tl.constexpr):
+        # acc + x[m, k0 : k0 + BLOCK_K] @ w[cols, same].T, and GATED: acc_up + the same for w[n + cols]
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k
         if WORDS:
@@ -139,12 +139,11 @@ def _kernel():
         return acc, acc_up
 
     @triton.jit
-    def _accumulate_parts(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr, GATED: tl.constexpr,
-                          WORDS: tl.constexpr):
+    def _accumulate_parts(x_ptr, w_ptr, m, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
+                          BLOCK_K: tl.constexpr, PARTS: tl.constexpr, GATED: tl.constexpr, WORDS: tl.constexpr):
         # _accumulate with K tile [k0, k0 + BLOCK_K) in PARTS parts: acc[p] + x[:, part p] @ w[cols, part p].T, a
         # batched dot whose batch Triton spreads over the warps
-        m = tl.arange(0, BLOCK_M)[None, :, None]
+        m = m[None, :, None]
         part = tl.arange(0, PARTS)[:, None] * (BLOCK_K // PARTS)
         kk = k0 + part + tl.arange(0, BLOCK_K // PARTS)[None, :]  # [PARTS, BLOCK_K // PARTS]
         k_ok = kk < k
@@ -189,8 +188,8 @@ def _kernel():
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
         # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS: those codes are
         # loaded four per int32 and widened by _widen_words (k a multiple of 4). PARTS > 1: K over the warps (VARIANTS).
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         if PDL:  # the weights are constant: start them towards L2 while the previous kernel finishes (kernels/pdl.py)
             lines = tl.arange(0, PREFETCH_LINES) * LINE
@@ -207,14 +206,14 @@ def _kernel():
             parts = tl.zeros((PARTS, BLOCK_M, BLOCK_N), dtype=tl.float32)
             parts_up = tl.zeros((PARTS, BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, k, BLOCK_K):
-                parts, parts_up = _accumulate_parts(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x,
-                                                    parts, parts_up, BLOCK_M, BLOCK_K, PARTS, GATED, WORDS)
+                parts, parts_up = _accumulate_parts(x_ptr, w_ptr, m, cols, col_ok, rows, n, k, k0, stride_w,
+                                                    stride_x, parts, parts_up, BLOCK_K, PARTS, GATED, WORDS)
             acc = tl.sum(parts, axis=0)
             acc_up = tl.sum(parts_up, axis=0)
         else:
             for k0 in range(0, k, BLOCK_K):
-                acc, acc_up = _accumulate(x_ptr, w_ptr, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc,
-                                          acc_up, BLOCK_M, BLOCK_K, GATED, WORDS)
+                acc, acc_up = _accumulate(x_ptr, w_ptr, m, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc,
+                                          acc_up, BLOCK_K, GATED, WORDS)
         if SCALED:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
             if GATED:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import contract
 from ..errors import CheckpointError
+from .fusion import hot
 from .weights import Source, require
 
 
@@ -43,10 +44,7 @@ class ConditionEncoder(nn.Module):
 
     def mix(self, frames: torch.Tensor) -> torch.Tensor:
         """[..., streams * hidden] frame conditioning -> [..., hidden], weighted by softmax(logits) * scale."""
-        streams = frames.unflatten(-1, (self.cfg.streams, self.cfg.hidden))
-        weights = torch.softmax(self.stream_logits, dim=0).to(frames.dtype)
-        mixed = (streams * weights[:, None]).sum(-2)
-        return self.scale.to(frames.dtype) * mixed
+        return mix_streams(frames, torch.softmax(self.stream_logits, dim=0), self.scale)
 
     def project(self, mixed: torch.Tensor) -> torch.Tensor:
         """Mixed frames [batch, frames, hidden] of one window -> condition [batch, latent_len, out_dim]."""
@@ -65,3 +63,17 @@ class ConditionEncoder(nn.Module):
             "proj.weight": [Source("proj.weight", (cfg.out_dim, cfg.hidden, 3))],
             "proj.bias": [Source("proj.bias", (cfg.out_dim,))],
         }
+
+
+@hot
+def mix_streams(frames: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """ConditionEncoder.mix's sum as a hot path, the streams weighted and added one after the other: compiled, one
+    elementwise kernel whose arithmetic per frame is the same in every compiled shape, whatever the number of frames
+    mixed together (the talker mixes one frame a song). A reduction kernel's order follows its launch configuration,
+    which inductor picks per compiled shape; so the weights' softmax runs before, uncompiled."""
+    weights = weights.to(frames.dtype)
+    streams = frames.unflatten(-1, (weights.shape[0], -1)).unbind(-2)
+    mixed = streams[0] * weights[0]
+    for stream, weight in zip(streams[1:], weights[1:]):
+        mixed = mixed + stream * weight
+    return scale.to(frames.dtype) * mixed

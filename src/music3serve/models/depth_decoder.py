@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_attention import decode_attention, takes_rotation
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, Weight, linear, residual_mlp, rms_norm, swiglu
+from .layers import GatedMLP, RMSNorm, Weight, linear, residual_mlp, rms_norm
 from .weights import Source, require
 
 
@@ -48,12 +48,16 @@ class DepthBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden)
         self.mlp = GatedMLP(cfg.hidden, cfg.mlp)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block over a whole depth sequence x [rows, t, hidden]; returns x and every position's keys and values."""
-        return depth_block(
-            x, self.attn_norm.weight, self.qkv.weight, self.o.weight, self.mlp_norm.weight,
-            self.mlp.gate_up.weight, self.mlp.down.weight, self.attn_norm.eps, self.heads,
-        )
+    def forward(self, x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block over a whole depth sequence x [rows, t, hidden]; returns x and every position's keys and values
+        [rows, heads, t, head_dim]. steps: DepthKV.steps (row p holds p in every column)."""
+        b, t, h = x.shape
+        qkv = depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps)
+        q, k, v = (p.view(b, t, self.heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
+        attn = causal_attention(q, k, v, steps)
+        x = residual_mlp(x, attn, self.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight, self.mlp.down.weight,
+                         self.mlp_norm.eps)
+        return x, k, v
 
     def decode(
         self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
@@ -71,28 +75,27 @@ class DepthBlock(nn.Module):
 
     def qkv_of(self, x: torch.Tensor) -> torch.Tensor:
         """The normed projections [rows, 3 * hidden] of one new position x [rows, 1, hidden]: q | k | v."""
-        return depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps)
-
-
-@hot
-def depth_block(
-    x: torch.Tensor, attn_norm_w: torch.Tensor, qkv_w: Weight, o_w: Weight, mlp_norm_w: torch.Tensor,
-    gate_up_w: Weight, down_w: Weight, eps: float, heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One causal depth-decoder block over positions x [rows, t, hidden]. Returns x and the keys and values [rows,
-    heads, t, head_dim]."""
-    b, t, h = x.shape
-    qkv = linear(rms_norm(x, attn_norm_w, eps), qkv_w)
-    q, k, v = (p.view(b, t, heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = linear(attn.transpose(1, 2).reshape(b, t, h), o_w, residual=x)
-    return swiglu(rms_norm(x, mlp_norm_w, eps), gate_up_w, down_w, residual=x), k, v
+        return depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps).view(x.shape[0], -1)
 
 
 @hot
 def depth_qkv(x: torch.Tensor, attn_norm_w: torch.Tensor, qkv_w: Weight, eps: float) -> torch.Tensor:
-    """q | k | v [rows, 3 * hidden] of one new position x [rows, 1, hidden]."""
-    return linear(rms_norm(x, attn_norm_w, eps), qkv_w).view(x.shape[0], -1)
+    """q | k | v [rows, t, 3 * hidden] of positions x [rows, t, hidden]."""
+    return linear(rms_norm(x, attn_norm_w, eps), qkv_w)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Causal attention [rows, t, heads * head_dim] of q, k, v [rows, heads, t, head_dim]. In bf16 where decode
+    attention runs its Triton kernel (CUDA), position 0 is its own value (softmax over one key: exactly v) and each
+    later position one launch of that kernel over the positions up to it (lengths from `steps`, DepthKV.steps), whose
+    arithmetic per row does not depend on the other rows: SDPA's kernels follow the batch size, so a song's first
+    depth call could round by the number of songs beside it. Elsewhere SDPA (float32: the kernel's dot products
+    would round to TF32)."""
+    b, heads, t, d = q.shape
+    if q.dtype != torch.bfloat16 or not takes_rotation(q.device):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, heads * d)
+    out = [v[:, :, 0]] + [decode_attention(q[:, :, j], k, v, steps[j + 1]) for j in range(1, t)]
+    return torch.stack(out, dim=1).view(b, t, heads * d)
 
 
 def split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,15 +152,14 @@ class DepthDecoder(nn.Module):
             cache.length += 1
             return self.norm(x)
         keys, values = [], []
+        steps = torch.arange(self.cfg.positions + 1, device=x.device)[:, None].expand(-1, x.shape[0]).contiguous()
         for block in self.blocks:
-            x, k, v = block(x)
+            x, k, v = block(x, steps)
             keys.append(k)
             values.append(v)
         if cache is not None:
             cache.keys, cache.values = self._buffered(keys), self._buffered(values)
-            cache.length = projected.shape[1]
-            rows = x.shape[0]
-            cache.steps = torch.arange(self.cfg.positions + 1, device=x.device)[:, None].expand(-1, rows).contiguous()
+            cache.length, cache.steps = projected.shape[1], steps
         return self.norm(x)
 
     def _buffered(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import contract
-from ..kernels.skinny_linear_kernel import MAX_ROWS
+from ..kernels.skinny_linear import MAX_ROWS
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import hot
 from .frame import both_rows, embed_codes
 
-BUILD_SONGS = MAX_ROWS // 2  # codes per call while building: both rows of each fill the skinny GEMM's 16 rows
+BUILD_SONGS = MAX_ROWS // 2  # codes per call while building: both rows of each fill the skinny GEMM's 128 rows
 
 
 class DepthInputs:
@@ -21,10 +21,9 @@ class DepthInputs:
     a call at full size).
 
     Rows follow the depth decoder's embedding table (``code_row(codebook) + code``) for codebooks 1..6, the ones whose
-    code feeds a later call. Built with the frame's own functions in chunks of 16 rows, which on CUDA run the skinny
-    GEMM, whose arithmetic per row does not depend on the others: each row holds the bits a frame of up to eight songs
-    computes for it (more rows take cuBLAS, which rounds by the row count). A snapshot of the weights at build time:
-    weights changed afterwards need a new table."""
+    code feeds a later call. Built with the frame's own functions in chunks of 128 rows, which on CUDA run the skinny
+    GEMM, whose arithmetic per row does not depend on the others: each row holds the bits a frame of up to 32 songs
+    computes for it (past that the frame's GEMMs run cuBLAS). A snapshot of the weights at build time: weights changed afterwards need a new table."""
 
     @torch.no_grad()
     def __init__(self, depth: DepthDecoder) -> None:

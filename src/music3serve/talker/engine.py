@@ -137,11 +137,17 @@ class Talker:
         return events
 
     def _prefill(self) -> None:
+        """Prefill waiting songs in order, each in chunks of max_num_batched_tokens // 2 tokens a row (its last one
+        shorter): a song's chunks, hence its rounding, never depend on what else is prefilled in the same step. A chunk
+        that does not fit in what the step has left waits for the next step."""
         tokens = self.config.max_num_batched_tokens
-        while self.waiting and tokens >= 2 and len(self.active) < self.slots.pairs:
+        while self.waiting and len(self.active) < self.slots.pairs:
             song = self.waiting[0]
+            chunk = min(song.ids.shape[1] - song.prefilled, self.config.max_num_batched_tokens // 2)
+            if 2 * chunk > tokens:
+                break
             try:
-                tokens -= 2 * self._prefill_chunk(song, tokens // 2)
+                tokens -= 2 * self._prefill_chunk(song, chunk)
             except Exception as exc:  # say out of memory for its prompt: this song fails, the others go on
                 log.exception("talker prefill failed", extra={"song": song.id})
                 self.waiting.popleft()
