@@ -3,7 +3,8 @@ tests/test_batch_invariance_gpu.py in a given order on one talker, each against 
 between them. A solo run that parts from the first points at state left behind (a recompile, a cache), not at the
 scenario's batch; recompiles are logged with the scenario they happen in.
 
-    PYTHONPATH=src python3 bench/batch_invariance_history.py "solo,in pair 1,beside idle graph rows,solo,moved to pair 0"
+    PYTHONPATH=src python3 bench/batch_invariance_history.py \
+        "solo,in pair 1,beside idle graph rows,solo,moved to pair 0"
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ A mid-size random model keeps the run short: the talker at its full widths (ever
 of the released checkpoint, so the same kernels, tiles and row counts: up to 32 rows, 64 in the depth decoder's first
 call) with 4 backbone layers instead of 36, KV slots of 4097 positions (at most 8 attention shares, as at full
 capacity), the song's prompt 1400 tokens long so that its length crosses 2048 positions, where its shares grow past
-their least 4 blocks; the DiT at its full widths with 2 layers instead of 36. Random weights make near-uniform logits, so any
-difference in rounding would change a code within a few frames.
+their least 4 blocks; the DiT at its full widths with 2 layers instead of 36. Random weights make near-uniform
+logits, so any difference in rounding would change a code within a few frames.
 """
 
 from __future__ import annotations

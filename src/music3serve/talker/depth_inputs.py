@@ -23,7 +23,8 @@ class DepthInputs:
     Rows follow the depth decoder's embedding table (``code_row(codebook) + code``) for codebooks 1..6, the ones whose
     code feeds a later call. Built with the frame's own functions in chunks of 128 rows, which on CUDA run the skinny
     GEMM, whose arithmetic per row does not depend on the others: each row holds the bits a frame of up to 32 songs
-    computes for it (past that the frame's GEMMs run cuBLAS). A snapshot of the weights at build time: weights changed afterwards need a new table."""
+    computes for it (past that the frame's GEMMs run cuBLAS). A snapshot of the weights at build time: weights changed
+    afterwards need a new table."""
 
     @torch.no_grad()
     def __init__(self, depth: DepthDecoder) -> None:
