@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_batch_invariance_gpu as scenarios  # noqa: E402  (its songs, scenarios and run loop)
 
 
-
 def first_differing(a: torch.Tensor, b: torch.Tensor) -> int | None:
     rows = (a != b).reshape(a.shape[0], -1).any(dim=1).nonzero()
     return rows[0].item() if len(rows) else None

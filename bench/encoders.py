@@ -136,8 +136,7 @@ async def first_audio(client, url: str, body: dict, shows: str) -> float:
 async def window_period(client, url: str, body: dict, frames: int) -> float | None:
     """Seconds between the first window's audio and the second's, for raw 16-bit stereo PCM at 44.1 kHz from a song of
     `frames` frames (None: one window)."""
-    window = song_windows(frames)[0]
-    first_window = (window.latent_length * contract.LATENT_HOP - sum(window.crop)) * 4  # 5.004 s: 220672 samples
+    first_window = song_windows(frames)[0].samples * 4  # 5.004 s: 220672 samples
     got, first = 0, None
     async with client.stream("POST", url, json=body) as response:
         async for piece in response.aiter_bytes():

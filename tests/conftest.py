@@ -59,11 +59,15 @@ def ending_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 @pytest.fixture(autouse=True)
 def plain_hot_paths_afterwards():
     """Fusion (models/fusion.py) is process-wide: a test that turned it on (an engine on CUDA does) must not leave
-    later tests running through compiled hot paths by accident."""
-    from music3serve.models.fusion import disable_fusion
+    later tests running through compiled hot paths by accident. Fusion already on when the test began stays on: a
+    module's engine, set up before its first test, keeps the hot paths it was built with for all of them (its prefills
+    run them eagerly, beside graphs captured with them), and its fixture turns fusion off when the module is done."""
+    from music3serve.models.fusion import disable_fusion, fusion_enabled
 
+    already_on = fusion_enabled()
     yield
-    disable_fusion()
+    if not already_on:
+        disable_fusion()
 
 
 @pytest.fixture(scope="session")

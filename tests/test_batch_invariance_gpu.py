@@ -82,18 +82,9 @@ def the_song(arrival: int) -> Song:
 
 @pytest.fixture(scope="module")
 def talker() -> Iterator[Talker]:
+    """One talker for the module: fusion, which it turns on, stays on across the tests (conftest) and goes off here."""
     yield make_talker()
     disable_fusion()
-
-
-@pytest.fixture(autouse=True)
-def plain_hot_paths_afterwards():
-    """Overrides conftest's: the module's talker compiled its hot paths (fusion on) for every test here, and its
-    prefills, run eagerly, must keep taking them. Turned off after each test, they would prefill the song's prompt
-    through the plain torch ops in every test after the first, whose rounding is not the compiled one, while the frame
-    step's graphs keep the compiled kernels: the song would part from its solo run at frame 0 for that reason alone.
-    The talker fixture turns fusion off once the module is done."""
-    yield
 
 
 def fill_with_garbage(talker: Talker) -> None:

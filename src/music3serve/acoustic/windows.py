@@ -27,6 +27,12 @@ class Window:
         right = 0 if self.last else contract.CROP_RIGHT_LATENT * contract.LATENT_HOP
         return left, right
 
+    @property
+    def samples(self) -> int:
+        """Waveform samples this window adds to its song (its vocoder output less the crops)."""
+        left, right = self.crop
+        return self.latent_length * contract.LATENT_HOP - left - right
+
 
 def song_windows(frames: int) -> list[Window]:
     """The windows of a song of `frames` frames, in order."""
@@ -60,8 +66,4 @@ def crop_waveform(waveform: torch.Tensor, window: Window) -> torch.Tensor:
 
 def song_samples(frames: int) -> int:
     """Waveform samples of a whole song at the vocoder rate."""
-    total = 0
-    for window in song_windows(frames):
-        left, right = window.crop
-        total += window.latent_length * contract.LATENT_HOP - left - right
-    return total
+    return sum(window.samples for window in song_windows(frames))
