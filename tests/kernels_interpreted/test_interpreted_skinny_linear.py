@@ -104,14 +104,15 @@ def every_code(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rows", [1, 2, 7, ROW_TILE, 2 * ROW_TILE + 3])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_the_bits_widening_gives_the_bits_of_the_cast_in_either_split_of_k(rows, gated):
-    """bits = cvt and bits-kwarps = cvt-kwarps bit for bit; K over the warps within the bound of the exact product."""
+    """bits = bits-mul = cvt and bits-kwarps = cvt-kwarps bit for bit; K over the warps within the bound of the exact
+    product."""
     w, scale = every_code(2 * N if gated else N)
     x = torch.randn(rows, K).to(torch.bfloat16)
     tile = tile_config(w.shape[0], K, gated, fp8=True)[:4]
     assert K % tile[1]  # a masked K tail of words
     want = gated_silu_reference(x, w, scale) if gated else product(x, w, scale)
-    for split in ("", "-kwarps"):
-        got = run_kernel(x, w, (*tile, "bits" + split), gated=gated, scale=scale)
+    for widening, split in (("bits", ""), ("bits-mul", ""), ("bits", "-kwarps")):
+        got = run_kernel(x, w, (*tile, widening + split), gated=gated, scale=scale)
         assert torch.equal(got, run_kernel(x, w, (*tile, "cvt" + split), gated=gated, scale=scale))
         within_rounding(got, want)
 

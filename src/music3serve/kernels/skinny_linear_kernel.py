@@ -18,13 +18,19 @@ ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond
 # The kernel's variants, a tile's optional fifth element (kernels/skinny_linear.py): name -> (widening, K over warps).
 # Widening "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion
 # unit (16 results per clock per SM on sm_90; bench/skinny_asm.py shows it). "bits": four codes loaded as one int32,
-# widened by shifts and masks into bf16 bit patterns worth 2**-120 of the value, then multiplied by 2**120 (bf16x2:
-# exact, subnormal codes included): the same bits, no conversion instruction. A NaN code (quantize never writes one)
+# widened by shifts and masks into bf16 bit patterns worth 2**-120 of the value (subnormal codes a bf16 subnormal), no
+# conversion instruction; the float32 accumulator is multiplied by 2**120 before the scale, which gives the bits of
+# "cvt" (a power of two commutes with every rounding) unless the MMA flushes subnormals. "bits-mul": the same
+# patterns multiplied by 2**120 per element before the dot (bf16x2, exact). A NaN code (quantize never writes one)
 # reads +-480. K over warps ("-kwarps"): warp p of the program takes the p-th part of each K tile for all BLOCK_N
 # columns (a batched dot), and the parts' float32 accumulators are summed once at the end: each warp reads only its
 # part of x and runs one MMA chain per 8 columns, against all of x and one chain otherwise. Another order of sums:
 # not the bits of "cvt", the same bound against the exact product. On bf16 weights "cvt" widens nothing.
-VARIANTS = {"cvt": ("cvt", False), "bits": ("bits", False), "cvt-kwarps": ("cvt", True), "bits-kwarps": ("bits", True)}
+VARIANTS = {
+    "cvt": ("cvt", False), "bits": ("bits", False), "bits-mul": ("bits-mul", False), "cvt-kwarps": ("cvt", True),
+    "bits-kwarps": ("bits", True),
+}
+WIDENINGS = {"cvt": 0, "bits": 1, "bits-mul": 2}  # the kernel's WORDS
 
 
 def run_kernel(
@@ -57,15 +63,16 @@ def run_kernel(
     return y.view(*x.shape[:-1], n)
 
 
-def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[bool, bool]:
+def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[int, bool]:
     """(WORDS, K over warps) of a variant for this weight: rows that are not whole aligned int32 words take the "cvt"
-    widening instead of "bits", which gives the same bits."""
+    widening instead of a "bits" one, which gives the same bits."""
     if name not in VARIANTS:
         raise ValueError(f"skinny_linear: variant {name!r} is not one of {list(VARIANTS)}")
     widening, k_over_warps = VARIANTS[name]
-    if widening == "bits" and scale is None:
-        raise ValueError("skinny_linear: the bits widening is for e4m3 weights")
-    return widening == "bits" and not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4), k_over_warps
+    if widening != "cvt" and scale is None:
+        raise ValueError("skinny_linear: the bits widenings are for e4m3 weights")
+    whole_words = not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4)
+    return WIDENINGS[widening] if whole_words else 0, k_over_warps
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -98,16 +105,18 @@ def _kernel():
     unbias = tl.constexpr(2.0**120)  # bf16's exponent bias over e4m3's
 
     @triton.jit
-    def _widen_words(words):
+    def _widen_words(words, MUL: tl.constexpr):
         # [..., BLOCK_K // 4] int32 words of four e4m3 codes (lowest byte first) -> [..., BLOCK_K] bf16, exact:
         # a code's sign to bf16's sign, its exponent and mantissa bits into bf16's low exponent and top mantissa bits
-        # (worth value * 2**-120, subnormal codes a bf16 subnormal), then * 2**120 (bf16x2 multiplies on sm_90).
+        # (worth value * 2**-120, subnormal codes a bf16 subnormal); MUL: then * 2**120 (bf16x2 multiplies on sm_90).
         w = words.to(tl.uint32, bitcast=True)
         odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)  # codes 1 and 3 of each word
         even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)  # codes 0 and 2
         halves = tl.join(tl.join(even & 0xFFFF, even >> 16), tl.join(odd & 0xFFFF, odd >> 16))  # [..., 2 * hi + odd]
         bits = tl.reshape(halves, words.shape[:-1] + (4 * words.shape[-1],)).to(tl.uint16)
-        return (bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * unbias).to(tl.bfloat16)
+        if MUL:
+            return (bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * unbias).to(tl.bfloat16)
+        return bits.to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _accumulate(x_ptr, w_ptr, m, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc, acc_up,
@@ -125,14 +134,14 @@ def _kernel():
         x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & k_ok[None, :],
                     other=0.0)
         if WORDS:
-            w = _widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first"))
+            w = _widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first"), WORDS == 2)
         else:
             w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             if WORDS:
                 w_up = _widen_words(tl.load(w_tile + n * (stride_w // 4), mask=w_mask, other=0,
-                                            eviction_policy="evict_first"))
+                                            eviction_policy="evict_first"), WORDS == 2)
             else:
                 w_up = tl.load(w_tile + n * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
@@ -156,16 +165,16 @@ def _kernel():
             w_tile = w_ptr + cols[None, None, :] * stride_w + kk[:, :, None]  # [PARTS, BLOCK_K // PARTS, BLOCK_N]
         x = tl.load(x_ptr + m * stride_x + kk[:, None, :], mask=(m < rows) & k_ok[:, None, :], other=0.0)
         if WORDS:
-            w = tl.permute(_widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first")),
-                           (0, 2, 1))
+            w = tl.permute(_widen_words(tl.load(w_tile, mask=w_mask, other=0, eviction_policy="evict_first"),
+                                        WORDS == 2), (0, 2, 1))
         else:
             w = tl.load(w_tile, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
         acc = tl.dot(x, w, acc)
         if GATED:
             up = w_tile + n * (stride_w // 4 if WORDS else stride_w)
             if WORDS:
-                w_up = tl.permute(_widen_words(tl.load(up, mask=w_mask, other=0, eviction_policy="evict_first")),
-                                  (0, 2, 1))
+                w_up = tl.permute(_widen_words(tl.load(up, mask=w_mask, other=0, eviction_policy="evict_first"),
+                                               WORDS == 2), (0, 2, 1))
             else:
                 w_up = tl.load(up, mask=w_mask, other=0.0, eviction_policy="evict_first").to(x.dtype)
             acc_up = tl.dot(x, w_up, acc_up)
@@ -186,8 +195,8 @@ def _kernel():
                              LINE: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
-        # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS: those codes are
-        # loaded four per int32 and widened by _widen_words (k a multiple of 4). PARTS > 1: K over the warps (VARIANTS).
+        # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS (WIDENINGS): those
+        # codes are loaded four per int32 and widened by _widen_words (k a multiple of 4). PARTS > 1: K over the warps (VARIANTS).
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
@@ -214,6 +223,9 @@ def _kernel():
             for k0 in range(0, k, BLOCK_K):
                 acc, acc_up = _accumulate(x_ptr, w_ptr, m, cols, col_ok, rows, n, k, k0, stride_w, stride_x, acc,
                                           acc_up, BLOCK_K, GATED, WORDS)
+        if WORDS == 1:  # the patterns' 2**-120, exactly
+            acc = acc * unbias
+            acc_up = acc_up * unbias
         if SCALED:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
             if GATED:
