@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sweep: the kernel variants to time (each tile in each)")
     parser.add_argument("--weights", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES],
                         help="sweep: the talker weights to time")
+    parser.add_argument("--talker", action="store_true",
+                        help="sweep: then the talker step in bf16 and FP8 with the fastest tiles found (1 and 8 songs)")
     args = parser.parse_args(argv)
     if args.what == "precision":
         print(talker_precision(frames=args.frames))
@@ -249,6 +251,10 @@ def main(argv: list[str] | None = None) -> None:
         print(kernel_bandwidth())
     elif args.what == "sweep":
         print(sweep_tiles(variants=args.variants, weights=args.weights))
+        if args.talker:
+            from . import talker
+
+            print(talker.run(concurrency=(1, 8), peers=False, quantization="fp8"))
     else:
         print(memory())
 
