@@ -76,8 +76,8 @@ def make_talker() -> Talker:
     return Talker(lm, depth, encoder, config)
 
 
-def the_song(arrival: int) -> Song:
-    return Song(SONG, PROMPT, 7, FRAMES, arrival)
+def the_song(arrival: int, seed: int = 7) -> Song:
+    return Song(SONG, PROMPT, seed, FRAMES, arrival)
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +125,19 @@ def run(talker: Talker, song: Song, beside: list[Song]) -> tuple[torch.Tensor, t
 
 
 @pytest.fixture(scope="module")
-def solo(talker) -> tuple[torch.Tensor, torch.Tensor]:
-    first, again = run(talker, the_song(0), []), run(talker, the_song(5), [])
-    assert first[0].shape == (FRAMES, 8)
+def solo(talker) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The song's seed and its solo run: the first seed from 7 whose song runs all its frames (random weights sample
+    audio_end with a chance of about 1 in 16385 a frame, so a seed may end its song early: seed 7 at frame 240 on the
+    H200)."""
+    for seed in range(7, 17):
+        first = run(talker, the_song(0, seed), [])
+        if first[0].shape == (FRAMES, 8):
+            break
+    else:
+        pytest.fail(f"no seed of 7-16 gave a song of {FRAMES} frames")
+    again = run(talker, the_song(5, seed), [])
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])  # a solo run repeats bit for bit
-    return first
+    return seed, first
 
 
 def assert_same_song(codes: torch.Tensor, mixed: torch.Tensor, solo: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -158,12 +166,14 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_a_songs_codes_and_conditioning_do_not_depend_on_the_songs_beside_it(talker, solo, scenario):
     arrival, beside = SCENARIOS[scenario]
-    assert_same_song(*run(talker, the_song(arrival), beside), solo)
+    seed, alone = solo
+    assert_same_song(*run(talker, the_song(arrival, seed), beside), alone)
 
 
 def test_nothing_but_rounding_could_differ_other_prompts_seeds_and_garbage_in_free_rows_change_nothing(talker, solo):
     fill_with_garbage(talker)
-    assert_same_song(*run(talker, the_song(25), others(7, seed=57)), solo)
+    seed, alone = solo
+    assert_same_song(*run(talker, the_song(25, seed), others(7, seed=57)), alone)
 
 
 @pytest.mark.parametrize("policy", [FLOAT32, BFLOAT16], ids=lambda p: p.name)
@@ -174,9 +184,10 @@ def test_a_songs_windows_beside_other_songs_stay_within_the_measured_bound_of_re
     renderer = Renderer(encoder, dit, random_module("vocoder", "cuda", torch.float32, seed=4), policy)
     windows = song_windows(FRAMES)[:3]
     generator = torch.Generator(device="cuda").manual_seed(11)
-    beside = [solo[1][torch.randperm(FRAMES, generator=generator, device="cuda")] for _ in range(7)]
+    conditioning = solo[1][1]
+    beside = [conditioning[torch.randperm(FRAMES, generator=generator, device="cuda")] for _ in range(7)]
     pcm, latents = {}, {}
-    for name, songs in (("alone", [solo[1]]), ("beside seven", [solo[1], *beside])):
+    for name, songs in (("alone", [conditioning]), ("beside seven", [conditioning, *beside])):
         rendered = []
         for index in range(len(windows)):
             payloads = [renderer.payloads((name, i), 7 + i, mixed)[index] for i, mixed in enumerate(songs)]

@@ -52,14 +52,15 @@ def run_kernel(
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
     block_m = ROW_TILE if rows <= ROW_TILE else 2 * ROW_TILE
-    _kernel()[(math.ceil(rows / block_m), math.ceil(n / block_n))](
-        x_rows, w, y, added, y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0),
-        added.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        RESIDUAL=residual is not None, SCALED=scale is not None, WORDS=words,
-        PARTS=warps if k_over_warps else 1, PDL=pdl,
-        PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps, num_stages=stages,
+    constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=residual is not None,
+                     SCALED=scale is not None, WORDS=words, PARTS=warps if k_over_warps else 1, PDL=pdl,
+                     PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps)
+    launch = functools.partial(
+        _kernel()[(math.ceil(rows / block_m), math.ceil(n / block_n))], x_rows, w, y, added,
+        y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0), added.stride(0), **constants,
         **launch_options(pdl),
     )
+    _launch_fitting(launch, stages, (x.device, x.dtype, w.dtype, stages, *constants.values()))
     return y.view(*x.shape[:-1], n)
 
 
@@ -73,6 +74,29 @@ def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[int, bool]:
         raise ValueError("skinny_linear: the bits widenings are for e4m3 weights")
     whole_words = not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4)
     return WIDENINGS[widening] if whole_words else 0, k_over_warps
+
+
+# A tile's num_stages where it does not fit the GPU's shared memory, by launch: at 2 * ROW_TILE rows a stage holds
+# twice the x tile, and Triton widens e4m3 weights through shared memory, so a tile measured at ROW_TILE rows may need
+# fewer. Fewer stages only shorten how far the loads run ahead of the arithmetic: a row's bits stay the tile's.
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def _launch_fitting(launch, stages: int, key: tuple) -> None:
+    """launch(num_stages=...) with `stages`, or the most below it that fit (remembered under `key`)."""
+    from triton.runtime.errors import OutOfResources
+
+    stages = _STAGES_THAT_FIT.get(key, stages)
+    while True:
+        try:
+            launch(num_stages=stages)
+        except OutOfResources:  # raised when the compiled kernel is loaded, before it runs
+            if stages == 1:
+                raise
+            stages -= 1
+            continue
+        _STAGES_THAT_FIT[key] = stages
+        return
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
