@@ -71,20 +71,21 @@ MEASURED_GATED_TILES = {
 
 
 # e4m3 weights, (n, k, gated) -> tile: the fastest of `python -m music3serve.bench.fp8 sweep` at 16 rows on the H200
-# (2026-12-04). They reach only 40-55% of copy bandwidth (bf16: 71-88%). The compiled code (bench/skinny_asm.py) has
-# the e4m3 tile on the bf16 tile's path (cp.async into shared memory, one register load, no store back) but widens it
-# with 1.5 conversion instructions per element, on a unit of 16 results per clock per SM. A fifth element picks the
-# kernel's variant (skinny_linear_kernel.VARIANTS; default "cvt"). Without an entry: the bf16 tile, BLOCK_K doubled.
+# (2026-12-06), (us, weight bytes over copy bandwidth). A fifth element picks the kernel's variant
+# (skinny_linear_kernel.VARIANTS): "bits" widens without conversion instructions, 19-25% faster than Triton's cast
+# ("cvt", which spends 1.5 of them per element: bench/skinny_asm.py); "-kwarps" splits K over the warps, a further
+# 6-31% on the weights with few columns per K. Depth gate_up's "bits-mul" (21.55 us) is within 2% of "bits".
+# Without an entry: the bf16 tile, BLOCK_K doubled.
 MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, ...]] = {
-    (6144, 4096, False): (32, 512, 4, 4),  # backbone qkv: 14.6 us (0.40 of copy bandwidth)
-    (4096, 4096, False): (32, 512, 4, 4),  # backbone o, depth o and projection: 9.9 us (0.39)
-    (24576, 4096, True): (32, 256, 4, 3),  # backbone gate_up: 46.8 us (0.50)
-    (4096, 12288, False): (32, 512, 4, 4),  # backbone down: 25.7 us (0.46)
-    (16385, 4096, False): (64, 512, 4, 3),  # legal-column head: 28.7 us (0.55)
-    (12288, 4096, False): (32, 512, 4, 4),  # depth qkv: 22.6 us (0.52)
-    (12288, 4096, True): (32, 256, 4, 4),  # depth gate_up: 26.3 us (0.45)
-    (4096, 6144, False): (32, 512, 4, 4),  # depth down: 13.8 us (0.43)
-    (1024, 4096, False): (32, 512, 4, 4),  # depth heads: 9.2 us
+    (6144, 4096, False): (64, 512, 4, 3, "bits"),  # backbone qkv: 11.65 us (0.50)
+    (4096, 4096, False): (32, 1024, 4, 4, "bits-kwarps"),  # backbone o, depth o and projection: 8.62 us (0.45)
+    (24576, 4096, True): (128, 256, 8, 4, "bits"),  # backbone gate_up: 36.41 us (0.64)
+    (4096, 12288, False): (32, 1024, 4, 4, "bits-kwarps"),  # backbone down: 18.33 us (0.64)
+    (16385, 4096, False): (128, 256, 8, 4, "bits"),  # legal-column head: 21.5 us (0.72)
+    (12288, 4096, False): (64, 512, 4, 3, "bits"),  # depth qkv: 18.86 us (0.62)
+    (12288, 4096, True): (64, 256, 4, 6, "bits"),  # depth gate_up: 21.95 us (0.53)
+    (4096, 6144, False): (32, 1024, 4, 4, "bits-kwarps"),  # depth down: 11.02 us (0.53)
+    (1024, 4096, False): (16, 1024, 4, 4, "bits-kwarps"),  # depth heads: 5.5 us (0.18)
 }
 
 
