@@ -108,20 +108,30 @@ def test_a_songs_prefill_chunks_do_not_depend_on_what_else_is_prefilled(tiny_dir
     assert song_chunks(["c", "a", "b"]) == alone
 
 
-def test_the_skinny_kernels_launch_takes_its_tiles_from_the_weight_never_the_row_count(monkeypatch):
-    """Every row count runs the same program on tiles of 16 rows (up to 16 rows) or 32 (beyond): the column and K tiles,
-    warps and stages follow the weight's shape alone."""
+@pytest.mark.parametrize("n, k, dtype", [(12288, 4096, torch.bfloat16), (12288, 4096, torch.float8_e4m3fn),
+                                         (4096, 12288, torch.float8_e4m3fn)], ids=["bf16", "e4m3", "e4m3 K over warps"])
+def test_the_skinny_kernels_launch_takes_its_tiles_from_the_weight_never_the_row_count(monkeypatch, n, k, dtype):
+    """Every row count runs the same program on tiles of 16 rows (up to 16 rows) or 32 (beyond; a tile whose K is
+    split over the warps keeps 16, its sums' order following the rows on the GPU): the column and K tiles, warps and
+    stages follow the weight's shape alone."""
     launches = Launches()
     monkeypatch.setattr(skinny_kernel, "_kernel", lambda: launches)
     monkeypatch.setattr(skinny_kernel, "uses_pdl", lambda device: False)
+    fp8 = dtype == torch.float8_e4m3fn
+    tile = skinny.tile_config(n, k, fp8=fp8)
+    k_over_warps = fp8 and skinny_kernel.VARIANTS[tile[4]][1]
+    assert k_over_warps == (n == 4096)  # the measured tiles this test stands on
     with FakeTensorMode():
-        w = torch.empty(12288, 4096, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(n, k, dtype=dtype, device="cuda")
+        scale = torch.empty(n, dtype=torch.float32, device="cuda") if fp8 else None
         for rows in (1, 2, 16, 17, 32, 64, 128):
-            x = torch.empty(rows, 4096, dtype=torch.bfloat16, device="cuda")
-            skinny_kernel.run_kernel(x, w, skinny.tile_config(*w.shape))
-    assert [c["BLOCK_M"] for c in launches.constants] == [16, 16, 16, 32, 32, 32, 32]
-    assert [g[0] for g in launches.grids] == [1, 1, 1, 1, 1, 2, 4]
-    assert len({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for c in launches.constants}) == 1
+            x = torch.empty(rows, k, dtype=torch.bfloat16, device="cuda")
+            skinny_kernel.run_kernel(x, w, tile, scale=scale)
+    block_m = [16] * 7 if k_over_warps else [16, 16, 16, 32, 32, 32, 32]
+    assert [c["BLOCK_M"] for c in launches.constants] == block_m
+    assert [g[0] for g in launches.grids] == [-(-rows // m) for rows, m in zip((1, 2, 16, 17, 32, 64, 128), block_m)]
+    assert len({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], c.get("WORDS"), c.get("PARTS"))
+                for c in launches.constants}) == 1
 
 
 def test_the_first_depth_calls_attention_runs_the_decode_kernel_a_position_at_a_time(monkeypatch):

@@ -51,7 +51,8 @@ def run_kernel(
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
-    block_m = ROW_TILE if rows <= ROW_TILE else 2 * ROW_TILE
+    # K over the warps sums its parts in an order that follows the tile's rows on the GPU: 16-row programs only
+    block_m = ROW_TILE if rows <= ROW_TILE or k_over_warps else 2 * ROW_TILE
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=residual is not None,
                      SCALED=scale is not None, WORDS=words, PARTS=warps if k_over_warps else 1, PDL=pdl,
                      PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps)
@@ -72,7 +73,7 @@ def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[int, bool]:
     widening, k_over_warps = VARIANTS[name]
     if widening != "cvt" and scale is None:
         raise ValueError("skinny_linear: the bits widenings are for e4m3 weights")
-    whole_words = not (w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4)
+    whole_words = not (w.shape[1] % 4 or w.stride(0) % 4 or w.storage_offset() % 4)  # storage: 256-byte aligned
     return WIDENINGS[widening] if whole_words else 0, k_over_warps
 
 
@@ -84,19 +85,23 @@ _STAGES_THAT_FIT: dict[tuple, int] = {}
 
 def _launch_fitting(launch, stages: int, key: tuple) -> None:
     """launch(num_stages=...) with `stages`, or the most below it that fit (remembered under `key`)."""
-    from triton.runtime.errors import OutOfResources
-
     stages = _STAGES_THAT_FIT.get(key, stages)
     while True:
         try:
             launch(num_stages=stages)
-        except OutOfResources:  # raised when the compiled kernel is loaded, before it runs
-            if stages == 1:
+        except Exception as exc:  # Triton raises OutOfResources when it loads the compiled kernel, before it runs
+            if stages == 1 or not _out_of_resources(exc):
                 raise
             stages -= 1
             continue
         _STAGES_THAT_FIT[key] = stages
         return
+
+
+def _out_of_resources(exc: Exception) -> bool:
+    from triton.runtime.errors import OutOfResources  # importable: Triton raised it
+
+    return isinstance(exc, OutOfResources)
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
