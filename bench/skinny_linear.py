@@ -17,7 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from music3serve.bench.common import COPY_BW, graphed, table, time_ms
+from music3serve.bench.common import copy_bandwidth, graphed, table, time_ms
 from music3serve.kernels.skinny_linear import (
     gated_silu_reference,
     skinny_gated_silu,
@@ -66,7 +66,7 @@ def main() -> None:
         reference, ours = (gated_silu_reference, skinny_gated_silu) if gated else (F.linear, skinny_linear)
         copies = max(2, CYCLE_BYTES // (n * k * 2))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
-        floor_us = n * k * 2 / COPY_BW * 1e6
+        floor_us = n * k * 2 / copy_bandwidth() * 1e6
         x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
         invariant = torch.equal(ours(x16, weights[0])[:2], ours(x16[:2].clone(), weights[0]))
         for rows in args.rows:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_attention import decode_attention
-from .common import COPY_BW, graphed, table, time_ms
+from .common import copy_bandwidth, graphed, table, time_ms
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 36, 32, 8, 128, 10240
 
@@ -43,7 +43,7 @@ class AttentionCase:
         return [self.full_cache_one(i) for i in range(LAYERS)]
 
     def floor_us(self, filled: int) -> float:
-        return self.rows * KV_HEADS * filled * HEAD_DIM * 2 * 2 / COPY_BW * 1e6
+        return self.rows * KV_HEADS * filled * HEAD_DIM * 2 * 2 / copy_bandwidth() * 1e6
 
 
 @torch.inference_mode()

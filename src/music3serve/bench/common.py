@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any, Callable
 
@@ -11,7 +12,6 @@ from torch import nn
 from .. import contract
 from ..checkpoint_layout import COMPONENTS
 
-COPY_BW = 4.29e12  # B/s, device copy measured on the H200
 
 # The released checkpoint's config values (its config.json files); weights are random, costs are the same.
 FULL_CONFIGS: dict[str, dict[str, Any]] = {
@@ -62,6 +62,21 @@ def random_module(name: str, device: str, dtype: torch.dtype, seed: int = 0, **c
             fan_in = param[0].numel() if "embed" not in pname and "positions" not in pname else 50
             param.normal_(0.0, fan_in**-0.5, generator=gen)
     return module.eval().requires_grad_(False)
+
+
+@functools.cache
+def copy_bandwidth() -> float:
+    """B/s of a 1 GiB device-to-device copy on the current card, bytes read plus written (H200: 4.29e12, H100:
+    about 3.0e12): the floor of every weight read."""
+    seconds = _copy_ms(1 << 30) * 1e-3
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / seconds
+
+
+def _copy_ms(size: int) -> float:
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src))
 
 
 def time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 20) -> float:

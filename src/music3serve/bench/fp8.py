@@ -20,7 +20,7 @@ from ..models.depth_decoder import DepthDecoder
 from ..models.language_model import KVCache, LanguageModel
 from ..talker.frame import talker_frame
 from ..talker.quantize import quantize_talker
-from .common import COPY_BW, graphed, random_module, table, time_ms
+from .common import copy_bandwidth, graphed, random_module, table, time_ms
 from .precision import rel_err
 
 
@@ -116,7 +116,8 @@ def kernel_bandwidth(device: str = "cuda", rows=(2, 16)) -> str:
                 calls = {"bf16": lambda: [fn(x, w) for w in bf16],
                          "fp8": lambda: [fn(x, q.codes, None, q.scale) for q in fp8]}
             us = {label: time_ms(graphed(call)) / copies * 1e3 for label, call in calls.items()}
-            share = {label: n * k * (2 if label == "bf16" else 1) / (us[label] * 1e-6) / COPY_BW for label in us}
+            share = {label: n * k * (2 if label == "bf16" else 1) / (us[label] * 1e-6) / copy_bandwidth()
+                     for label in us}
             out.append([name, m, us["bf16"], us["fp8"], us["bf16"] / us["fp8"], share["bf16"], share["fp8"]])
         del bf16, fp8
         torch.cuda.empty_cache()
@@ -187,7 +188,7 @@ def sweep_tiles(device: str = "cuda", rows: int = 16, variants: list[str] | None
         sl.MEASURED_FP8_TILES[(n, k, gated)] = fastest
         per_variant = [v for w in variants for v in ((str(best[w][:4]), us[best[w]]) if best[w] else ("-", "-"))]
         out.append([name, rows, str(default), us[default], *per_variant, str(fastest),
-                    n * k / (us[fastest] * 1e-6) / COPY_BW, ", ".join(v for v in ok if not ok[v]) or "-"])
+                    n * k / (us[fastest] * 1e-6) / copy_bandwidth(), ", ".join(v for v in ok if not ok[v]) or "-"])
         print(" | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in out[-1]), flush=True)
         del fp8, checks
         torch.cuda.empty_cache()

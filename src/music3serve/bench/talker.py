@@ -13,7 +13,7 @@ from ..talker.engine import Talker
 from ..talker.frame import semantic_draw, talker_frame
 from ..talker.quantize import quantize_talker
 from . import attention
-from .common import COPY_BW, graphed, param_bytes, random_module, table, time_ms
+from .common import copy_bandwidth, graphed, param_bytes, random_module, table, time_ms
 
 
 def weight_floor_ms(lm, depth, looked_up: bool = False) -> float:
@@ -24,7 +24,7 @@ def weight_floor_ms(lm, depth, looked_up: bool = False) -> float:
     depth_call = param_bytes(depth) - depth.embed.weight.numel() * depth.embed.weight.element_size()
     depth_call -= param_bytes(depth.heads) * 6 // 7  # one head per call
     skipped = param_bytes(depth.projection) + param_bytes(depth.blocks[0].qkv) if looked_up else 0
-    return (backbone + 7 * depth_call - (contract.NUM_CODEBOOKS - 2) * skipped) / COPY_BW * 1e3
+    return (backbone + 7 * depth_call - (contract.NUM_CODEBOOKS - 2) * skipped) / copy_bandwidth() * 1e3
 
 
 def admit(talker: Talker, songs: int, prompt_tokens: int) -> None:
