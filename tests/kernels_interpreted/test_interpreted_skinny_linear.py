@@ -159,7 +159,7 @@ def test_k_over_the_warps_of_a_bf16_tile_is_within_the_bound_and_a_rows_bits_sta
 def test_a_tile_past_shared_memory_launches_with_the_most_stages_that_fit_and_remembers_them():
     from triton.runtime.errors import OutOfResources
 
-    from music3serve.kernels import skinny_linear_kernel
+    from music3serve.kernels import fitting_stages
 
     tried = []
 
@@ -169,9 +169,18 @@ def test_a_tile_past_shared_memory_launches_with_the_most_stages_that_fit_and_re
             raise OutOfResources(num_stages * 98304, 232448, "shared memory")
 
     key = ("a test tile",)
-    skinny_linear_kernel._launch_fitting(launch, 4, key)
-    skinny_linear_kernel._launch_fitting(launch, 4, key)
+    fitting_stages.launch_fitting(launch, 4, key)
+    fitting_stages.launch_fitting(launch, 4, key)
     assert tried == [4, 3, 2, 2]
     with pytest.raises(OutOfResources):  # not even one stage fits: the error, not a silent skip
-        skinny_linear_kernel._launch_fitting(lambda num_stages: launch(num_stages + 2), 3, ("another tile",))
-    del skinny_linear_kernel._STAGES_THAT_FIT[key]
+        fitting_stages.launch_fitting(lambda num_stages: launch(num_stages + 2), 3, ("another tile",))
+    del fitting_stages.STAGES_THAT_FIT[key]
+    tried.clear()
+
+    def broken(num_stages):
+        tried.append(num_stages)
+        raise ValueError("not a resource limit")
+
+    with pytest.raises(ValueError):  # any other error at once, with the stages asked
+        fitting_stages.launch_fitting(broken, 4, ("a broken tile",))
+    assert tried == [4]

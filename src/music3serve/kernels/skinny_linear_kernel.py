@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from .fitting_stages import launch_fitting
 from .pdl import launch_options, uses_pdl
 
 __all__ = ["PREFETCH_BYTES", "ROW_TILE", "VARIANTS", "run_kernel"]
@@ -61,7 +62,7 @@ def run_kernel(
         y if scale is None else scale, rows, n, k, w.stride(0), x_rows.stride(0), added.stride(0), **constants,
         **launch_options(pdl),
     )
-    _launch_fitting(launch, stages, (x.device, x.dtype, w.dtype, stages, *constants.values()))
+    launch_fitting(launch, stages, (x.device, x.dtype, w.dtype, stages, *constants.values()))
     return y.view(*x.shape[:-1], n)
 
 
@@ -75,33 +76,6 @@ def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[int, bool]:
         raise ValueError("skinny_linear: the bits widenings are for e4m3 weights")
     whole_words = not (w.shape[1] % 4 or w.stride(0) % 4 or w.storage_offset() % 4)  # storage: 256-byte aligned
     return WIDENINGS[widening] if whole_words else 0, k_over_warps
-
-
-# A tile's num_stages where it does not fit the GPU's shared memory, by launch: at 2 * ROW_TILE rows a stage holds
-# twice the x tile, and Triton widens e4m3 weights through shared memory, so a tile measured at ROW_TILE rows may need
-# fewer. Fewer stages only shorten how far the loads run ahead of the arithmetic: a row's bits stay the tile's.
-_STAGES_THAT_FIT: dict[tuple, int] = {}
-
-
-def _launch_fitting(launch, stages: int, key: tuple) -> None:
-    """launch(num_stages=...) with `stages`, or the most below it that fit (remembered under `key`)."""
-    stages = _STAGES_THAT_FIT.get(key, stages)
-    while True:
-        try:
-            launch(num_stages=stages)
-        except Exception as exc:  # Triton raises OutOfResources when it loads the compiled kernel, before it runs
-            if stages == 1 or not _out_of_resources(exc):
-                raise
-            stages -= 1
-            continue
-        _STAGES_THAT_FIT[key] = stages
-        return
-
-
-def _out_of_resources(exc: Exception) -> bool:
-    from triton.runtime.errors import OutOfResources  # importable: Triton raised it
-
-    return isinstance(exc, OutOfResources)
 
 
 def _rows(t: Tensor, rows: int, cols: int) -> Tensor:
