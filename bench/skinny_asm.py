@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from music3serve.kernels.skinny_linear import MEASURED_FP8_TILES, tile_config
-from music3serve.kernels.skinny_linear_kernel import ROW_TILE, VARIANTS, _kernel, _prefetch_lines
+from music3serve.kernels.skinny_linear_kernel import ROW_TILE, VARIANTS, WIDENINGS, _kernel, _prefetch_lines
 
 TALKER = [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False), (16385, 4096, False),
           (12288, 4096, False), (12288, 4096, True), (4096, 6144, False), (1024, 4096, False)]
@@ -47,7 +47,7 @@ def compile_kernel(n: int, k: int, tile: tuple, fp8: bool, gated: bool = False):
     signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "residual_ptr": "*bf16",
                  "scale_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
     constants = dict(BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=False, SCALED=fp8,
-                     WORDS=fp8 and widening == "bits", PARTS=warps if k_over_warps else 1, PDL=True,
+                     WORDS=WIDENINGS[widening] if fp8 else 0, PARTS=warps if k_over_warps else 1, PDL=True,
                      PREFETCH_LINES=_prefetch_lines(block_n), LINE=128 if fp8 else 64)
     signature.update(dict.fromkeys(constants, "constexpr"))
     fn = _kernel()
