@@ -142,6 +142,8 @@ def solo(talker) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
 
 def assert_same_song(codes: torch.Tensor, mixed: torch.Tensor, solo: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Codes and conditioning bit for bit those of the solo run; else where they part."""
+    assert codes is not None and codes.shape == solo[0].shape, (
+        f"the song ended after {None if codes is None else codes.shape[0]} frames, alone after {solo[0].shape[0]}")
     conditioning = (mixed != solo[1]).any(dim=1).nonzero()
     differing = (codes != solo[0]).any(dim=1).nonzero()
     assert not len(differing) and not len(conditioning), (

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from music3serve.kernels.skinny_linear import MAX_ROWS, skinny_gated_silu, skinny_linear
+from music3serve.kernels.skinny_linear import MAX_ROWS, MEASURED_FP8_TILES, skinny_gated_silu, skinny_linear
 from music3serve.models.fp8 import (
     dequantize, quantize, scaled_linear, scaled_reference, uses_scaled_mm, weight_only_reference,
 )
@@ -45,12 +45,22 @@ def test_skinny_kernel_on_e4m3_weights_matches_the_emulation(rows, n, k):
     within_rounding(gated, gated_silu_reference(x, q.codes, q.scale))
 
 
-def test_skinny_kernel_on_e4m3_weights_is_batch_invariant():
-    _, q = weights(4096, 4096)
-    x = torch.randn(MAX_ROWS, 4096, device=DEVICE, dtype=torch.bfloat16)
-    alone = skinny_linear(x[:2], q.codes, None, q.scale)
-    assert torch.equal(skinny_linear(x, q.codes, None, q.scale)[:2], alone)
-    assert torch.equal(skinny_linear(x.repeat(2, 1), q.codes, None, q.scale)[:2], alone)  # chunked rows too
+@pytest.mark.parametrize("n, k, gated", list(MEASURED_FP8_TILES), ids=lambda v: str(v))
+def test_skinny_kernel_on_e4m3_weights_is_batch_invariant(n, k, gated):
+    """Every talker tile (its variant, its stages that fit at 32 rows): two rows' bits alone and among 16, 17, 64
+    and 128 rows, plain, with a residual, and gated."""
+    _, q = weights(n, k)  # gated: n rows of [gate | up]
+    x = torch.randn(MAX_ROWS, k, device=DEVICE, dtype=torch.bfloat16)
+    residual = torch.randn(MAX_ROWS, n, device=DEVICE, dtype=torch.bfloat16)
+
+    def run(rows: int) -> torch.Tensor:
+        if gated:
+            return skinny_gated_silu(x[:rows], q.codes, q.scale)
+        return skinny_linear(x[:rows], q.codes, residual[:rows], q.scale)
+
+    alone = run(2)
+    for rows in (16, 17, 64, MAX_ROWS):
+        assert torch.equal(run(rows)[:2], alone), rows
 
 
 # e4m3 has 3 mantissa bits: a weight's rounding is up to 2^-4 of it, ~2^-4 / sqrt(3) RMS, and a product of K random

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from music3serve.kernels.skinny_linear import gated_silu_reference, tile_config
+from music3serve.kernels import skinny_linear_kernel as skinny_kernel
 from music3serve.kernels.skinny_linear_kernel import ROW_TILE, run_kernel
 from music3serve.models.fp8 import Fp8Weight, quantize, weight_only_reference
 
@@ -103,18 +104,35 @@ def every_code(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("rows", [1, 2, 7, ROW_TILE, 2 * ROW_TILE + 3])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_the_bits_widening_gives_the_bits_of_the_cast_in_either_split_of_k(rows, gated):
-    """bits = bits-mul = cvt and bits-kwarps = cvt-kwarps bit for bit; K over the warps within the bound of the exact
-    product."""
+@pytest.mark.parametrize("k_tiles", ["one", "four"])
+def test_the_bits_widening_gives_the_bits_of_the_cast_in_either_split_of_k(rows, gated, k_tiles):
+    """bits = bits-mul = cvt and bits-kwarps = cvt-kwarps bit for bit, in one K tile or over several (words from
+    each tile's own offset); K over the warps within the bound of the exact product."""
     w, scale = every_code(2 * N if gated else N)
     x = torch.randn(rows, K).to(torch.bfloat16)
-    tile = tile_config(w.shape[0], K, gated, fp8=True)[:4]
-    assert K % tile[1]  # a masked K tail of words
+    tile = tile_config(w.shape[0], K, gated, fp8=True)[:4] if k_tiles == "one" else (16, 64, 4, 2)
+    assert K % tile[1] and -(-K // tile[1]) == {"one": 1, "four": 4}[k_tiles]  # and a masked K tail of words
     want = gated_silu_reference(x, w, scale) if gated else product(x, w, scale)
     for widening, split in (("bits", ""), ("bits-mul", ""), ("bits", "-kwarps")):
         got = run_kernel(x, w, (*tile, widening + split), gated=gated, scale=scale)
         assert torch.equal(got, run_kernel(x, w, (*tile, "cvt" + split), gated=gated, scale=scale))
         within_rounding(got, want)
+
+
+def test_a_weight_view_off_int32_alignment_takes_the_cast():
+    """Rows that are not whole aligned int32 words (a view at an odd offset, a row stride or width not a multiple of
+    4) are widened by the cast, with its bits."""
+    w, scale = every_code(N)
+    wide = torch.cat([w.view(torch.uint8), w.view(torch.uint8)], dim=1).view(torch.float8_e4m3fn)  # [N, 2 K]
+    padded = torch.cat([w.view(torch.uint8), w.view(torch.uint8)[:, :2]], dim=1).view(torch.float8_e4m3fn)
+    views = {"odd offset": wide.view(-1)[1 : 1 + N * K].view(N, K), "row stride": padded[:, :K],
+             "width": w[:, : K - 2]}
+    for name, view in views.items():
+        assert skinny_kernel._variant(view, scale, "bits")[0] == 0, name
+        x = torch.randn(3, view.shape[1]).to(torch.bfloat16)
+        tile = (*tile_config(N, view.shape[1], fp8=True)[:4], "bits")
+        assert torch.equal(run_kernel(x, view, tile, scale=scale), run_kernel(x, view, tile[:4], scale=scale)), name
+    assert skinny_kernel._variant(wide[:, K : 2 * K], scale, "bits")[0] == 1  # aligned: the bits widening
 
 
 @pytest.mark.parametrize("variant", ["bits", "bits-kwarps"])

@@ -21,8 +21,10 @@ ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond
 # unit (16 results per clock per SM on sm_90; bench/skinny_asm.py shows it). "bits": four codes loaded as one int32,
 # widened by shifts and masks into bf16 bit patterns worth 2**-120 of the value (subnormal codes a bf16 subnormal), no
 # conversion instruction; the float32 accumulator is multiplied by 2**120 before the scale, which gives the bits of
-# "cvt" (a power of two commutes with every rounding) unless the MMA flushes subnormals. "bits-mul": the same
-# patterns multiplied by 2**120 per element before the dot (bf16x2, exact). A NaN code (quantize never writes one)
+# "cvt" (a power of two commutes with every rounding) while the float32 sums stay normal: a sum under 2**-6 in code
+# units (x times codes) is a float32 subnormal there and rounds to steps of 2**-29 of the column's scale (the GPU
+# sweep found the bits of "cvt" on random x with every finite code). "bits-mul": the same patterns multiplied by
+# 2**120 per element before the dot (bf16x2, exact). A NaN code (quantize never writes one)
 # reads +-480. K over warps ("-kwarps"): warp p of the program takes the p-th part of each K tile for all BLOCK_N
 # columns (a batched dot), and the parts' float32 accumulators are summed once at the end: each warp reads only its
 # part of x and runs one MMA chain per 8 columns, against all of x and one chain otherwise. Another order of sums:
