@@ -12,7 +12,7 @@ step() {  # step NAME SECONDS COMMAND...: run it (within the deadline), keep its
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "== $name rc=$? $((SECONDS - t0)) s"; tail -n 16 "$OUT/$name.txt"
 }
-step tests 60 python3 -m pytest -q -rfs -p no:cacheprovider -m gpu -s tests/test_fp8_gpu.py
+step tests 150 python3 -m pytest -q -rfs -p no:cacheprovider -m gpu -s tests/test_fp8_gpu.py
 step e2e_fp8 130 python3 -c "from music3serve.bench import e2e
 e2e.SCENARIOS = [('one 20 s song', [20.0]), ('eight 30 s songs', [30.0] * 8)]
 print(e2e.run(quantization='fp8'))"
