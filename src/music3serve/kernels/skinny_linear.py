@@ -73,9 +73,9 @@ MEASURED_GATED_TILES = {
 
 # e4m3 weights, (n, k, gated) -> tile: the fastest of `python -m music3serve.bench.fp8 sweep` at 16 rows on the H200
 # (2026-12-06), (us, weight bytes over copy bandwidth). A fifth element picks the kernel's variant
-# (skinny_linear_kernel.VARIANTS): "bits" widens without conversion instructions, 19-25% faster than Triton's cast
+# (skinny_linear_kernel.VARIANTS): "bits" widens without conversion instructions, 15-24% faster than Triton's cast
 # ("cvt", which spends 1.5 of them per element: bench/skinny_asm.py); "-kwarps" splits K over the warps, a further
-# 6-31% on the weights with few columns per K. Depth gate_up's "bits-mul" (21.55 us) is within 2% of "bits".
+# 1-31% on the weights with few columns per K. Depth gate_up's "bits-mul" (21.55 us) is within 2% of "bits".
 # Without an entry: the bf16 tile, BLOCK_K doubled.
 MEASURED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (6144, 4096, False): (64, 512, 4, 3, "bits"),  # backbone qkv: 11.65 us (0.50)
