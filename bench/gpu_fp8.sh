@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FP8 (quantization: fp8) on one H200-class GPU, in under 10 minutes: the FP8 kernels' GPU tests, then bf16 and FP8
 # side by side on full-size random weights, most important first (each step has its own timeout, all of them one
-# deadline, DEADLINE seconds; results in $OUT; a step given 0 s is skipped, e.g. DIT_S=0): the talker step, whole songs, memory under
-# a 22 GB cap and precision first, then the DiT call and the kernels' bandwidth.
+# deadline, DEADLINE seconds; results in $OUT; a step given 0 s is skipped, e.g. DIT_S=0): the talker step, whole
+# songs, memory under a 22 GB cap and precision first, then the DiT call and the kernels' bandwidth.
 source bench/gpu_env.sh
 DEADLINE=${DEADLINE:-575}
 step() {  # step NAME SECONDS COMMAND...: run it (within the deadline), keep its output, show its tail
