@@ -180,7 +180,8 @@ def test_nothing_but_rounding_could_differ_other_prompts_seeds_and_garbage_in_fr
 
 @pytest.mark.parametrize("policy", [FLOAT32, BFLOAT16], ids=lambda p: p.name)
 @torch.inference_mode()
-def test_a_songs_windows_beside_other_songs_stay_within_the_measured_bound_of_rendering_them_alone(talker, solo, policy):
+def test_a_songs_windows_beside_other_songs_stay_within_the_measured_bound_of_rendering_them_alone(talker, solo,
+                                                                                                    policy):
     encoder = random_module("condition_encoder", "cuda", torch.float32, seed=2)
     dit = random_module("dit", "cuda", torch.float32, seed=3, num_layers=2)
     renderer = Renderer(encoder, dit, random_module("vocoder", "cuda", torch.float32, seed=4), policy)

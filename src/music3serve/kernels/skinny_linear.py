@@ -4,8 +4,7 @@ cuBLAS picks its kernel by the row count, so a row's result can change with the 
 on the talker's shapes it reaches only 57-75% of copy bandwidth for the o / qkv / down projections
 (docs/performance.md). Here one Triton program owns ``BLOCK_N`` output columns of one tile of rows (16 rows, the
 smallest tensor-core tile, for up to 16 rows; 32 beyond, except FP8 tiles that split K over the warps, which stay
-at 16; the last tile padded) and walks the whole K dimension in
-``BLOCK_K`` steps, accumulating in float32, so:
+at 16; the last tile padded) and walks the whole K dimension in ``BLOCK_K`` steps, accumulating in float32, so:
 
 - the arithmetic of a row does not depend on the other rows or on how many there are (batch invariance: the tile
   configuration is chosen from (N, K) only and every row tile runs the same program). A 16- and a 32-row tile give a
@@ -28,8 +27,8 @@ their row stride (copied only without unit stride along K); w needs unit stride 
 kernel against the exact float64 product (tests/test_skinny_linear.py).
 
 FP8 weights (models/fp8.py): w in e4m3 with a float32 `scale` per output row. The same kernel loads the e4m3 tile
-(half the bytes), widens it to bf16 in registers (exact; skinny_linear_kernel.VARIANTS says how), and multiplies the float32 accumulator by the column's
-scale before the epilogue rounds it; off the kernel, `weight_only_reference`.
+(half the bytes), widens it to bf16 in registers (exact; skinny_linear_kernel.VARIANTS says how), and multiplies
+the float32 accumulator by the column's scale before the epilogue rounds it; off the kernel, `weight_only_reference`.
 """
 
 from __future__ import annotations

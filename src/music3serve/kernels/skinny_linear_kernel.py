@@ -14,7 +14,7 @@ from .pdl import launch_options, uses_pdl
 
 __all__ = ["PREFETCH_BYTES", "ROW_TILE", "VARIANTS", "run_kernel"]
 
-ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond
+ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond (K over warps: ROW_TILE always)
 
 # The kernel's variants, a tile's optional fifth element (kernels/skinny_linear.py): name -> (widening, K over warps).
 # Widening "cvt": Triton's cast, e4m3x2 -> f16x2 then f16 -> bf16 one element at a time, both on the GPU's conversion
@@ -200,8 +200,9 @@ def _kernel():
                              LINE: tl.constexpr):
         # y[:, cols] = x @ w[cols].T; GATED: silu(x @ w[cols].T) * (x @ w[n + cols].T); RESIDUAL: residual + x @ w.T;
         # each intermediate rounded to y's dtype as the torch ops round it. SCALED: w holds e4m3 codes, widened to
-        # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS (WIDENINGS): those
-        # codes are loaded four per int32 and widened by _widen_words (k a multiple of 4). PARTS > 1: K over the warps (VARIANTS).
+        # x's dtype per tile, and each column's float32 accumulator is multiplied by its scale. WORDS (WIDENINGS):
+        # those codes are loaded four per int32 and widened by _widen_words (k a multiple of 4). PARTS > 1: K over the
+        # warps (VARIANTS).
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
