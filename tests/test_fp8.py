@@ -19,9 +19,14 @@ from music3serve.bench.precision import measure_precision, rel_err
 from music3serve.checkpoint import load_component, load_models
 from music3serve.cli import build_parser
 from music3serve.errors import Music3Error
+from row_quant_checks import assert_same_rows, rows_to_cast
+
+from music3serve.kernels.add_layer_norm import add_layer_norm_fp8, add_layer_norm_reference
 from music3serve.kernels.glu_linear import pair_rows
+from music3serve.kernels.row_quant import fp8_rows
 from music3serve.models.fp8 import (
-    E4M3, Fp8Linear, dequantize, quantize, quantize_linears, scaled_linear, scaled_reference, weight_only_reference,
+    E4M3, Fp8Linear, dequantize, quantize, quantize_linears, quantize_rows, scaled_linear, scaled_reference,
+    weight_only_reference,
 )
 from music3serve.models.layers import linear, swiglu
 from music3serve.pipeline import Pipeline
@@ -36,7 +41,7 @@ def test_weights_are_e4m3_codes_with_one_scale_per_output_channel():
     q = quantize(w)
     assert q.codes.dtype == E4M3 and q.codes.shape == w.shape and q.scale.shape == (3, 5)
     assert torch.isfinite(q.scale).all() and (dequantize(q, torch.float32)[0, 1] == 0).all()
-    assert torch.equal(q.scale[1], w[1].abs().amax(-1) / 448)
+    assert torch.equal(q.scale[1], w[1].abs().amax(-1) * torch.tensor(1 / 448))  # float32(1/448), on every device
     assert torch.equal(q.codes.float().abs().amax(-1)[1], torch.full((5,), 448.0))  # every row's largest is e4m3's
     # 3 mantissa bits: a normal value rounds within 2^-4 of itself
     normal = w.abs() >= 2**-6 * q.scale[..., None] * 448 / 2**8
@@ -172,3 +177,44 @@ def test_load_models_quantizes_the_talker_as_it_reads_it(tiny_dir):
     assert all(p.dtype == torch.float32 for p in models.dit.parameters())  # stage 1 is its policy's to cast
     with pytest.raises(Music3Error, match="none or fp8"):
         load_models(tiny_dir, quantization="fp4")
+
+
+def test_activation_rows_are_cast_by_the_weights_rule_and_the_cpu_ops_are_the_torch_ops():
+    x = rows_to_cast(5, 64, "cpu")
+    rows = quantize_rows(x)
+    assert rows.codes.shape == x.shape and rows.scale.shape == (2, 5, 1)
+    finite = ~rows.scale.isnan().squeeze(-1)
+    assert torch.equal(rows.scale[finite], quantize(x.float()).scale[finite][:, None])
+    assert torch.equal(rows.codes[finite].view(torch.uint8), quantize(x.float()).codes[finite].view(torch.uint8))
+    assert rows.codes[1, 1].float().isnan().all()  # a NaN anywhere in a row: the whole row, as torch's amax says
+    assert_same_rows(fp8_rows(x), rows)
+    weight, bias = torch.randn(64), torch.randn(64)
+    s, h = add_layer_norm_reference(x.float(), x, weight, bias, 1e-6, torch.bfloat16)
+    got_s, got_rows = add_layer_norm_fp8(x.float(), x, weight, bias, 1e-6)
+    torch.testing.assert_close(got_s, s, rtol=0, atol=0, equal_nan=True)
+    assert_same_rows(got_rows, quantize_rows(h))
+
+
+def test_the_fp8_dit_block_casts_each_gemm_input_once_where_it_is_fastest(tiny_dir, monkeypatch):
+    """Each of a block's four FP8 GEMMs gets its input as codes: from the norm kernel's pass (qkv, ff_in), fp8_rows'
+    kernel (o), the torch ops that inductor fuses with the gate (ff_out); without the norm kernel, fp8_rows."""
+    from music3serve.models import dit as dit_module
+
+    calls = []
+    for name in ("fp8_rows", "quantize_rows", "add_layer_norm_fp8"):
+        op = getattr(dit_module, name)
+        monkeypatch.setattr(dit_module, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+    monkeypatch.setattr(dit_module, "uses_add_norm_kernel", lambda *operands: True)
+    dit = load_component(tiny_dir, "dit", "cpu", torch.float32)
+    apply_dit_policy(dit, FP8)
+    block = dit.blocks[0]
+    x = torch.randn(2, 7, dit.cfg.width)
+    delta = torch.randn(2, 7, dit.cfg.width, dtype=torch.bfloat16)
+    rope = dit_module.rope_angles(torch.arange(7), dit.cfg.rotary_dim, dit_module.ROPE_THETA)
+    got = block(x, delta, rope)
+    assert calls == ["add_layer_norm_fp8", "fp8_rows", "add_layer_norm_fp8", "quantize_rows"]
+    calls.clear()
+    monkeypatch.setattr(dit_module, "uses_add_norm_kernel", lambda *operands: False)
+    want = block(x, delta, rope)  # the torch ops, each GEMM casting its own input
+    assert calls == ["fp8_rows", "fp8_rows", "fp8_rows", "quantize_rows"]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

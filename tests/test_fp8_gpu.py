@@ -1,5 +1,6 @@
 """GPU: the FP8 kernels against their CPU-checked emulation (models/fp8.py) and against bf16: the skinny decode kernel
-on e4m3 weights, torch._scaled_mm with rowwise scales, and the talker frame with FP8 weights captured in a graph."""
+on e4m3 weights, torch._scaled_mm with rowwise scales, the DiT's casts of activations to e4m3, and the talker frame
+with FP8 weights captured in a graph."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from row_quant_checks import assert_same_rows, rows_to_cast
+
+from music3serve.kernels.add_layer_norm import add_layer_norm, add_layer_norm_fp8
+from music3serve.kernels.row_quant import fp8_rows
+from music3serve.kernels.row_quant import uses_kernel as uses_row_kernel
 from music3serve.kernels.skinny_linear import MAX_ROWS, MEASURED_FP8_TILES, skinny_gated_silu, skinny_linear
 from music3serve.models.fp8 import (
-    dequantize, quantize, scaled_linear, scaled_reference, uses_scaled_mm, weight_only_reference,
+    dequantize, quantize, quantize_rows, scaled_linear, scaled_reference, uses_scaled_mm, weight_only_reference,
 )
 from music3serve.kernels.skinny_linear import gated_silu_reference
 
@@ -91,3 +97,21 @@ def test_scaled_mm_matches_the_emulation(m, n, k):
     within_rounding(got, want)
     exact = F.linear(x.double(), dequantize(q, torch.float64), bias.double())
     print(f"FP8 GEMM rel err {((got.double() - exact).norm() / exact.norm()).item():.2e}")
+
+
+@pytest.mark.parametrize("width", [2048, 8192, 200, 5000])
+def test_row_cast_kernel_is_quantize_rows_bit_for_bit(width):
+    x = rows_to_cast(690, width, DEVICE)
+    assert uses_row_kernel(x)
+    assert_same_rows(fp8_rows(x), quantize_rows(x))
+
+
+def test_layer_norm_kernel_casts_its_own_norm_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(2, 690, 2048, generator=gen) * 3, torch.randn(2, 690, 2048, generator=gen)
+    x, delta = x.to(DEVICE), delta.to(DEVICE, torch.bfloat16)
+    weight, bias = torch.randn(2048, device=DEVICE), torch.randn(2048, device=DEVICE)
+    s, rows = add_layer_norm_fp8(x, delta, weight, bias, 1e-6)
+    want_s, h = add_layer_norm(x, delta, weight, bias, 1e-6, torch.bfloat16)
+    assert torch.equal(s, want_s)
+    assert_same_rows(rows, quantize_rows(h))

@@ -4,7 +4,7 @@ tests/test_kernels_interpreted.py runs this folder in a child pytest with TRITON
 without that variable the folder is not collected, so the interpreter and Triton's import never reach the rest of the
 suite. By hand: ``TRITON_INTERPRET=1 PYTHONPATH=.venv/triton-interpret:src python -m pytest tests/kernels_interpreted``.
 
-Triton 3.6's interpreter needs six fixes to run these kernels as the GPU does. They are applied here, once, before any
+Triton 3.6's interpreter needs seven fixes to run these kernels as the GPU does. They are applied here, once, before any
 kernel is built (the kernel modules build theirs lazily), to this process only, and never change a kernel:
 
 1. A scalar loaded from memory is a one-element array, and ``__index__`` (``range(lo, hi, step)`` on such scalars)
@@ -16,6 +16,8 @@ kernel is built (the kernel modules build theirs lazily), to this process only, 
    operands are widened to float32 first, which is exact, as the GPU's tensor cores multiply them.
 5. float32 -> bf16 casts truncated the mantissa; the GPU (``cvt.rn.bf16.f32``) and torch round to nearest even.
 6. Elementwise arithmetic and comparisons on bf16 bit patterns raise, instead of computing on the integers.
+7. float32 -> e4m3 casts lost the carry of a rounding into the exponent (31.8 became 16); the GPU
+   (``cvt.rn.satfinite.e4m3x2.f32``) rounds to nearest even and saturates at 448.
 
 What stays on the GPU: launches with programmatic dependent launch (``gdc_wait``, the inline-PTX L2 prefetch have no
 interpreter form; CPU tensors never take PDL), and the quack GEMM of kernels/glu_linear.py, which is not Triton.
@@ -44,6 +46,11 @@ def _float32_to_bf16(values: np.ndarray) -> np.ndarray:
     return rounded.view(torch.int16).numpy().view(np.uint16)
 
 
+def _float32_to_e4m3(values: np.ndarray) -> np.ndarray:
+    finite = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).clamp(-448.0, 448.0)
+    return finite.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
 def _fix_interpreter() -> None:
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -68,8 +75,8 @@ def _fix_interpreter() -> None:
     for name in ("exp", "rsqrt"):  # 3: resolved per call, when tl.math holds the interpreter's ops
         setattr(libdevice, name, lambda *args, _name=name: getattr(tl.math, _name)(*args))
 
-    create_dot, cast_impl, binary_op = (InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl,
-                                        InterpreterBuilder.binary_op)
+    create_dot, cast_impl, binary_op, fp_to_fp = (InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl,
+                                                  InterpreterBuilder.binary_op, InterpreterBuilder.create_fp_to_fp)
 
     def widen(handle):
         return TensorHandle(_bf16_to_float32(handle.data), tl.float32) if handle.dtype.scalar == tl.bfloat16 else handle
@@ -89,9 +96,15 @@ def _fix_interpreter() -> None:
             raise NotImplementedError(f"{op.__name__} on bf16 operands: the interpreter would compute on bit patterns")
         return binary_op(self, lhs, rhs, op)
 
+    def float_to_float(self, src, dst_type, rounding_mode):  # 7
+        if (src.dtype.scalar, dst_type.scalar) == (tl.float32, tl.float8e4nv):
+            return TensorHandle(_float32_to_e4m3(src.data), tl.float8e4nv)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
     interpreter._patch_lang_tensor = patch_tensor_index
     FunctionRewriter._compile_and_exec = compile_and_exec
     InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl, InterpreterBuilder.binary_op = dot, cast, binary
+    InterpreterBuilder.create_fp_to_fp = float_to_float
 
 
 if INTERPRETING:

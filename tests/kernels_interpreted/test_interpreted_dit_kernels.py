@@ -1,24 +1,29 @@
 """The DiT's kernels under the interpreter: the residual add + layer norm, the in-place partial RoPE of the fused QKV,
-and the bidirectional attention, each on CPU tensors through its op with the device check lifted."""
+the bidirectional attention and the FP8 policy's casts of activations to e4m3, each on CPU tensors through its op with the device check lifted."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from row_quant_checks import assert_same_rows, rows_to_cast
+
 from music3serve.kernels import add_layer_norm as add_layer_norm_module
 from music3serve.kernels import dit_attention as dit_attention_module
+from music3serve.kernels import row_quant as row_quant_module
 from music3serve.kernels import split_rope as split_rope_module
-from music3serve.kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
+from music3serve.kernels.add_layer_norm import add_layer_norm, add_layer_norm_fp8, add_layer_norm_reference
+from music3serve.kernels.row_quant import fp8_rows
 from music3serve.kernels.dit_attention import DEFAULT_CONFIG, dit_attention, dit_attention_reference
 from music3serve.kernels.split_rope import split_rope, split_rope_reference
+from music3serve.models.fp8 import quantize_rows
 from music3serve.models.layers import rope_angles
 
 
 @pytest.fixture(autouse=True)
 def kernels_on_the_cpu(monkeypatch):
     """The ops take their kernels for CPU tensors too (each test's operands meet the other conditions)."""
-    for module in (add_layer_norm_module, dit_attention_module, split_rope_module):
+    for module in (add_layer_norm_module, dit_attention_module, row_quant_module, split_rope_module):
         monkeypatch.setattr(module, "uses_kernel", lambda *operands: True)
 
 
@@ -117,3 +122,25 @@ def test_dit_attention_of_a_window_is_the_same_alone_and_batched():
     batched = dit_attention(q, k, v)
     for i in (0, 2):
         assert torch.equal(dit_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1])[0], batched[i])
+
+
+@pytest.mark.parametrize("width", [200, 2048])
+def test_fp8_rows_casts_as_quantize_rows_bit_for_bit(width):
+    x = rows_to_cast(5, width, "cpu")
+    assert_same_rows(fp8_rows(x), quantize_rows(x))
+
+
+def test_fp8_rows_of_several_chunks_casts_bit_for_bit():
+    x = rows_to_cast(3, 5000, "cpu")
+    assert_same_rows(fp8_rows(x), quantize_rows(x))
+
+
+@pytest.mark.parametrize("delta_dtype", [torch.bfloat16, None])
+def test_add_layer_norm_fp8_casts_the_kernels_norm_bit_for_bit(delta_dtype):
+    x, delta = (torch.randn(2, 5, 200) * 3).float(), torch.randn(2, 5, 200).to(delta_dtype or torch.float32)
+    delta = None if delta_dtype is None else delta
+    weight, bias = torch.randn(200), torch.randn(200)
+    s, rows = add_layer_norm_fp8(x, delta, weight, bias, 1e-6)
+    want_s, h = add_layer_norm(x, delta, weight, bias, 1e-6, torch.bfloat16)
+    assert torch.equal(s, want_s)
+    assert_same_rows(rows, quantize_rows(h))

@@ -11,6 +11,7 @@ import copy
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -84,6 +85,21 @@ def talker_precision(device: str = "cuda", frames: int = 500) -> str:
     quantized = (copy.deepcopy(lm), copy.deepcopy(depth))
     quantize_talker(*quantized)
     reports = talker_agreement(reference, {"bf16": (lm, depth), "fp8": quantized}, frames=frames)
+    return "\n".join(str(r) for r in reports)
+
+
+@torch.inference_mode()
+def acoustic_precision(device: str = "cuda", frames: int = 450) -> str:
+    """Stage 1 on full-size random weights: one song rendered in float32, bf16 and FP8 from the same conditioning and
+    noise; per-window latent relative error and waveform SNR against float32."""
+    from ..acoustic.precision import BFLOAT16, FP8
+    from .precision import compare_policies
+
+    def load() -> SimpleNamespace:
+        return SimpleNamespace(**{name: random_module(name, device, torch.float32, seed=seed)
+                                  for seed, name in enumerate(("condition_encoder", "dit", "vocoder"))})
+
+    reports = compare_policies(load(), load, [BFLOAT16, FP8], frames=frames)
     return "\n".join(str(r) for r in reports)
 
 
@@ -251,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.what == "precision":
         print(talker_precision(frames=args.frames))
+        print(acoustic_precision())
     elif args.what == "kernel":
         print(kernel_bandwidth())
     elif args.what == "sweep":

@@ -7,7 +7,8 @@ for one window, measured 2026-11-30); here one Triton program holds a whole row 
 x and delta once and writes s and h once. float32 statistics; the mean and variance are summed in another order
 than torch's, so h may differ from `F.layer_norm` in the last bits (GPU tests bound it). A custom op
 (``music3serve::add_layer_norm``), so the DiT's compiled hot paths call it whole; the torch ops run on the CPU,
-without Triton, and for rows wider than ``MAX_WIDTH``.
+without Triton, and for rows wider than ``MAX_WIDTH``. ``add_layer_norm_fp8`` casts h to e4m3 per row in the same
+pass, for the FP8 policy's GEMMs (kernels/row_quant.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..models.fp8 import E4M3, Fp8Rows, quantize_rows
 from .decode_attention import triton_available
+from .row_quant import quantize_row_kernel
 
-__all__ = ["MAX_WIDTH", "add_layer_norm", "add_layer_norm_reference", "uses_kernel"]
+__all__ = ["MAX_WIDTH", "add_layer_norm", "add_layer_norm_fp8", "add_layer_norm_reference", "uses_kernel"]
 
 MAX_WIDTH = 8192
 
@@ -54,6 +57,13 @@ def add_layer_norm(
     if not uses_kernel(x, weight, bias, out_dtype) or (delta is not None and delta.shape != x.shape):
         s, h = add_layer_norm_reference(x, delta, weight, bias, eps, out_dtype)
         return s.contiguous() if delta is not None else s.clone(), h.contiguous()
+    return _launch(x, delta, weight, bias, eps, out_dtype)[:2]
+
+
+def _launch(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The kernel's (s, h, None), or for out_dtype e4m3 (s, codes of h in bf16, their row scales [..., 1])."""
     width = x.shape[-1]
     s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
     rows = x.numel() // width
@@ -61,12 +71,14 @@ def add_layer_norm(
     d2 = x2 if delta is None else delta.reshape(rows, width).contiguous()
     s = torch.empty(rows, width, dtype=s_dtype, device=x.device)
     h = torch.empty(rows, width, dtype=out_dtype, device=x.device)
+    quant = out_dtype == E4M3
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quant else None
     block = 1 << (width - 1).bit_length()
     _kernel()[(rows,)](
-        x2, d2, weight.contiguous(), bias.contiguous(), s, h, width, eps, BLOCK=block, DELTA=delta is not None,
-        num_warps=min(16, max(4, block // 256)),
+        x2, d2, weight.contiguous(), bias.contiguous(), s, h, h if scale is None else scale, width, eps, BLOCK=block,
+        DELTA=delta is not None, QUANT=quant, num_warps=min(16, max(4, block // 256)),
     )
-    return s.view(x.shape), h.view(x.shape)
+    return s.view(x.shape), h.view(x.shape), None if scale is None else scale.view(*x.shape[:-1], 1)
 
 
 @add_layer_norm.register_fake
@@ -75,14 +87,41 @@ def _(x, delta, weight, bias, eps, out_dtype):
     return x.new_empty(x.shape, dtype=s_dtype), x.new_empty(x.shape, dtype=out_dtype)
 
 
+@torch.library.custom_op("music3serve::add_layer_norm_fp8", mutates_args=())
+def _add_layer_norm_fp8(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    if not uses_kernel(x, weight, bias, torch.bfloat16) or (delta is not None and delta.shape != x.shape):
+        s, h = add_layer_norm_reference(x, delta, weight, bias, eps, torch.bfloat16)
+        return (s.contiguous() if delta is not None else s.clone(), *quantize_rows(h))
+    return _launch(x, delta, weight, bias, eps, E4M3)
+
+
+@_add_layer_norm_fp8.register_fake
+def _(x, delta, weight, bias, eps):
+    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+    return (x.new_empty(x.shape, dtype=s_dtype), x.new_empty(x.shape, dtype=E4M3),
+            x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
+def add_layer_norm_fp8(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Fp8Rows]:
+    """(s, quantize_rows(h)) for the bf16 h of add_layer_norm: the FP8 GEMM's input, cast in the same pass."""
+    s, codes, scale = _add_layer_norm_fp8(x, delta, weight, bias, eps)
+    return s, Fp8Rows(codes, scale)
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
 
+    quantize_row = quantize_row_kernel()
+
     @triton.jit
-    def add_layer_norm_kernel(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, h_ptr, width, eps,
-                              BLOCK: tl.constexpr, DELTA: tl.constexpr):
+    def add_layer_norm_kernel(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, h_ptr, scale_ptr, width, eps,
+                              BLOCK: tl.constexpr, DELTA: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < width
@@ -100,6 +139,11 @@ def _kernel():
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         b = tl.load(b_ptr + cols, mask=ok, other=0.0)
         h = centered * rstd * w + b
-        tl.store(h_ptr + row * width + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
+        if QUANT:  # h rounded to bf16 (the FP8 GEMM's compute dtype), then cast per row
+            codes, scale = quantize_row(h.to(tl.bfloat16).to(tl.float32), ok)
+            tl.store(h_ptr + row * width + cols, codes, mask=ok)
+            tl.store(scale_ptr + row, scale)
+        else:
+            tl.store(h_ptr + row * width + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
     return add_layer_norm_kernel

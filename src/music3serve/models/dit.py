@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
+from ..kernels.add_layer_norm import add_layer_norm, add_layer_norm_fp8, add_layer_norm_reference
 from ..kernels.add_layer_norm import uses_kernel as uses_add_norm_kernel
 from ..kernels.dit_attention import dit_attention
 from ..kernels.glu_linear import glu, glu_linear, pair_rows, unpair_rows
 from ..kernels.glu_linear import uses_kernel as uses_glu_kernel
+from ..kernels.row_quant import fp8_rows
 from ..kernels.split_rope import split_rope
-from .fp8 import Fp8Weight, scaled_linear
+from .fp8 import Fp8Rows, Fp8Weight, quantize_rows, scaled_linear
 from .fusion import between_library_calls, hot
 from .layers import Weight, rope_angles
 from .weights import Source, require
@@ -126,7 +127,7 @@ def dit_qkv(
     eps: float, kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block input x + delta [batch, tokens, width], and the fused q, k, v projections of its norm."""
-    x, h = add_norm(x, delta, norm_w, norm_b, eps, qkv_w.dtype, kernel)
+    x, h = add_norm(x, delta, norm_w, norm_b, eps, qkv_w, kernel)
     return x, block_linear(h, qkv_w)
 
 
@@ -140,26 +141,31 @@ def dit_block_output(
     """x + o(attn), and the GLU feed-forward of its norm (not yet added); attn is [batch, tokens, width]. `pairs`:
     ff_in's rows are in (gate, value) pairs; `fused_glu`: glu_linear's fused GEMM takes them."""
     attn_out = block_linear(attn.to(o_w.dtype), o_w)
-    x, h = add_norm(x, attn_out, norm_w, norm_b, eps, ff_in_w.dtype, kernel)
+    x, h = add_norm(x, attn_out, norm_w, norm_b, eps, ff_in_w, kernel)
     act = glu_linear(h, ff_in_w, ff_in_b) if fused_glu else glu(block_linear(h, ff_in_w, ff_in_b), pairs)
-    return x, block_linear(act.to(ff_out_w.dtype), ff_out_w, ff_out_b)
+    # An FP8 ff_out's input is cast here, where inductor fuses the cast with the bias and the gate.
+    act = quantize_rows(act) if isinstance(ff_out_w, Fp8Weight) else act.to(ff_out_w.dtype)
+    return x, block_linear(act, ff_out_w, ff_out_b)
 
 
-def block_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or for an FP8 weight the FP8 GEMM with x quantized per token (models/fp8.py)."""
+def block_linear(x: torch.Tensor | Fp8Rows, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or for an FP8 weight the FP8 GEMM with x cast to e4m3 per token (models/fp8.py), unless it is."""
     if isinstance(weight, Fp8Weight):
-        return scaled_linear(x, weight, bias)
+        return scaled_linear(x if isinstance(x, Fp8Rows) else fp8_rows(x), weight, bias)
     return F.linear(x, weight, bias)
 
 
 def add_norm(
     x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, norm_b: torch.Tensor, eps: float,
-    out_dtype: torch.dtype, kernel: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, its layer norm in out_dtype): the one-pass kernel, or the torch ops for inductor to fuse."""
+    next_w: Weight, kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+    """(x + delta, its layer norm as the next GEMM's weight next_w takes it): the one-pass kernel (casting to e4m3
+    in the same pass for an FP8 weight), or the torch ops for inductor to fuse."""
+    if kernel and isinstance(next_w, Fp8Weight):
+        return add_layer_norm_fp8(x, delta, norm_w, norm_b, eps)
     if kernel:
-        return add_layer_norm(x, delta, norm_w, norm_b, eps, out_dtype)
-    return add_layer_norm_reference(x, delta, norm_w, norm_b, eps, out_dtype)
+        return add_layer_norm(x, delta, norm_w, norm_b, eps, next_w.dtype)
+    return add_layer_norm_reference(x, delta, norm_w, norm_b, eps, next_w.dtype)
 
 
 class DiT(nn.Module):

@@ -1,7 +1,8 @@
 """FP8 (e4m3) weights with one float32 scale per output channel, and the arithmetic the FP8 kernels perform.
 
 A weight W [..., N, K] is stored as q = e4m3(W / s) with s = amax(|W[n, :]|) / 448 per output row n, so the largest
-entry of every row maps to e4m3's largest finite value. Two products use it:
+entry of every row maps to e4m3's largest finite value (computed as amax times float32(1/448): the same bits on every
+device and in the kernels). Two products use it:
 
 - weight only (the talker): y = (x @ q.T) * s, x in its own dtype (bf16), float32 accumulation, one rounding to x's
   dtype at the end. e4m3 values are exact in bf16, so the product before the scale is the bf16 product of x by q;
@@ -47,7 +48,7 @@ class Fp8Weight(NamedTuple):
 def quantize(weight: Tensor) -> Fp8Weight:
     """Per-output-channel e4m3 codes and float32 scales of weight [..., N, K]."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)
+    scale = (w.abs().amax(dim=-1) * (1 / E4M3_MAX)).clamp_min(MIN_SCALE)
     codes = (w / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Weight(codes, scale)
 
@@ -69,20 +70,33 @@ def weight_only_reference(x: Tensor, weight: Fp8Weight) -> Tensor:
     return (y * weight.scale).to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row e4m3 codes [M, K] and float32 scales [M, 1] of activations x [M, K]."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / E4M3_MAX).clamp_min(MIN_SCALE)
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+class Fp8Rows(NamedTuple):
+    """Activations as e4m3 codes [..., K] and one float32 scale a row [..., 1]: x ~ codes * scale."""
+
+    codes: Tensor
+    scale: Tensor
 
 
-def scaled_reference(x: Tensor, weight: Fp8Weight, bias: Tensor | None = None) -> Tensor:
-    """F.linear with both factors in e4m3 (x scaled per row), float32 products and scales, bf16 out: what
-    `scaled_linear` computes with torch._scaled_mm."""
-    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+def quantize_rows(x: Tensor) -> Fp8Rows:
+    """Per-row e4m3 codes and float32 scales of activations x [..., K], by the weights' rule; kernels/row_quant.py
+    computes the same bits."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() * (1 / E4M3_MAX)).clamp_min(MIN_SCALE)
+    return Fp8Rows((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
+
+
+def as_fp8_rows(x: Tensor | Fp8Rows) -> Fp8Rows:
+    return x if isinstance(x, Fp8Rows) else quantize_rows(x)
+
+
+def scaled_reference(x: Tensor | Fp8Rows, weight: Fp8Weight, bias: Tensor | None = None) -> Tensor:
+    """F.linear with both factors in e4m3 (x scaled per row unless given as codes), float32 products and scales, bf16
+    out: what `scaled_linear` computes with torch._scaled_mm."""
+    rows = as_fp8_rows(x)
+    codes, scale = rows.codes.reshape(-1, weight.shape[1]), rows.scale.reshape(-1, 1)
     y = (codes.float() @ weight.codes.float().T) * scale * weight.scale
     if bias is not None:
         y = y + bias.float()
-    return y.to(COMPUTE_DTYPE).view(*x.shape[:-1], weight.shape[0])
+    return y.to(COMPUTE_DTYPE).view(*rows.codes.shape[:-1], weight.shape[0])
 
 
 def uses_scaled_mm(x: Tensor, weight: Fp8Weight) -> bool:
@@ -91,15 +105,16 @@ def uses_scaled_mm(x: Tensor, weight: Fp8Weight) -> bool:
     return x.is_cuda and n % 16 == 0 and k % 16 == 0
 
 
-def scaled_linear(x: Tensor, weight: Fp8Weight, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] times an FP8 weight [N, K] with x quantized per row (the DiT's linear layers), bf16 out."""
-    if not uses_scaled_mm(x, weight):
-        return scaled_reference(x, weight, bias)
-    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+def scaled_linear(x: Tensor | Fp8Rows, weight: Fp8Weight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] (or its codes and row scales) times an FP8 weight [N, K] (the DiT's linear layers), bf16 out."""
+    rows = as_fp8_rows(x)
+    if not uses_scaled_mm(rows.codes, weight):
+        return scaled_reference(rows, weight, bias)
+    codes, scale = rows.codes.reshape(-1, weight.shape[1]), rows.scale.reshape(-1, 1)
     y = torch._scaled_mm(codes, weight.codes.T, scale_a=scale, scale_b=weight.scale[None, :], out_dtype=COMPUTE_DTYPE)
     if bias is not None:
         y = y + bias.to(COMPUTE_DTYPE)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*rows.codes.shape[:-1], weight.shape[0])
 
 
 class Fp8Linear(nn.Module):
