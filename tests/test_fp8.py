@@ -218,3 +218,12 @@ def test_the_fp8_dit_block_casts_each_gemm_input_once_where_it_is_fastest(tiny_d
     want = block(x, delta, rope)  # the torch ops, each GEMM casting its own input
     assert calls == ["fp8_rows", "fp8_rows", "fp8_rows", "quantize_rows"]
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_the_cast_ops_pass_torchs_custom_op_checks_on_strided_inputs():
+    """Outputs never alias inputs and are laid out as the fake kernels say, whatever the input's strides."""
+    x = torch.randn(2, 64, 5).transpose(1, 2)  # not contiguous
+    weight, bias = torch.randn(64), torch.randn(64)
+    torch.library.opcheck(torch.ops.music3serve.fp8_rows.default, (x.bfloat16(),))
+    torch.library.opcheck(torch.ops.music3serve.add_layer_norm_fp8.default, (x, None, weight, bias, 1e-6))
+    torch.library.opcheck(torch.ops.music3serve.add_layer_norm.default, (x, None, weight, bias, 1e-6, torch.bfloat16))

@@ -1,5 +1,6 @@
 """The DiT's kernels under the interpreter: the residual add + layer norm, the in-place partial RoPE of the fused QKV,
-the bidirectional attention and the FP8 policy's casts of activations to e4m3, each on CPU tensors through its op with the device check lifted."""
+the bidirectional attention and the FP8 policy's casts of activations to e4m3, each on CPU tensors through its op
+with the device check lifted."""
 
 from __future__ import annotations
 

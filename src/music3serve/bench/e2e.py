@@ -125,5 +125,6 @@ def run(
     finally:
         faulthandler.cancel_dump_traceback_later()
         engine.close()
-    setting = f"quantization {quantization}, acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]}), render batch {deploy.stages[1].max_num_batched_tokens}"
+    setting = (f"quantization {quantization}, acoustic dtype {acoustic_dtype}, {placement} ({PLACEMENTS[placement]}), "
+               f"render batch {deploy.stages[1].max_num_batched_tokens}")
     return setting + "\n\n" + table(headers, rows)

@@ -56,7 +56,8 @@ def add_layer_norm(
     bf16 policy), add_layer_norm_reference otherwise."""
     if not uses_kernel(x, weight, bias, out_dtype) or (delta is not None and delta.shape != x.shape):
         s, h = add_layer_norm_reference(x, delta, weight, bias, eps, out_dtype)
-        return s.contiguous() if delta is not None else s.clone(), h.contiguous()
+        s = s.contiguous() if delta is not None else s.clone(memory_format=torch.contiguous_format)
+        return s, h.contiguous()
     return _launch(x, delta, weight, bias, eps, out_dtype)[:2]
 
 
@@ -93,7 +94,8 @@ def _add_layer_norm_fp8(
 ) -> tuple[Tensor, Tensor, Tensor]:
     if not uses_kernel(x, weight, bias, torch.bfloat16) or (delta is not None and delta.shape != x.shape):
         s, h = add_layer_norm_reference(x, delta, weight, bias, eps, torch.bfloat16)
-        return (s.contiguous() if delta is not None else s.clone(), *quantize_rows(h))
+        s = s.contiguous() if delta is not None else s.clone(memory_format=torch.contiguous_format)
+        return (s, *(t.contiguous() for t in quantize_rows(h)))
     return _launch(x, delta, weight, bias, eps, E4M3)
 
 

@@ -33,7 +33,7 @@ def uses_kernel(x: Tensor) -> bool:
 @torch.library.custom_op("music3serve::fp8_rows", mutates_args=())
 def _fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     if not uses_kernel(x):
-        return tuple(quantize_rows(x))
+        return tuple(t.contiguous() for t in quantize_rows(x))
     width = x.shape[-1]
     rows = x.numel() // width
     codes = torch.empty(rows, width, dtype=E4M3, device=x.device)
