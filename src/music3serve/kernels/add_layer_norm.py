@@ -54,11 +54,26 @@ def add_layer_norm(
     """(s, h): s = x + delta (x if delta is None), h = layer_norm(s.to(weight.dtype)).to(out_dtype) over the last
     dim; the Triton kernel for CUDA rows with float32 norm weights and a low-precision out_dtype (the DiT under the
     bf16 policy), add_layer_norm_reference otherwise."""
-    if not uses_kernel(x, weight, bias, out_dtype) or (delta is not None and delta.shape != x.shape):
-        s, h = add_layer_norm_reference(x, delta, weight, bias, eps, out_dtype)
-        s = s.contiguous() if delta is not None else s.clone(memory_format=torch.contiguous_format)
-        return s, h.contiguous()
+    if not _runs_kernel(x, delta, weight, bias, out_dtype):
+        return _reference_outputs(x, delta, weight, bias, eps, out_dtype)
     return _launch(x, delta, weight, bias, eps, out_dtype)[:2]
+
+
+def _runs_kernel(x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, out_dtype: torch.dtype) -> bool:
+    """The ops' choice: the kernel where `uses_kernel` says so and delta (if any) is shaped as x."""
+    return uses_kernel(x, weight, bias, out_dtype) and (delta is None or delta.shape == x.shape)
+
+
+def _reference_outputs(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """add_layer_norm_reference as new contiguous tensors (a custom op's outputs never alias its inputs)."""
+    s, h = add_layer_norm_reference(x, delta, weight, bias, eps, out_dtype)
+    return s.clone(memory_format=torch.contiguous_format) if delta is None else s.contiguous(), h.contiguous()
+
+
+def _sum_dtype(x: Tensor, delta: Tensor | None) -> torch.dtype:
+    return x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
 
 
 def _launch(
@@ -66,7 +81,7 @@ def _launch(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The kernel's (s, h, None), or for out_dtype e4m3 (s, codes of h in bf16, their row scales [..., 1])."""
     width = x.shape[-1]
-    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+    s_dtype = _sum_dtype(x, delta)
     rows = x.numel() // width
     x2 = x.reshape(rows, width).contiguous()
     d2 = x2 if delta is None else delta.reshape(rows, width).contiguous()
@@ -84,25 +99,22 @@ def _launch(
 
 @add_layer_norm.register_fake
 def _(x, delta, weight, bias, eps, out_dtype):
-    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
-    return x.new_empty(x.shape, dtype=s_dtype), x.new_empty(x.shape, dtype=out_dtype)
+    return x.new_empty(x.shape, dtype=_sum_dtype(x, delta)), x.new_empty(x.shape, dtype=out_dtype)
 
 
 @torch.library.custom_op("music3serve::add_layer_norm_fp8", mutates_args=())
 def _add_layer_norm_fp8(
     x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if not uses_kernel(x, weight, bias, torch.bfloat16) or (delta is not None and delta.shape != x.shape):
-        s, h = add_layer_norm_reference(x, delta, weight, bias, eps, torch.bfloat16)
-        s = s.contiguous() if delta is not None else s.clone(memory_format=torch.contiguous_format)
+    if not _runs_kernel(x, delta, weight, bias, torch.bfloat16):
+        s, h = _reference_outputs(x, delta, weight, bias, eps, torch.bfloat16)
         return (s, *(t.contiguous() for t in quantize_rows(h)))
     return _launch(x, delta, weight, bias, eps, E4M3)
 
 
 @_add_layer_norm_fp8.register_fake
 def _(x, delta, weight, bias, eps):
-    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
-    return (x.new_empty(x.shape, dtype=s_dtype), x.new_empty(x.shape, dtype=E4M3),
+    return (x.new_empty(x.shape, dtype=_sum_dtype(x, delta)), x.new_empty(x.shape, dtype=E4M3),
             x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
 
 

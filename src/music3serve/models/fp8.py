@@ -76,6 +76,10 @@ class Fp8Rows(NamedTuple):
     codes: Tensor
     scale: Tensor
 
+    def matrix(self) -> tuple[Tensor, Tensor]:
+        """codes [M, K] and scales [M, 1], the rows of every leading dimension stacked (a GEMM's operand)."""
+        return self.codes.reshape(-1, self.codes.shape[-1]), self.scale.reshape(-1, 1)
+
 
 def quantize_rows(x: Tensor) -> Fp8Rows:
     """Per-row e4m3 codes and float32 scales of activations x [..., K], by the weights' rule; kernels/row_quant.py
@@ -92,7 +96,7 @@ def scaled_reference(x: Tensor | Fp8Rows, weight: Fp8Weight, bias: Tensor | None
     """F.linear with both factors in e4m3 (x scaled per row unless given as codes), float32 products and scales, bf16
     out: what `scaled_linear` computes with torch._scaled_mm."""
     rows = as_fp8_rows(x)
-    codes, scale = rows.codes.reshape(-1, weight.shape[1]), rows.scale.reshape(-1, 1)
+    codes, scale = rows.matrix()
     y = (codes.float() @ weight.codes.float().T) * scale * weight.scale
     if bias is not None:
         y = y + bias.float()
@@ -110,7 +114,7 @@ def scaled_linear(x: Tensor | Fp8Rows, weight: Fp8Weight, bias: Tensor | None = 
     rows = as_fp8_rows(x)
     if not uses_scaled_mm(rows.codes, weight):
         return scaled_reference(rows, weight, bias)
-    codes, scale = rows.codes.reshape(-1, weight.shape[1]), rows.scale.reshape(-1, 1)
+    codes, scale = rows.matrix()
     y = torch._scaled_mm(codes, weight.codes.T, scale_a=scale, scale_b=weight.scale[None, :], out_dtype=COMPUTE_DTYPE)
     if bias is not None:
         y = y + bias.to(COMPUTE_DTYPE)
