@@ -144,6 +144,8 @@ def test_every_capture_size_shares_the_talkers_compiled_graphs(models):
     mode, compiled its functions twice."""
     from torch._dynamo.utils import counters
 
+    from music3serve.models import fusion
+
     torch._dynamo.reset()
     counters.clear()
     enable_fusion(backend="aot_eager")
@@ -155,6 +157,9 @@ def test_every_capture_size_shares_the_talkers_compiled_graphs(models):
             talker.step_fn.run_eager(rows)
     assert compiled > 0
     assert counters["stats"]["unique_graphs"] == compiled
+    # One graph per model width (backbone, depth decoder), none for a row stride: the looked-up depth positions come
+    # contiguous (talker/depth_inputs.py), and every call takes tokens as rows.
+    assert fusion.graphs_per_function()["residual_mlp"] == 2
 
 
 def test_one_song_and_one_token_compile_no_graphs_of_their_own_before_torch_2_13(models, monkeypatch):
@@ -169,10 +174,12 @@ def test_one_song_and_one_token_compile_no_graphs_of_their_own_before_torch_2_13
     enable_fusion(backend="aot_eager")
     talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder,
                     TalkerConfig(max_num_seqs=16))
-    per_song = ["first_depth_positions", "guided_draw", "gather_code_inputs", "frame_outputs", "embed_codes"]
-    per_token = ["normed", "attention_inputs"]
+    per_song = ["first_depth_positions", "guided_draw", "gather_code_inputs", "frame_outputs", "embed_codes",
+                "mix_streams"]
+    per_token = ["normed", "attention_inputs", "depth_qkv"]
     counts = fusion.graphs_per_function()
     assert {name: counts.get(name) for name in per_song + per_token} == dict.fromkeys(per_song + per_token, 1)
+    assert counts["residual_mlp"] == 2  # the backbone's weights and the depth decoder's: two widths
     step, gen = talker.step_fn, torch.Generator().manual_seed(5)
     with torch.inference_mode():  # the idle pair beside a lone song changes none of its codes
         step.hidden.copy_(torch.randn(step.hidden.shape, generator=gen))

@@ -221,6 +221,6 @@ def test_the_depth_decoders_calls_give_a_row_the_same_bits_beside_any_rows(fp8, 
         for at, i in enumerate(call):
             for n, out in enumerate(outs if i < len(alone) else ()):
                 assert torch.equal(out[at : at + 1], alone[i][n]), f"output {n} beside {len(call) - 1} rows"
-    assert not launches["refused"] and (rows, 2, DEPTH.hidden) in launches["skinny"]
+    assert not launches["refused"] and (2 * rows, 1, DEPTH.hidden) in launches["skinny"]  # both positions as rows
     per_frame = 2 if cached else 3  # one launch for each position after the first that a call attends from
     assert len(launches["attention"]) == per_frame * (len(alone) + len(seated))

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..kernels.decode_attention import decode_attention, takes_rotation
 from .fusion import hot
-from .layers import GatedMLP, RMSNorm, Weight, linear, residual_mlp, rms_norm
+from .layers import GatedMLP, RMSNorm, Weight, as_tokens, linear, residual_mlp, rms_norm
 from .weights import Source, require
 
 
@@ -52,12 +52,12 @@ class DepthBlock(nn.Module):
         """The block over a whole depth sequence x [rows, t, hidden]; returns x and every position's keys and values
         [rows, heads, t, head_dim]. steps: DepthKV.steps (row p holds p in every column)."""
         b, t, h = x.shape
-        qkv = depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps)
+        qkv = depth_qkv(as_tokens(x), self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps).view(b, t, -1)
         q, k, v = (p.view(b, t, self.heads, -1).transpose(1, 2) for p in qkv.chunk(3, dim=-1))
         attn = causal_attention(q, k, v, steps)
-        x = residual_mlp(x, attn, self.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight, self.mlp.down.weight,
-                         self.mlp_norm.eps)
-        return x, k, v
+        x = residual_mlp(as_tokens(x), as_tokens(attn), self.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight,
+                         self.mlp.down.weight, self.mlp_norm.eps)
+        return x.view(b, t, h), k, v
 
     def decode(
         self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
@@ -70,17 +70,18 @@ class DepthBlock(nn.Module):
             qkv = self.qkv_of(x)
         q, k, v = split_heads(qkv, self.heads)
         attn = decode_attention(q, keys, values, lengths, append=(k, v, positions))
-        return residual_mlp(x, attn.reshape(x.shape), self.o.weight, self.mlp_norm.weight, self.mlp.gate_up.weight,
-                            self.mlp.down.weight, self.mlp_norm.eps)
+        return residual_mlp(as_tokens(x), attn.reshape(-1, 1, x.shape[-1]), self.o.weight, self.mlp_norm.weight,
+                            self.mlp.gate_up.weight, self.mlp.down.weight, self.mlp_norm.eps).view(x.shape)
 
     def qkv_of(self, x: torch.Tensor) -> torch.Tensor:
         """The normed projections [rows, 3 * hidden] of one new position x [rows, 1, hidden]: q | k | v."""
-        return depth_qkv(x, self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps).view(x.shape[0], -1)
+        return depth_qkv(as_tokens(x), self.attn_norm.weight, self.qkv.weight, self.attn_norm.eps).view(x.shape[0], -1)
 
 
 @hot
 def depth_qkv(x: torch.Tensor, attn_norm_w: torch.Tensor, qkv_w: Weight, eps: float) -> torch.Tensor:
-    """q | k | v [rows, t, 3 * hidden] of positions x [rows, t, hidden]."""
+    """q | k | v [tokens, 1, 3 * hidden] of tokens x [tokens, 1, hidden] (layers.as_tokens: one graph for every
+    sequence length and row count)."""
     return linear(rms_norm(x, attn_norm_w, eps), qkv_w)
 
 

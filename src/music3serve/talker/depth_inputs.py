@@ -65,7 +65,8 @@ def gather_code_inputs(
     codes: torch.Tensor, first_row: int, embed: torch.Tensor, table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows first_row + code of the embedding table and of DepthInputs' table (split into its two parts), for both rows
-    of each song."""
+    of each song. The projected positions come back contiguous, as the first depth call's: a strided view would
+    compile the depth blocks' residual_mlp once more (dynamo guards its row stride)."""
     index = both_rows(codes) + first_row
     row = F.embedding(index, table)
-    return F.embedding(index, embed), row[:, : embed.shape[1]], row[:, embed.shape[1] :]
+    return F.embedding(index, embed), row[:, : embed.shape[1]].contiguous(), row[:, embed.shape[1] :]
