@@ -90,7 +90,8 @@ def test_looked_up_depth_inputs_equal_computed_ones(tiny_dir, dtype):
     """With the hot paths fused as the engine runs them, frames whose depth calls 2..7 look their new position and
     first q, k, v up (DepthInputs) equal frames that compute them: bit for bit in bf16, where the skinny GEMM's rows
     do not depend on each other (the table is built 128 rows at a time, the frames run 2-16); in float32 cuBLAS picks
-    its kernel by the row count, so the conditioning agrees to float32 precision and the codes exactly."""
+    its kernel by the row count, so the codes agree exactly and the conditioning to what those roundings become
+    through the depth calls: 9.7e-5 at most on values up to 3.8 (H100, 2026-12-06; 7.7e-7 on the CPU)."""
     from music3serve.models.fusion import disable_fusion, enable_fusion
     from music3serve.talker.depth_inputs import DepthInputs
     from music3serve.talker.frame import talker_frame
@@ -111,7 +112,7 @@ def test_looked_up_depth_inputs_equal_computed_ones(tiny_dir, dtype):
             if dtype == torch.bfloat16:
                 assert torch.equal(computed.conditioning, looked_up.conditioning), songs
             else:
-                torch.testing.assert_close(computed.conditioning, looked_up.conditioning, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(computed.conditioning, looked_up.conditioning, rtol=1e-4, atol=2e-4)
     finally:
         disable_fusion()
 

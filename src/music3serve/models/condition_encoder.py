@@ -70,9 +70,11 @@ def mix_streams(frames: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor
     """ConditionEncoder.mix's sum as a hot path, the streams weighted and added one after the other: compiled, one
     elementwise kernel whose arithmetic per frame is the same in every compiled shape, whatever the number of frames
     mixed together (the talker mixes one frame a song). A reduction kernel's order follows its launch configuration,
-    which inductor picks per compiled shape; so the weights' softmax runs before, uncompiled."""
+    which inductor picks per compiled shape; so the weights' softmax runs before, uncompiled. The streams are slices:
+    a reshape's strides would be guarded on the frame count being one (a second graph for a lone song's frame)."""
     weights = weights.to(frames.dtype)
-    streams = frames.unflatten(-1, (weights.shape[0], -1)).unbind(-2)
+    width = frames.shape[-1] // weights.shape[0]
+    streams = [frames[..., i * width : (i + 1) * width] for i in range(weights.shape[0])]
     mixed = streams[0] * weights[0]
     for stream, weight in zip(streams[1:], weights[1:]):
         mixed = mixed + stream * weight

@@ -65,7 +65,7 @@ class FrameStep:
         )
         self.codes[:songs] = frame.codes[:songs]
         self.ended[:songs] = frame.ended[:songs]
-        self.mixed[:songs] = self.mix(frame.conditioning)[:songs]  # the drawn rows: a lone song's mix compiles nothing
+        self.mixed[:songs] = self.mix(frame.conditioning)[:songs]  # every drawn row, for the reason above
         positions = self.positions[:rows]
         backend = self.slots.decode(rows, self.positions)
         self.hidden[:rows] = self.lm(frame.feedback[:rows, None], positions[:, None], backend)[:, 0]
