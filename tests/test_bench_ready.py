@@ -38,6 +38,7 @@ def test_the_ready_bench_measures_each_start_in_a_fresh_process(tiny_dir):
         ready, talker, renderer, first_audio, song = (float(cell) for cell in row[2:7])
         assert 0 < talker + renderer <= ready and 0 < first_audio <= song
         assert row[7].strip() == "0 / 0"  # nothing is compiled on the CPU (fusion is CUDA's)
+        assert row[8].strip() == "0 / 0"  # nor Triton kernels (CUDA's)
 
 
 def test_compiled_graphs_counts_every_compile():
@@ -47,3 +48,19 @@ def test_compiled_graphs_counts_every_compile():
     before = compiled_graphs()
     torch.compile(lambda x: x * 3 + 1, backend="eager", fullgraph=True)(torch.ones(4))
     assert compiled_graphs() == before + 1
+
+
+def test_kernel_compiles_are_counted_by_kernel_from_the_start_given():
+    """Triton's post-compile hook names each kernel it compiled; the bench counts them apart before and after ready."""
+    from types import SimpleNamespace
+
+    from music3serve.bench.common import KernelCompiles
+    from music3serve.bench.ready import by_ready_and_after
+
+    kernels = KernelCompiles()
+    for name in ["split_kernel", "skinny_linear_kernel", "split_kernel", "skinny_linear_kernel"]:
+        kernels.compiled(fn=SimpleNamespace(name=name), key=(), repr="", compile={})
+    assert kernels.since(0) == {"split_kernel": 2, "skinny_linear_kernel": 2}
+    assert kernels.since(3) == {"skinny_linear_kernel": 1}
+    assert by_ready_and_after(3, 1, kernels.since(3)) == "3 / 1 (skinny_linear_kernel 1)"
+    assert by_ready_and_after(4, 0, {}) == "4 / 0"

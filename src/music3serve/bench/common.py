@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -140,3 +141,28 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+class KernelCompiles:
+    """Our Triton kernels compiled in this process, by name, from `watch()` on (Triton's post-compile hook: kernels
+    launched through triton.jit, ours; inductor compiles its own kernels apart and is counted by compiled_graphs). A
+    kernel first compiled while a song plays stalls it as a graph does; a launch that retries with fewer stages
+    (kernels/fitting_stages.py) counts each try."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def watch(self) -> None:
+        """Count from now on (without Triton: nothing to count)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        knobs.runtime.jit_post_compile_hook = self.compiled
+
+    def compiled(self, *, fn: Any, **_: Any) -> None:
+        self.names.append(fn.name)
+
+    def since(self, start: int) -> dict[str, int]:
+        """Compiles per kernel after the first `start` ones."""
+        return dict(Counter(self.names[start:]))

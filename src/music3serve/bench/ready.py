@@ -4,7 +4,8 @@ The colocated engine of the default deploy file on full-size random weights, sta
 (`quantization: fp8`, both stages). Each precision starts in a process of its own with empty inductor and Triton
 caches, as a new replica on a new machine does: nothing compiled by an earlier run is reused (--warm: then once more
 on the caches the first start filled, as a restart on the same machine does). After the first song, two songs at once
-and a song beside another's prefill: a graph compiled after ready (any of these) stalls live songs, and is named.
+and a song beside another's prefill: a graph or one of our Triton kernels compiled after ready (in any of these)
+stalls live songs, and is named.
 
     python -m music3serve.bench.ready [float32] [bfloat16] [fp8] [--warm] [--checkpoint DIR [--fuse]]
 
@@ -31,7 +32,7 @@ from ..errors import Music3Error
 from ..logs import setup_logging
 from ..models.fusion import enable_fusion, graphs_per_function
 from ..serving.deploy_config import DeployConfig, load_deploy_config, with_quantization, with_stage1_dtype
-from .common import compiled_graphs, table
+from .common import KernelCompiles, compiled_graphs, table
 
 if TYPE_CHECKING:
     from ..serving.engine import Engine
@@ -54,7 +55,8 @@ def deploy_for(precision: str) -> DeployConfig:
 def measure(precision: str, checkpoint: Path | None = None, cpu_fusion: str | None = None,
             steps: int = contract.DIT_STEPS) -> dict[str, Any]:
     """In this process: build the engine, then the songs after ready; seconds to ready (whole and per part), the first
-    song's, and the graphs compiled by ready and after it (with the functions they came from). Full-size random
+    song's, the graphs compiled by ready and after it (with the functions they came from), and our Triton kernels
+    compiled by ready and after it (by kernel: one compiled after ready stalls the songs playing). Full-size random
     weights on CUDA, or a checkpoint's (on the CPU without CUDA) once loaded, the talker in the deploy file's dtype.
     cpu_fusion: on the CPU, enable fusion with this torch.compile backend first (CUDA engines fuse by themselves).
     steps: each song's Euler steps (fewer: quicker songs, the same shapes)."""
@@ -73,10 +75,12 @@ def measure(precision: str, checkpoint: Path | None = None, cpu_fusion: str | No
         enable_fusion(backend=cpu_fusion)
     if device == "cuda":
         torch.cuda.synchronize()
+    kernels = KernelCompiles()
+    kernels.watch()
     started = time.perf_counter()
     engine = Engine(models, deploy)
     ready = time.perf_counter() - started
-    graphs_at_ready, functions = compiled_graphs(), graphs_per_function()
+    graphs_at_ready, functions, kernels_by_ready = compiled_graphs(), graphs_per_function(), kernels.since(0)
     try:
         first = asyncio.run(songs_after_ready(engine, steps))
     finally:
@@ -86,7 +90,8 @@ def measure(precision: str, checkpoint: Path | None = None, cpu_fusion: str | No
     return {"ready_s": ready, **{f"{part}_s": s for part, s in engine.ready_s.items()},
             "first_audio_s": first["first_audio_s"], "song_s": first["total_s"],
             "graphs_at_ready": graphs_at_ready, "graphs_in_song": compiled_graphs() - graphs_at_ready,
-            "compiled_by_ready": functions, "compiled_in_song": compiled}
+            "compiled_by_ready": functions, "compiled_in_song": compiled,
+            "kernels_by_ready": kernels_by_ready, "kernels_in_song": kernels.since(sum(kernels_by_ready.values()))}
 
 
 async def songs_after_ready(engine: Engine, steps: int) -> dict[str, float]:
@@ -104,6 +109,12 @@ async def songs_after_ready(engine: Engine, steps: int) -> dict[str, float]:
     await song(engine, SHORT_S, 4, steps)
     await decoding
     return first
+
+
+def by_ready_and_after(by_ready: int, after: int, named_after: dict[str, int]) -> str:
+    """A table cell: compiled by ready / after it, and what came after, by name."""
+    names = ", ".join(f"{name} {n}" for name, n in named_after.items())
+    return f"{by_ready} / {after}" + (f" ({names})" if names else "")
 
 
 def measure_in_fresh_process(precision: str, cache: str, checkpoint: Path | None = None, fuse: bool = False
@@ -131,19 +142,22 @@ def run(precisions: list[str] | None = None, checkpoint: Path | None = None, war
     for precision in precisions:
         deploy_for(precision)  # a bad name fails before the first run, not after it
     headers = ["stage 1 precision", "compile caches", "ready s", "talker s", "renderer s",
-               f"first audio s ({SONG_S:g} s song)", "song s", "graphs compiled by ready / after (by function)"]
+               f"first audio s ({SONG_S:g} s song)", "song s", "graphs compiled by ready / after (by function)",
+               "our Triton kernels compiled by ready / after (by kernel)"]
     rows = []
     for precision in precisions:
         with tempfile.TemporaryDirectory(prefix="music3serve-ready-") as cache:
             for caches in ["empty", "of the start before"][: 1 + warm]:
                 r = measure_in_fresh_process(precision, cache, checkpoint, fuse)
-                after = ", ".join(f"{name} {n}" for name, n in r["compiled_in_song"].items())
-                graphs = f"{r['graphs_at_ready']} / {r['graphs_in_song']}" + (f" ({after})" if after else "")
+                graphs = by_ready_and_after(r["graphs_at_ready"], r["graphs_in_song"], r["compiled_in_song"])
+                kernels = by_ready_and_after(sum(r["kernels_by_ready"].values()), sum(r["kernels_in_song"].values()),
+                                             r["kernels_in_song"])
                 rows.append([precision, caches, r["ready_s"], r["talker_s"], r["renderer_s"], r["first_audio_s"],
-                             r["song_s"], graphs])
+                             r["song_s"], graphs, kernels])
                 print(table(headers, rows[-1:]), flush=True)
-                print("graphs by ready, by function: " + ", ".join(
-                    f"{name} {n}" for name, n in sorted(r["compiled_by_ready"].items())), flush=True)
+                for what, counts in (("graphs", "compiled_by_ready"), ("our Triton kernels", "kernels_by_ready")):
+                    print(f"{what} by ready: " + ", ".join(f"{name} {n}" for name, n in sorted(r[counts].items())),
+                          flush=True)
     weights = "full-size random weights" if checkpoint is None else f"the checkpoint {checkpoint}"
     weights += ", hot paths compiled by inductor on the CPU" if fuse and checkpoint is not None else ""
     return (f"colocated engine of the default deploy file, {weights} (ready: from weights on the device), each start "
