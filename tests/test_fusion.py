@@ -167,7 +167,7 @@ def test_one_song_and_one_token_compile_no_graphs_of_their_own_before_torch_2_13
     """Without size-oblivious shapes (torch before 2.13, models/fusion.py) dynamo compiles a graph of its own for a
     size of one. The talker never gives its hot paths one: a lone song's frame is drawn beside an idle pair, and the
     per-token paths take every token as a row (a decode step's rows and a prefill chunk's tokens alike). Its warm-up
-    (frames of 1, 2, 4 and 8 songs, prefill chunks of three tokens and of one) compiles each of them once."""
+    (frames of 1, 2, 4 and 8 songs, prefill chunks of 16 tokens and of one) compiles each of them once."""
     from music3serve.models import fusion
 
     monkeypatch.setattr(fusion, "SHARED_SHAPE_SETTINGS", fusion.shared_shape_settings("2.11.0"))

@@ -13,6 +13,7 @@ from .. import contract
 from ..errors import InputError, Music3Error
 from ..hashing import as_int64
 from ..kernels.pdl import pdl_mode
+from ..kernels.skinny_linear_kernel import ROW_TILE
 from ..models.condition_encoder import ConditionEncoder
 from ..models.depth_decoder import DepthDecoder
 from ..models.fusion import enable_fusion, fusion_enabled
@@ -64,12 +65,15 @@ class Talker:
 
     @torch.inference_mode()
     def warm_prefill(self) -> None:
-        """Compile the fused hot paths for prefill shapes (several tokens per row) now, not in the first request.
+        """Compile the fused hot paths and kernels for prefill shapes (several tokens per row) now, not in the first
+        request.
 
-        Writes a first chunk of three tokens (causal attention) and a later one of one token (attention over the
+        Writes a first chunk of ROW_TILE tokens a row (causal attention; 2 * ROW_TILE rows, so the skinny GEMM's tiles
+        for prompts of more than ROW_TILE / 2 tokens, at most 64) and a later one of one token (attention over the
         cache before it, without a mask) into pair 0's KV rows, which any admission overwrites from position 0 before
         they can be read."""
-        for start, tokens in ((0, 3), (3, 1)):
+        first = min(ROW_TILE, self.config.max_model_len - 1)
+        for start, tokens in ((0, first), (first, 1)):
             ids = torch.zeros(2, tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(start, start + tokens, device=self.device)
             self.lm(self.lm.embed(ids), positions, self.slots.prefill(0, start))
