@@ -58,8 +58,10 @@ def test_kernel_compiles_are_counted_by_kernel_from_the_start_given():
     from music3serve.bench.ready import by_ready_and_after
 
     kernels = KernelCompiles()
-    for name in ["split_kernel", "skinny_linear_kernel", "split_kernel", "skinny_linear_kernel"]:
-        kernels.compiled(fn=SimpleNamespace(name=name), key=(), repr="", compile={})
+    for name in ["split_kernel", "skinny_linear_kernel", "split_kernel", "skinny_linear_kernel"]:  # as Triton names them
+        kernels.compiled(fn=SimpleNamespace(name=f"_kernel.<locals>.{name}"), key=(), repr="", compile={},
+                         is_manual_warmup=False, already_compiled=False)
+    kernels.compiled(fn=SimpleNamespace(name="triton_poi_fused_0"), already_compiled=True)  # inductor's: not ours
     assert kernels.since(0) == {"split_kernel": 2, "skinny_linear_kernel": 2}
     assert kernels.since(3) == {"skinny_linear_kernel": 1}
     assert by_ready_and_after(3, 1, kernels.since(3)) == "3 / 1 (skinny_linear_kernel 1)"

@@ -180,8 +180,11 @@ def test_the_depth_blocks_gemms_give_a_row_the_same_bits_for_every_row_count_of_
     mlp = (block.o.weight, block.mlp_norm.weight, block.mlp.gate_up.weight, block.mlp.down.weight, 1e-6)
 
     def gemms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv = depth_decoder.depth_qkv(x, block.attn_norm.weight, block.qkv.weight, 1e-6)
-        return qkv, layers.residual_mlp(x, x.flip(-1), *mlp)  # any attention output: its bits are not the point
+        """Both, as the blocks call them: every position a row of its own (layers.as_tokens), viewed back."""
+        tokens = layers.as_tokens(x)
+        qkv = depth_decoder.depth_qkv(tokens, block.attn_norm.weight, block.qkv.weight, 1e-6)
+        out = layers.residual_mlp(tokens, tokens.flip(-1), *mlp)  # any attention output: its bits are not the point
+        return qkv.view(*x.shape[:2], -1), out.view(x.shape)
 
     for positions in (2, 1):  # the first call, then each cached one
         row = torch.randn(1, positions, DEPTH.hidden).to(torch.bfloat16)
@@ -192,7 +195,7 @@ def test_the_depth_blocks_gemms_give_a_row_the_same_bits_for_every_row_count_of_
             x[at] = row[0]
             for got, want in zip(gemms(x), alone):
                 assert torch.equal(got[at : at + 1], want), f"{positions} positions, beside {rows - 1} rows"
-    assert not launches["refused"] and (64, 2, DEPTH.hidden) in launches["skinny"]
+    assert not launches["refused"] and (128, 1, DEPTH.hidden) in launches["skinny"]
 
 
 def depth_frame(decoder: DepthDecoder, first: torch.Tensor, later: torch.Tensor, cached: bool) -> list[torch.Tensor]:

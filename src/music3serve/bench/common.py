@@ -144,10 +144,10 @@ def compiled_graphs() -> int:
 
 
 class KernelCompiles:
-    """Our Triton kernels compiled in this process, by name, from `watch()` on (Triton's post-compile hook: kernels
-    launched through triton.jit, ours; inductor compiles its own kernels apart and is counted by compiled_graphs). A
-    kernel first compiled while a song plays stalls it as a graph does; a launch that retries with fewer stages
-    (kernels/fitting_stages.py) counts each try."""
+    """Our Triton kernels compiled (or loaded from Triton's cache) in this process, by name, from `watch()` on:
+    Triton's post-compile hook sees the kernels launched through triton.jit, ours; inductor's belong to its graphs
+    (compiled_graphs). A kernel first compiled while a song plays stalls it as a graph does; a launch that retries with
+    fewer stages (kernels/fitting_stages.py) counts each try."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
@@ -160,8 +160,9 @@ class KernelCompiles:
             return
         knobs.runtime.jit_post_compile_hook = self.compiled
 
-    def compiled(self, *, fn: Any, **_: Any) -> None:
-        self.names.append(fn.name)
+    def compiled(self, *, fn: Any, already_compiled: bool = False, **_: Any) -> None:
+        if not already_compiled:  # inductor's kernels, where it calls the hook too
+            self.names.append(fn.name.rpartition(".")[2])  # the kernel, not the factory it is defined in
 
     def since(self, start: int) -> dict[str, int]:
         """Compiles per kernel after the first `start` ones."""

@@ -143,7 +143,7 @@ def run(precisions: list[str] | None = None, checkpoint: Path | None = None, war
         deploy_for(precision)  # a bad name fails before the first run, not after it
     headers = ["stage 1 precision", "compile caches", "ready s", "talker s", "renderer s",
                f"first audio s ({SONG_S:g} s song)", "song s", "graphs compiled by ready / after (by function)",
-               "our Triton kernels compiled by ready / after (by kernel)"]
+               "our Triton kernels compiled or loaded by ready / after (by kernel)"]
     rows = []
     for precision in precisions:
         with tempfile.TemporaryDirectory(prefix="music3serve-ready-") as cache:

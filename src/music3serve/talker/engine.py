@@ -68,12 +68,14 @@ class Talker:
         """Compile the fused hot paths and kernels for prefill shapes (several tokens per row) now, not in the first
         request.
 
-        Writes a first chunk of ROW_TILE tokens a row (causal attention; 2 * ROW_TILE rows, so the skinny GEMM's tiles
-        for prompts of more than ROW_TILE / 2 tokens, at most 64) and a later one of one token (attention over the
-        cache before it, without a mask) into pair 0's KV rows, which any admission overwrites from position 0 before
-        they can be read."""
-        first = min(ROW_TILE, self.config.max_model_len - 1)
-        for start, tokens in ((0, first), (first, 1)):
+        Writes a first chunk of ROW_TILE tokens a row (causal attention) and a later one of one token (attention over
+        the cache before it, without a mask) into pair 0's KV rows, which any admission overwrites from position 0
+        before they can be read. The first chunk's 2 * ROW_TILE rows run the skinny GEMM's tiles of more than ROW_TILE
+        rows, as prompts of ROW_TILE / 2 + 1 to skinny_linear.MAX_ROWS / 2 tokens a row do."""
+        first_chunk = min(ROW_TILE, self.config.max_model_len - 1)
+        for start, tokens in ((0, first_chunk), (first_chunk, 1)):
+            if not tokens:  # a context of one position: the one-token chunk alone
+                continue
             ids = torch.zeros(2, tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(start, start + tokens, device=self.device)
             self.lm(self.lm.embed(ids), positions, self.slots.prefill(0, start))
