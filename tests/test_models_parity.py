@@ -259,6 +259,14 @@ def test_condition_encoder(models, frames: int) -> None:
     assert_close(ours.project(ours.mix(x)), out, "mix + project")
 
 
+def test_condition_encoder_refuses_frames_of_another_width(models) -> None:
+    ours, _ = models("condition_encoder")
+    width = ours.cfg.streams * ours.cfg.hidden
+    message = f"{ours.cfg.streams} streams of {ours.cfg.hidden}, {width} wide; got {width + 1}"
+    with pytest.raises(ValueError, match=message):
+        ours.mix(torch.randn(3, width + 1))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DiT
 

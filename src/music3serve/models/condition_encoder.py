@@ -44,6 +44,9 @@ class ConditionEncoder(nn.Module):
 
     def mix(self, frames: torch.Tensor) -> torch.Tensor:
         """[..., streams * hidden] frame conditioning -> [..., hidden], weighted by softmax(logits) * scale."""
+        if frames.shape[-1] != self.cfg.streams * self.cfg.hidden:
+            raise ValueError(f"frame conditioning is {self.cfg.streams} streams of {self.cfg.hidden}, "
+                             f"{self.cfg.streams * self.cfg.hidden} wide; got {frames.shape[-1]}")
         return mix_streams(frames, torch.softmax(self.stream_logits, dim=0), self.scale)
 
     def project(self, mixed: torch.Tensor) -> torch.Tensor:
