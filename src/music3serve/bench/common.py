@@ -164,6 +164,6 @@ class KernelCompiles:
         if not already_compiled:  # inductor's kernels, where it calls the hook too
             self.names.append(fn.name.rpartition(".")[2])  # the kernel, not the factory it is defined in
 
-    def since(self, start: int) -> dict[str, int]:
-        """Compiles per kernel after the first `start` ones."""
-        return dict(Counter(self.names[start:]))
+    def since(self, start: int, stop: int | None = None) -> dict[str, int]:
+        """Compiles per kernel after the first `start` ones (up to the first `stop`)."""
+        return dict(Counter(self.names[start:stop]))
