@@ -14,6 +14,9 @@ from music3serve import contract
 from music3serve.acoustic.windows import song_windows
 from music3serve.checkpoint import load_models
 from music3serve.errors import InputError
+from music3serve.kernels.skinny_linear import MAX_ROWS
+from music3serve.kernels.skinny_linear_kernel import program_rows
+from music3serve.models import layers
 from music3serve.pipeline import Pipeline
 from music3serve.prompt import encode_prompt
 from music3serve.talker.config import TalkerConfig
@@ -355,6 +358,26 @@ def test_prefill_warm_up_leaves_no_trace(models, solo):
     while talker.busy:
         codes += [e.codes for e in talker.step() if isinstance(e, SongFinished)]
     assert torch.equal(codes[0], solo[0].codes)
+
+
+def test_prefill_warm_up_runs_every_row_tile_a_prompt_can(models, monkeypatch):
+    """On CUDA a prefill chunk's linear layers run the skinny GEMM in programs of ROW_TILE or 2 * ROW_TILE rows (a
+    compiled kernel each) by the chunk's row count; warm_prefill runs the row counts of both, so no prompt compiles
+    one in the first song. Recorded on the CPU from the rows each linear layer is given."""
+    rows = set()
+
+    def record(x: torch.Tensor) -> bool:
+        rows.add(x.numel() // x.shape[-1])
+        return False
+
+    talker = Talker(models.language_model, models.depth_decoder, models.condition_encoder, TalkerConfig())
+    monkeypatch.setattr(layers, "_skinny", record)
+    talker.warm_prefill()
+
+    def programs(counts) -> set[int]:
+        return {program_rows(r, k_over_warps) for r in counts if r <= MAX_ROWS for k_over_warps in (False, True)}
+
+    assert programs(rows) == programs(range(1, MAX_ROWS + 1))
 
 
 def test_a_step_in_flight_for_a_cancelled_song_is_dropped_even_if_its_id_is_reused(models, solo):

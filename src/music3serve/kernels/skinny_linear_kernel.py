@@ -12,7 +12,7 @@ from torch import Tensor
 from .fitting_stages import launch_fitting
 from .pdl import launch_options, uses_pdl
 
-__all__ = ["PREFETCH_BYTES", "ROW_TILE", "VARIANTS", "run_kernel"]
+__all__ = ["PREFETCH_BYTES", "ROW_TILE", "VARIANTS", "program_rows", "run_kernel"]
 
 ROW_TILE = 16  # rows per program up to ROW_TILE rows; 2 * ROW_TILE beyond (K over warps: ROW_TILE always)
 
@@ -54,8 +54,7 @@ def run_kernel(
     pdl = uses_pdl(x.device)
     x_rows, added = _rows(x, rows, k), (y if residual is None else _rows(residual, rows, n))
     line = 128 // w.element_size()  # weight elements in a 128-byte line
-    # K over the warps sums its parts in an order that follows the tile's rows on the GPU: 16-row programs only
-    block_m = ROW_TILE if rows <= ROW_TILE or k_over_warps else 2 * ROW_TILE
+    block_m = program_rows(rows, k_over_warps)
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RESIDUAL=residual is not None,
                      SCALED=scale is not None, WORDS=words, PARTS=warps if k_over_warps else 1, PDL=pdl,
                      PREFETCH_LINES=_prefetch_lines(block_n) if pdl else 1, LINE=line, num_warps=warps)
@@ -66,6 +65,12 @@ def run_kernel(
     )
     launch_fitting(launch, stages, (x.device, x.dtype, w.dtype, stages, *constants.values()))
     return y.view(*x.shape[:-1], n)
+
+
+def program_rows(rows: int, k_over_warps: bool) -> int:
+    """Rows per program (BLOCK_M, a compiled kernel of its own): ROW_TILE for up to ROW_TILE rows, else 2 * ROW_TILE.
+    K over the warps sums its parts in an order that follows the tile's rows on the GPU: ROW_TILE always."""
+    return ROW_TILE if rows <= ROW_TILE or k_over_warps else 2 * ROW_TILE
 
 
 def _variant(w: Tensor, scale: Tensor | None, name: str) -> tuple[int, bool]:
