@@ -95,6 +95,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._head = b""
+        self._lost: tuple[int | None] | None = None  # once lost: the bytes it left unacknowledged (None: unknown)
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             self.refusals()
@@ -135,7 +136,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not None:  # set as the request arrives, before its app task starts
             extensions = self.cycle.scope.setdefault("extensions", {})
             extensions.setdefault(RESET, {"reset": self._reset})
-            extensions.setdefault(UNACKNOWLEDGED, {"bytes": self._unacknowledged})
+            extensions.setdefault(UNACKNOWLEDGED, {"bytes": self._unacknowledged,
+                                                   "open": lambda: not self.transport.is_closing()})
         state = self.conn.their_state
         receiving = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
         upgraded = self.transport.get_protocol() is not self
@@ -159,9 +161,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def _unacknowledged(self) -> int | None:
         """Bytes written to the connection and not yet acknowledged by the client's TCP: those the transport still
-        holds, and on Linux those in the kernel's send queue (SIOCOUTQ); None once the connection is closing."""
-        if self.transport.is_closing():
-            return None
+        holds, and on Linux those in the kernel's send queue (SIOCOUTQ). Once the connection is lost, those it left
+        (a client that closes as soon as it has read a whole response is no loss); None where it was lost to an
+        error, which may empty the kernel's queue."""
+        return self._lost[0] if self._lost is not None else self._held()
+
+    def _held(self) -> int:
         held = self.transport.get_write_buffer_size()
         sock = self.transport.get_extra_info("socket")
         if sys.platform == "linux" and sock is not None:
@@ -182,6 +187,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._lost = (self._held() if exc is None else None,)  # asyncio closes the socket after this returns
         super().connection_lost(exc)
 
     def _arm(self) -> None:

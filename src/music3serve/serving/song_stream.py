@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 # The ASGI scope extensions by which the server (serving/http_guard) tells the app about a connection:
 # RESET {"reset": callable}: close it with a TCP reset. A response without the chunked encoding (HTTP/1.0) cannot say
 # it was cut short but by a reset (a plain close reads as its end), and a close waits for buffers a stalled client
-# never reads. UNACKNOWLEDGED {"bytes": callable}: the response's bytes written but not yet acknowledged by the
-# client's TCP (None once the connection is closed).
+# never reads. UNACKNOWLEDGED {"bytes": callable, "open": callable}: the response's bytes written but not yet
+# acknowledged by the client's TCP (once the connection is lost, those it left; None where that is unknown), and
+# whether the connection still takes writes.
 RESET = "music3serve.reset"
 UNACKNOWLEDGED = "music3serve.unacknowledged"
 SEND_PIECE_BYTES = 256 * 1024  # one send at most: each must drain within WRITE_STALL_S, even for a slow reader
@@ -89,18 +90,21 @@ class SongStream(StreamingResponse):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         extensions = scope.get("extensions", {})
-        probe = extensions.get(UNACKNOWLEDGED, {}).get("bytes", lambda: 0)  # elsewhere: a write taken is sent
+        guard = extensions.get(UNACKNOWLEDGED, {})
+        probe = guard.get("bytes", lambda: None if self.left else 0)  # elsewhere: a write taken is sent
+        connected = guard.get("open", lambda: True)
         watcher = asyncio.ensure_future(watch_disconnect(Request(scope, receive), self._gone))
 
         async def send_or_give_up(message: dict) -> None:
             body = message.get("body", b"")
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 self.song.delivered = self.song.state == "done" and await self._acknowledged(probe)
+            accepted = bool(body) and not self.left and connected()  # uvicorn drops what a closed one is sent
             try:
                 await asyncio.wait_for(send(message), WRITE_STALL_S)
             except TimeoutError:
                 self._stalled()
-            if body and not self.left and probe() is not None:
+            if accepted:  # counted also where the client took the bytes and closed while they drained
                 self.song.samples_sent += self.in_flight
             self.in_flight = 0
 
@@ -123,16 +127,16 @@ class SongStream(StreamingResponse):
 
     async def _acknowledged(self, unacknowledged: Callable[[], int | None]) -> bool:
         """Whether every byte sent so far reached the client's TCP (its acknowledgement), waiting up to WRITE_STALL_S;
-        False once the connection is closed."""
+        also for a client that closed once it had them all, not for one that left before."""
         wait, waited = ACK_POLL_S[0], 0.0
         while (left := unacknowledged()) != 0:
-            if left is None or self.left:
+            if left is None or self.left:  # the connection is lost (the client left): its count is final
                 return False
             if waited >= WRITE_STALL_S:
                 self._stalled()
             await asyncio.sleep(wait)
             waited, wait = waited + wait, min(2 * wait, ACK_POLL_S[1])
-        return not self.left
+        return True
 
     def _stalled(self) -> None:
         log.warning("client stopped reading", extra={"song": self.song.name, "samples": self.song.samples_sent})
