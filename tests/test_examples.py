@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from decoding import assert_song_audio, expected_samples  # tests/ is on the imp
 from polling import poll_until
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
+README = Path(__file__).parents[1] / "README.md"
 SCRIPT_FRAMES = 250  # the scripts' max_new_tokens and curl.sh's 10 s: each song runs to its cap on the tiny model
 PAGE_SECONDS = 12  # 300 frames: the first window's audio leaves at frame 201, the last at 300
 PAGE_SEED = 2**64 - 1  # the largest seed: past what a JavaScript number holds exactly
@@ -275,3 +277,15 @@ def test_curl_sh_stops_at_an_http_error_with_its_body_shown(example_runs):
     run = ran(example_runs, "curl.sh wrong key", ok=False)
     assert json.loads(run.stderr) == {"error": "the API key is not valid"}  # /v1/songs' error body
     assert list(run.folder.iterdir()) == []  # no error body left behind as a song
+
+
+def test_the_readmes_openai_sdk_example_runs_as_written(api_url, tmp_path):
+    """README.md's OpenAI SDK example, pasted as it is with the server's address: a 30 s song at 32 kHz (it named
+    variables it never set)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    code = next(block for block in blocks if "from openai import OpenAI" in block)
+    assert code.count("http://localhost:8000") == 1
+    subprocess.run([sys.executable, "-c", code.replace("http://localhost:8000", api_url)], cwd=tmp_path, check=True,
+                   timeout=300)
+    audio, rate = soundfile.read(tmp_path / "song.wav", dtype="int16")
+    assert rate == SPEECH_RATE and audio.shape == (expected_samples(750, rate), 2)
