@@ -100,6 +100,9 @@ BAD_BODIES = {
     "duration Infinity": (raw(duration="=Infinity"), "duration: Input should be a finite number"),
     "duration -Infinity": (raw(duration="=-Infinity"), "duration: Input should be a finite number"),
     "duration 1e308": (raw(duration=1e308), "duration: Input should be less than or equal to 360"),
+    # an integer past a float's range: pydantic says only "Input should be a valid number"
+    "duration of 311 digits": (raw(duration="=1" + "0" * 310),
+                               "duration: a number of 311 digits is out of range (greater than 0, at most 360)"),
     "duration true": (raw(duration=True), "duration: Input should be a valid number"),
     "duration 1e-9": (raw(duration=1e-9), "duration 1e-09 s is shorter than one frame"),
     # Zero is refused by the body's schema (duration > 0), not left for the engine's own check to catch.
@@ -123,6 +126,9 @@ BAD_BODIES = {
                          f"caption is 5001 characters long; the limit is {MAX_CAPTION_CHARS} characters"),
     "lyrics 0.6 MB": (raw(lyrics="la " * 200_000),
                       f"lyrics is 600000 characters long; the limit is {MAX_LYRICS_CHARS} characters"),
+    # the parser's RecursionError spoke of "maximum recursion depth exceeded while decoding a JSON array"
+    "arrays 5000 deep": (raw(caption="=" + "[" * 5000 + "]" * 5000),
+                         "the body is not valid JSON: its arrays and objects are nested too deeply"),
     "truncated JSON": ('{"caption": "pop", "lyrics": "la",', "the body is not valid JSON: Expecting property name"),
     "a raw tab in a string": ('{"caption": "a\tb", "lyrics": "la"}',
                               "the body is not valid JSON: Invalid control character at character 14"),
@@ -151,6 +157,20 @@ def test_the_body_schema_takes_its_inclusive_bounds(field: str, value: int) -> N
     schema takes each (one past it is refused above and in test_api.py)."""
     body = SongBody.model_validate_json(json.dumps({"caption": "pop", "lyrics": "la", field: value}))
     assert getattr(body, field) == value
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "text/json"])
+def test_a_body_not_sent_as_json_is_refused_naming_its_content_type(client, engine, content_type):
+    """A JSON object sent without Content-Type: application/json (curl -d sends a form's type) is never parsed: the
+    error names the header and the type sent (it said the body must be a JSON object, which it was)."""
+    before = requests_total(engine)
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.post("/v1/songs", content=raw().encode(), headers=headers)
+    assert response.status_code == 400
+    got = repr(content_type) if content_type else "missing"
+    assert response.json()["error"] == ("send the body as JSON with Content-Type: application/json; this request's is "
+                                        + got)
+    assert requests_total(engine) == before
 
 
 def test_a_body_is_utf8_json_naming_each_key_once(client, engine):

@@ -83,7 +83,8 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         takes_model = model is not None and "model" in model.model_fields
         if takes_model and isinstance(named, str) and named not in served_model_names:
             return model_not_served(reply_for(request), named, served_model_names)
-        return reply_for(request)(400, describe(exc, model), param=first_field(exc))
+        message = describe(exc, model, request.headers.get("content-type"))
+        return reply_for(request)(400, message, param=first_field(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -99,6 +100,8 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
             why = str(exc.__cause__)
             if "integer string conversion" in why:  # Python's guard on decoding huge integers
                 why = f"a number has more than {sys.get_int_max_str_digits()} digits"
+            if isinstance(exc.__cause__, RecursionError):  # the parser's words name Python, not the body
+                why = "its arrays and objects are nested too deeply"
             return reply(400, f"the body is not valid JSON: {why}", exc.headers)
         return reply(exc.status_code, str(exc.detail), exc.headers)
 

@@ -144,6 +144,23 @@ def _model_at(model: type[BaseModel] | None, keys: tuple) -> type[BaseModel] | N
 
 
 OBJECT_EXPECTED = ("model_attributes_type", "dict_type", "model_type")  # pydantic's types of "not an object"
+BOUND_WORDS = (("gt", "greater than"), ("ge", "at least"), ("lt", "less than"), ("le", "at most"))
+
+
+def json_media_type(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON: application/json or application/*+json."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _past_float(model: type[BaseModel] | None, keys: tuple, value: int) -> str:
+    """An integer too large for a float field (pydantic says only "a valid number"): its size and the field's
+    bounds."""
+    parent = _model_at(model, keys[:-1])
+    field = parent.model_fields.get(keys[-1]) if parent is not None and keys else None
+    bounds = [f"{words} {getattr(rule, name):g}" for rule in (field.metadata if field else ())
+              for name, words in BOUND_WORDS if getattr(rule, name, None) is not None]
+    return f"a number of {len(str(abs(value)))} digits is out of range" + (f" ({', '.join(bounds)})" if bounds else "")
 
 
 def first_field(exc: RequestValidationError) -> str | None:
@@ -154,9 +171,9 @@ def first_field(exc: RequestValidationError) -> str | None:
     return None
 
 
-def describe(exc: RequestValidationError, model: type[BaseModel] | None = None) -> str:
-    """One message for the ways a body of `model` failed validation (the first MAX_ERRORS, then a count); an unknown
-    key's message ends with the keys allowed where it is, when the model is known."""
+def describe(exc: RequestValidationError, model: type[BaseModel] | None = None, content_type: str | None = None) -> str:
+    """One message for the ways a body of `model` sent as `content_type` failed validation (the first MAX_ERRORS,
+    then a count); an unknown key's message ends with the keys allowed where it is, when the model is known."""
     parts = []
     allowed: dict[str, tuple[str, ...]] = {}  # where an unknown key is -> the keys allowed there
     errors = exc.errors()
@@ -164,6 +181,10 @@ def describe(exc: RequestValidationError, model: type[BaseModel] | None = None) 
         kind, keys = err.get("type"), tuple(p for p in err.get("loc", ()) if p != "body")
         if not keys and kind == "missing":
             parts.append("the body is empty: send the song request as a JSON object")
+            continue
+        if not keys and kind in OBJECT_EXPECTED and not json_media_type(content_type):  # FastAPI did not parse it
+            parts.append("send the body as JSON with Content-Type: application/json; this request's is "
+                         + (f"{content_type!r:.80}" if content_type else "missing"))
             continue
         if not keys and kind in OBJECT_EXPECTED:
             parts.append("the body must be a JSON object ({...}, not a list, string, number or null), sent with "
@@ -180,6 +201,8 @@ def describe(exc: RequestValidationError, model: type[BaseModel] | None = None) 
             message = str(err.get("ctx", {}).get("error", message))
         elif kind in OBJECT_EXPECTED:
             message = "must be a JSON object"
+        elif kind == "float_type" and type(err.get("input")) is int:
+            message = _past_float(model, keys, err["input"])
         elif kind == "extra_forbidden":
             message, parent = "unknown key", _model_at(model, keys[:-1])
             if parent is not None:
