@@ -272,6 +272,10 @@ def test_malformed_json_and_unknown_routes(client):
     assert response.status_code == 400 and f"a number has more than {digits} digits" in response.json()["error"]
     for path in ("/v1/nothing", "/redoc"):  # /docs and /openapi.json are served (tests/test_openapi.py)
         assert client.get(path).status_code == 404, path
+    for method in ("GET", "DELETE"):  # an id with an encoded slash is a path of its own, named (it said "Not Found")
+        response = client.request(method, "/v1/songs/a%2Fb")
+        assert response.status_code == 404 and response.json()["error"] == (
+            "there is no '/v1/songs/a/b' here; the paths this server has are listed at /openapi.json")
     assert client.post("/v1/nothing").status_code == 404  # no body asked for: not 411
     assert client.post("/health").status_code == 405
     assert client.get("/v1/songs/never-seen").status_code == 404

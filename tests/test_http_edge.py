@@ -136,7 +136,8 @@ def test_a_browser_preflight_is_answered_for_an_allowed_origin_only(client):
     refused = client.options("/v1/audio/speech", headers={**preflight, "Origin": "https://evil.example"})
     assert refused.status_code == 400 and "--allowed-origins" in refused.json()["error"]["message"]  # OpenAI's body
     unknown = client.options("/v1/nowhere", headers=preflight)
-    assert unknown.status_code == 404 and unknown.json() == {"error": "Not Found"}
+    assert unknown.status_code == 404 and unknown.json() == {
+        "error": "there is no '/v1/nowhere' here; the paths this server has are listed at /openapi.json"}
     response = client.post("/v1/songs", headers={**ONE, "Origin": ORIGIN}, json={**SONG, "stream": False})
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
     exposed = response.headers["access-control-expose-headers"].lower()

@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute, Match
 
-from .error_bodies import error_reply_for
+from .error_bodies import error_reply_for, unknown_path
 
 ASGIApp = Callable[..., Awaitable[None]]
 OWNER = "music3serve.api_key"  # the scope key under which ApiKeys leaves the index of the request's key
@@ -155,7 +155,7 @@ class Cors(CORSMiddleware):
             return await super().__call__(scope, receive, send)
         reply = error_reply_for(route_path(scope))
         if next(_routes_at(self.routes, scope), None) is None:
-            return await reply(404, "Not Found")(scope, receive, send)
+            return await reply(404, unknown_path(scope["path"]))(scope, receive, send)
         response = self.preflight_response(headers)
         if response.status_code == 400:
             response = reply(400, self._refusal(headers), {"Vary": "Origin"})

@@ -27,7 +27,7 @@ from ..errors import public_text
 from .access import OWNER, Access, allowed_methods, cors_headers, install, route_path
 from .body_limits import BoundedBody
 from .engine import Engine
-from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response, model_not_served
+from .error_bodies import SONGS_PATH, ErrorReply, error_reply_for, error_response, model_not_served, unknown_path
 from .music_generation import add_music_routes
 from .openai_speech import add_speech_routes
 from .openapi_docs import (
@@ -92,6 +92,8 @@ def create_app(engine: Engine, close_engine: bool = False, access: Access = Acce
         if exc.status_code == 405:
             methods = allowed_methods(app.router.routes, request.scope)
             return reply(405, f"{request.method} is not allowed here; this path takes {methods}", {"Allow": methods})
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route has the path (Starlette's own 404)
+            return reply(404, unknown_path(request.url.path), exc.headers)
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
         if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI decodes UTF-8 only

@@ -70,6 +70,11 @@ def renaming(reply: ErrorReply, names: dict[str, str], prompt: str, busy_hint: s
     return renamed
 
 
+def unknown_path(path: str) -> str:
+    """The 404 of a path no route has (a song id holds no '/': /v1/songs/a%2Fb is such a path too)."""
+    return f"there is no {path!r:.100} here; the paths this server has are listed at /openapi.json"
+
+
 def model_not_served(reply: ErrorReply, model: str, served: Sequence[str],
                      listed_at: str = f" (GET {MODELS_PATH})") -> JSONResponse:
     """The 404 of a `model` this server does not serve, naming those it does (and where they are listed)."""
