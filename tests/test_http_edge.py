@@ -175,6 +175,8 @@ def test_a_route_with_its_own_error_body_gets_its_401_and_host_refusal_in_it(cli
     ("localhost:8000", True), ("127.0.0.1", True), ("127.8.9.1:80", True), ("[::1]:8000", True),
     ("app.localhost", True), ("music.example:8000", True), ("MUSIC.example", True),
     ("rebound.attacker.example", False), ("music.example.attacker.example", False), ("10.0.0.5:8000", False),
+    # malformed: an unclosed bracket, a port that is no number (both were taken for loopback names)
+    ("[::1", False), ("127.0.0.1:abc", False), ("[::1]x", False), ("localhost:80:80", False),
 ])
 def test_a_server_on_loopback_answers_loopback_names_and_the_allowed_hosts_only(client, host, allowed):
     response = client.get("/openapi.json", headers={"Host": host})

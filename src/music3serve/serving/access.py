@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
@@ -59,7 +60,8 @@ class HostPolicy:
         name = _host_name(host)
         if self.loopback and is_loopback(name):
             return True
-        return any(p == "*" or p == name or (p.startswith("*.") and name.endswith(p[1:])) for p in self.patterns)
+        return any(p == "*" or (name and (p == name or (p.startswith("*.") and name.endswith(p[1:]))))
+                   for p in self.patterns)
 
 
 def is_loopback(name: str) -> bool:
@@ -72,14 +74,20 @@ def is_loopback(name: str) -> bool:
         return False
 
 
+# A Host header value: an IPv6 address in brackets or a name (or IPv4 address), with an optional port of digits.
+HOST_VALUE = re.compile(r"\[(?P<address>[^\]]*)\](?::[0-9]*)?|(?P<name>[^:\[\]]*)(?::[0-9]*)?")
+
+
 def _host_name(host: str) -> str:
-    """The name or address of a Host header value, without its port and an IPv6 address's brackets."""
+    """The name or address of a Host header value, without its port and an IPv6 address's brackets; "" (which only
+    the pattern `*` allows) for a value of another form, such as an unclosed bracket or a port that is no number."""
     host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    if host.count(":") == 1:
-        host = host.partition(":")[0]
-    return host.rstrip(".")
+    if host.count(":") > 1 and not host.startswith("["):  # an IPv6 address without its brackets
+        return host
+    match = HOST_VALUE.fullmatch(host)
+    if match is None:
+        return ""
+    return match["address"] if match["address"] is not None else match["name"].rstrip(".")
 
 
 @dataclass(frozen=True)
