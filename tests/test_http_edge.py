@@ -75,7 +75,8 @@ def test_the_apps_start_and_shutdown_run_whatever_access_it_has(access):
 # --- API keys, ownership, CORS ----------------------------------------------------------------------------------
 def test_v1_routes_need_a_key_and_health_and_metrics_stay_open(client):
     for headers, why in (({}, "needs an API key"), ({"Authorization": "Bearer nope"}, "not valid"),
-                         ({"Authorization": "Basic a2V5LW9uZQ=="}, "must be Bearer")):
+                         ({"Authorization": "Basic a2V5LW9uZQ=="}, "must be Bearer"),
+                         ({"Authorization": "Bearer"}, "the API key is empty")):  # "Bearer $UNSET", its space stripped
         for method, path in (("POST", "/v1/songs"), ("GET", "/v1/songs/x"), ("DELETE", "/v1/songs/x")):
             response = client.request(method, path, headers=headers, json=SONG if method == "POST" else None)
             assert response.status_code == 401, (method, path, headers)

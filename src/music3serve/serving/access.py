@@ -135,9 +135,10 @@ class ApiKeys:
             given = _digest(token.strip())
             matches = [hmac.compare_digest(given, digest) for digest in self.digests]  # every key, each in full
             if scheme.lower() != b"bearer" or True not in matches:
-                message = ("this server needs an API key: send Authorization: Bearer <key>" if not header else
-                           "the API key is not valid" if scheme.lower() == b"bearer" else
-                           "the Authorization header must be Bearer <key>")
+                message = ("this server needs an API key: send Authorization: Bearer <key>" if not header.strip()
+                           else "the Authorization header must be Bearer <key>" if scheme.lower() != b"bearer"
+                           else "the API key is empty: send Authorization: Bearer <key>" if not token.strip()
+                           else "the API key is not valid")
                 reply = error_reply_for(route_path(scope))
                 return await reply(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             scope[OWNER] = matches.index(True)
