@@ -421,3 +421,41 @@ def test_serve_ray_passes_model_names_and_quantization_to_the_application(monkey
     assert built[1].deploy().stages[1].dtype == "bfloat16" and built[0].deploy().stages[1].dtype == "float32"
     with pytest.raises(ValueError, match="--served-model-name must be a name"):
         RayAppArgs(tiny=True, served_model_names=[" "])
+
+
+def test_serve_ray_ends_on_sigterm_with_status_143_and_leaves_no_process(tiny_dir, cluster):
+    """`music3serve serve --ray` stopped by SIGTERM (docker stop, systemd) unwinds as the plain server does: the
+    application deleted, its Ray stopped, "terminated" and exit status 143. Ray's driver put in a handler of its own
+    that dumped its stack and aborted (134). Runs after the module's Ray is down (`cluster`'s stop)."""
+    import signal
+    import subprocess
+    import sys
+
+    cluster[1]()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}  # a local Ray of its own
+    command = [sys.executable, "-m", "music3serve.cli", "serve", "--ray", "--model", str(tiny_dir), "--device", "cpu",
+               "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        poll_until(lambda: process.poll() is not None or healthy(f"http://127.0.0.1:{port}"), 180)
+        assert process.poll() is None, process.communicate()
+        ray_processes = descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143 and "terminated" in stderr and "SIGTERM received" not in stderr, stderr[-2000:]
+    assert ray_processes
+    poll_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ray_processes), 60)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import threading
 from typing import Any, AsyncIterator, Iterator, Literal
 
@@ -237,7 +238,10 @@ def on_ray(host: str, port: int) -> Iterator[None]:
 
     started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
+        sigterm = signal.getsignal(signal.SIGTERM)
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+        if sigterm is not None and threading.current_thread() is threading.main_thread():  # Ray's dumps and aborts
+            signal.signal(signal.SIGTERM, sigterm)  # the CLI's unwinds: the app deleted, Ray stopped, exit 143
     try:
         serve.start(http_options={"host": host, "port": port})  # a Serve already running keeps its own
         yield
