@@ -892,6 +892,6 @@ def test_serve_warns_when_it_listens_beyond_loopback_without_keys(tmp_path: Path
     monkeypatch.delenv("MUSIC3_API_KEY", raising=False)
     serve = ["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
     for host, keys, warned in (("0.0.0.0", [], True), ("0.0.0.0", ["--api-key", "k"], False),
-                               ("127.0.0.1", [], False), ("localhost", [], False)):
+                               ("127.0.0.1", [], False), ("localhost", [], False), ("127.1", [], False)):
         code, err = run_cli(serve + ["--host", host] + keys, capsys)
         assert code == 0 and ("listens beyond this machine without API keys" in err) is warned, (host, keys, err)

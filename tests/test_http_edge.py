@@ -194,6 +194,16 @@ def test_health_and_metrics_answer_any_host(client, host):
     assert client.get("/v1/songs/x", headers={**ONE, "Host": host}).status_code == 400
 
 
+@pytest.mark.parametrize("bind", ["127.1", "2130706433", "0x7f.0.0.1", "localhost", "::1"])
+def test_a_server_bound_to_loopback_in_any_address_form_answers_loopback_names_only(bind):
+    """--host 127.1 listens on 127.0.0.1, as the socket layer reads it; the policy took it for another address and
+    answered any Host (and `serve` warned that it listened beyond this machine)."""
+    from music3serve.serving.access import HostPolicy
+
+    policy = HostPolicy.for_bind(bind)
+    assert policy.allows("localhost:8000") and not policy.allows("rebound.attacker.example")
+
+
 def test_a_server_on_all_interfaces_answers_any_host_unless_told_which():
     from music3serve.serving.access import HostPolicy
 

@@ -102,9 +102,9 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
 
 def warn_if_open(args: argparse.Namespace) -> None:
     """A server reachable from the network (bound to other than loopback) without API keys: said at start."""
-    from .serving.access import is_loopback
+    from .serving.access import binds_loopback
 
-    if not args.api_key and not is_loopback(args.host):
+    if not args.api_key and not binds_loopback(args.host):
         log.warning("the server listens beyond this machine without API keys: anyone who can reach it may use it (set "
                     "--api-key or MUSIC3_API_KEY, or --host 127.0.0.1)", extra={"host": args.host})
 

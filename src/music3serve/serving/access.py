@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
@@ -52,7 +53,7 @@ class HostPolicy:
         """Bound to a loopback address: loopback names and addresses, and `allowed`. Bound elsewhere (all
         interfaces): `allowed` where given, else any host (probes and proxies reach it by names of their own)."""
         allowed = tuple(_host_name(a) for a in allowed)  # a port or an IPv6 address's brackets are no part of it
-        if is_loopback(bind):
+        if binds_loopback(bind):
             return cls(True, allowed)
         return cls(False, allowed or ("*",))
 
@@ -62,6 +63,15 @@ class HostPolicy:
             return True
         return any(p == "*" or (name and (p == name or (p.startswith("*.") and name.endswith(p[1:]))))
                    for p in self.patterns)
+
+
+def binds_loopback(host: str) -> bool:
+    """Whether a server bound to `host` listens on this machine's loopback alone, its address read as the socket layer
+    reads it (127.1 and 2130706433 are 127.0.0.1)."""
+    try:
+        return is_loopback(host) or ipaddress.ip_address(socket.inet_aton(host)).is_loopback
+    except OSError:  # not an IPv4 address in any of its forms
+        return False
 
 
 def is_loopback(name: str) -> bool:
