@@ -867,7 +867,7 @@ def test_serve_takes_api_keys_origins_and_hosts(tmp_path: Path, capsys, monkeypa
     assert flags.hosts.allows("anything.example")  # all interfaces, no --allowed-hosts: any Host
     for bad, needle in ((["--api-key", "has space"], "API key"), (["--allowed-origins", "https://a.example/app"],
                         "not an origin"), (["--allowed-hosts", "a/b"], "not a host name"), (["--allowed-origins", ","],
-                        "empty list")):
+                        "empty list"), (["--allowed-origins", "https://*.a.example"], "matched whole, with no patterns")):
         with pytest.raises(SystemExit) as info:
             cli.main(serve + bad)
         assert info.value.code == 2 and needle in capsys.readouterr().err, bad

@@ -140,6 +140,9 @@ def origin(value: str) -> str:
                                          "https://app.example.com or http://localhost:3000) or *")
     if value == "*":
         return value
+    if "*" in rest:  # CORS matches origins whole: a pattern would never match a page
+        raise argparse.ArgumentTypeError(f"{value!r}: an origin is matched whole, with no patterns: name each one "
+                                         "(https://a.example.com, https://b.example.com), or * for any")
     scheme, rest = scheme.lower(), rest.lower()
     port = DEFAULT_PORTS.get(scheme)
     return f"{scheme}://{rest.removesuffix(port) if port else rest}"
