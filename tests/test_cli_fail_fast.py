@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).parents[1] / "src"
+FP8_DEPLOY = Path(__file__).parents[1] / "examples" / "deploy" / "fp8_24gb.yaml"  # both stages quantization: fp8
 # Runs cli.main on the arguments and prints, after its output, whether torch (or the engine) was ever imported.
 WRAPPER = (
     "import sys\n"
@@ -60,10 +61,23 @@ CASES = {
                           "--quantization fp8 runs stage 1 on bf16 activations"),
     "fp8-float32": (generate("--quantization", "fp8", "--acoustic-dtype", "float32"),
                     "--quantization fp8 runs stage 1 on bf16 activations"),
+    # the file's fp8 overrides its own dtype, not the flag's (it was overridden without a word)
+    "file-fp8-float32": (["serve", "--tiny", "--config", str(FP8_DEPLOY), "--acoustic-dtype", "float32"],
+                         "--acoustic-dtype float32: stage 1 has quantization fp8 in"),
+    "empty-model": (generate("--model", ""), "--model is an empty path"),  # it read as no --model at all
     "bench-flags": (["bench", "talker", "--placement", "split"], "apply to `bench e2e` only"),
     "bench-batch": (["bench", "e2e", "--render-batch", "0"], "argument --render-batch: must be at least 1, got 0"),
     "make-tiny-seed": (["make-tiny", "tiny", "--seed", "-1"], "seed must be an integer in [0, 2**64), got -1"),
 }
+
+
+@pytest.mark.parametrize("value", ["abc", "", "0", "-1", "2.5"])
+def test_a_bad_omp_num_threads_is_refused_before_torch_is_imported(value, tmp_path: Path):
+    """OpenMP ignores a value it cannot read (with a warning of its own) and takes every core: neither refused nor
+    replaced by the one thread the docs promise."""
+    code, err, _ = run_cli(generate(), tmp_path, env={"OMP_NUM_THREADS": value})
+    assert code == 2 and f"OMP_NUM_THREADS={value!r} is not a number of threads" in err, err
+    assert err.rstrip().endswith("imported: none"), err
 
 
 @pytest.mark.parametrize("args, message", list(CASES.values()), ids=list(CASES))

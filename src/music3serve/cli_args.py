@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Callable
@@ -188,7 +189,7 @@ def check_generate(args: argparse.Namespace) -> None:
     check_steps(args.steps)
     check_text("caption", args.caption, MAX_CAPTION_CHARS)
     check_text("lyrics", args.lyrics, MAX_LYRICS_CHARS)
-    pdl_mode()
+    check_runtime(args)
 
 
 def check_serve(args: argparse.Namespace) -> None:
@@ -211,6 +212,19 @@ def check_serve(args: argparse.Namespace) -> None:
         args.deploy = with_stage1_dtype(args.deploy, args.acoustic_dtype)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # else the cluster's proxy listens, not this host
         check_port(args.host, args.port)
+    check_runtime(args)
+
+
+def check_runtime(args: argparse.Namespace) -> None:
+    """What generate and serve share: a --model that names a folder, and the environment's settings."""
+    if args.model == "":
+        raise Music3Error("--model is an empty path: name the checkpoint folder, or leave --model out (MUSIC3_MODEL, "
+                          "else the Hugging Face cache)")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None and not re.fullmatch(r"\s*[1-9][0-9]*\s*(,\s*[1-9][0-9]*\s*)*", threads):
+        # OpenMP ignores it with a warning of its own and takes every core
+        raise Music3Error(f"OMP_NUM_THREADS={threads!r:.40} is not a number of threads: set it to one (say 4), or "
+                          "unset it for one thread on the CPU")
     pdl_mode()
 
 

@@ -170,7 +170,11 @@ def with_quantization(deploy: DeployConfig, quantization: str) -> DeployConfig:
 
 
 def with_stage1_dtype(deploy: DeployConfig, dtype: str) -> DeployConfig:
-    """`deploy` with stage 1's `dtype` (the benchmarks' bf16 acoustic decoder)."""
+    """`deploy` with stage 1's `dtype` (serve's --acoustic-dtype); float32 is refused where stage 1 runs FP8, whose
+    activations are bf16 (the file's dtype is overridden there, an explicit flag is not)."""
+    if dtype == "float32" and deploy.stages[1].quantization == "fp8":
+        raise ConfigError(f"--acoustic-dtype float32: stage 1 has quantization fp8 in {deploy.source}, which runs "
+                          "bf16 activations; drop --acoustic-dtype float32, or give --quantization none")
     return replace(deploy, stages=(deploy.stages[0], replace(deploy.stages[1], dtype=dtype)))
 
 
