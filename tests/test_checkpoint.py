@@ -325,21 +325,21 @@ def test_broken_config(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name,key,value,fragment", [
-    ("dit", "in_channels", "128", "'channels' must be a positive int"),
-    ("depth_decoder", "num_layers", [4], "'layers' must be a positive int"),
+    ("dit", "in_channels", "128", "'in_channels' must be a positive int"),
+    ("depth_decoder", "num_layers", [4], "'num_layers' must be a positive int"),
     ("vocoder", "upsampling_ratios", 8, "wrong type"),  # not a list: fails as the config is built
     ("dit", "rotary_dim", "8", "'rotary_dim' must be a positive int"),  # used only when a window renders
-    ("dit", "fourier_embedding_dim", 0, "'fourier' must be a positive int"),
-    ("language_model", "rms_norm_eps", -1e-6, "'eps' must be a positive float"),
-    ("depth_decoder", "num_attention_heads", True, "'heads' must be a positive int"),
-    ("language_model", "rms_norm_eps", float("inf"), "'eps' must be a positive float, got Infinity"),  # outputs all 0
+    ("dit", "fourier_embedding_dim", 0, "'fourier_embedding_dim' must be a positive int"),
+    ("language_model", "rms_norm_eps", -1e-6, "'rms_norm_eps' must be a positive float"),
+    ("depth_decoder", "num_attention_heads", True, "'num_attention_heads' must be a positive int"),
+    ("language_model", "rms_norm_eps", float("inf"), "'rms_norm_eps' must be a positive float, got Infinity"),  # outputs all 0
     ("language_model", "rope_theta", float("inf"), "'rope_theta' must be a positive float, got Infinity"),
     ("language_model", "rope_theta", True, "'rope_theta' must be a positive float, got true"),  # loaded as 1.0
     ("language_model", "rope_theta", "1e6", '\'rope_theta\' must be a positive float, got "1e6"'),  # was accepted
-    ("language_model", "rms_norm_eps", "1e-6", '\'eps\' must be a positive float, got "1e-6"'),
+    ("language_model", "rms_norm_eps", "1e-6", '\'rms_norm_eps\' must be a positive float, got "1e-6"'),
     ("language_model", "rope_parameters", ["default"], "'rope_parameters' must be a JSON object"),
-    ("vocoder", "upsampling_ratios", [8, 0], "'strides' must be a non-empty list of positive ints"),
-    ("vocoder", "upsampling_ratios", [], "'strides' must be a non-empty list of positive ints, got []"),
+    ("vocoder", "upsampling_ratios", [8, 0], "'upsampling_ratios' must be a non-empty list of positive ints"),
+    ("vocoder", "upsampling_ratios", [], "'upsampling_ratios' must be a non-empty list of positive ints, got []"),
     # Values that name another architecture or change the math we run (these all loaded, and generated, silently).
     ("language_model", "hidden_act", "gelu", 'hidden_act is "gelu", we support only "silu"'),
     ("language_model", "attention_bias", True, "attention_bias is true, we support only false"),

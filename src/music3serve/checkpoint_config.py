@@ -131,10 +131,10 @@ def config_values(path: Path) -> Iterator[None]:
         raise CheckpointError(f"{path}: a value has the wrong type or size ({exc})") from exc
 
 
-def checked_fields(config: Any) -> Any:
+def checked_fields(config: Any, raw: dict[str, Any] | None = None) -> Any:
     """The config, once every field holds a positive value of its annotated type (int, float, or a tuple of ints):
     a value the model uses only when it generates ("8" for a rotary width) fails here, at load, not in the first
-    song."""
+    song. A failure names the key of `raw` (the config.json it was read from) that holds the value."""
     hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         value, kind = getattr(config, field.name), hints[field.name]
@@ -142,8 +142,16 @@ def checked_fields(config: Any) -> Any:
         number = float if kind is float else int
         if not all(_positive(item, number) for item in items):
             wanted = f"a positive {number.__name__}" if kind is number else "a non-empty list of positive ints"
-            raise CheckpointError(f"'{field.name}' must be {wanted}, got {as_json(value)}")
+            raise CheckpointError(f"'{_json_key(raw or {}, field.name, value)}' must be {wanted}, got {as_json(value)}")
     return config
+
+
+def _json_key(raw: dict[str, Any], field: str, value: Any) -> str:
+    """The key of config.json that gave a field its value (hidden_size for hidden): the one holding that value (as JSON
+    spells it), where several do the one that contains the field's name; else the field's own name."""
+    keys = [key for key, found in raw.items() if as_json(found) == as_json(value)]
+    named = [key for key in keys if field in key]
+    return keys[0] if len(keys) == 1 else named[0] if len(named) == 1 else field
 
 
 def _positive(value: Any, kind: type) -> bool:

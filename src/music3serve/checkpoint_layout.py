@@ -84,7 +84,7 @@ def load_config(root: Path, name: str) -> Any:
     check_supported(path, raw, SUPPORTED[name])
     with config_values(path):
         try:
-            return checked_fields(COMPONENTS[name].config(raw))
+            return checked_fields(COMPONENTS[name].config(raw), raw)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
 
