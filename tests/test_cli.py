@@ -23,7 +23,7 @@ from music3serve import cli, tiny_placement
 from music3serve.acoustic.renderer import Renderer
 from music3serve.acoustic.windows import song_samples
 from music3serve.checkpoint import load_models
-from music3serve.cli_args import origin
+from music3serve.cli_access import origin
 from music3serve.errors import Music3Error
 from music3serve.pipeline import Pipeline, Song
 from music3serve.prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS

@@ -6,8 +6,8 @@ import argparse
 from typing import NoReturn
 
 from . import contract
-from .cli_args import (api_key, argument, at_least, comma_list, host_name, origin, port_number, positive_int,
-                       replica_range, text_argument)
+from .cli_access import api_key, host_name, origin
+from .cli_args import argument, at_least, comma_list, port_number, positive_int, replica_range, text_argument
 from .prompt import MAX_CAPTION_CHARS, MAX_LYRICS_CHARS
 from .serving.audio_io import OUTPUT_RATES
 

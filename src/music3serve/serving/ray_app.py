@@ -14,15 +14,15 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import threading
-from typing import Any, AsyncIterator, Iterator, Literal
+from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 
-from ..cli_args import api_key, env_api_keys, host_name, origin, replica_range, served_model_names
+from ..cli_access import api_key, env_api_keys, host_name, origin
+from ..cli_args import replica_range, served_model_names
 from ..contract import SERVED_MODEL_NAMES
 from ..errors import Music3Error
 from ..model_location import resolve_model
@@ -33,13 +33,13 @@ from .engine import Engine
 from .engine_limits import MAX_SONGS
 from .events import Event, SongRequest
 from .ray_front import RemoteEngine, ReplicaHeader
+from .ray_cluster import APP_NAME, on_ray
 from .ray_progress import Progress, with_progress
 from .ray_metrics import RayMetricsCopy
 from .server import SHUTDOWN_GRACE_S
 
 log = logging.getLogger(__name__)
 
-APP_NAME = "music3"
 CONTROL_REQUESTS = 64  # the front's requests beyond songs: status, cancel, health and metrics calls at once
 RETRY_AFTER_S = 10  # as the plain server's 429
 
@@ -227,30 +227,6 @@ def build(args: RayAppArgs | dict[str, Any]) -> Application:
         max_queued_requests=CONTROL_REQUESTS, backpressure_config=busy, ray_actor_options={"num_cpus": 0}, **grace,
     )
     return front.bind(engines, args)
-
-
-@contextlib.contextmanager
-def on_ray(host: str, port: int) -> Iterator[None]:
-    """Ray Serve with its HTTP proxy on host:port: on the cluster at RAY_ADDRESS (or the Ray this process already
-    runs), else on a local Ray started here and stopped at the end. The application is deleted at the end, which
-    drains its songs (shutdown_grace_s)."""
-    import ray
-
-    started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
-    if not ray.is_initialized():
-        sigterm = signal.getsignal(signal.SIGTERM)
-        ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
-        if sigterm is not None and threading.current_thread() is threading.main_thread():  # Ray's dumps and aborts
-            signal.signal(signal.SIGTERM, sigterm)  # the CLI's unwinds: the app deleted, Ray stopped, exit 143
-    try:
-        serve.start(http_options={"host": host, "port": port})  # a Serve already running keeps its own
-        yield
-    finally:
-        with contextlib.suppress(Exception):  # the application may be gone already
-            serve.delete(APP_NAME)
-        if started:
-            serve.shutdown()
-            ray.shutdown()
 
 
 def serve_on_ray(args: RayAppArgs, host: str, port: int) -> None:
