@@ -171,7 +171,8 @@ def first_field(exc: RequestValidationError) -> str | None:
     return None
 
 
-def describe(exc: RequestValidationError, model: type[BaseModel] | None = None, content_type: str | None = None) -> str:
+def describe(exc: RequestValidationError, model: type[BaseModel] | None = None,
+             content_type: str | None = "application/json") -> str:
     """One message for the ways a body of `model` sent as `content_type` failed validation (the first MAX_ERRORS,
     then a count); an unknown key's message ends with the keys allowed where it is, when the model is known."""
     parts = []
