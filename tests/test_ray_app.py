@@ -61,6 +61,12 @@ def descendants(root: int) -> set[int]:
     return found
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def deploy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ray") / "deploy.yaml"
@@ -72,9 +78,7 @@ def deploy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(tiny_dir: Path, deploy_file: Path):
     """The application on a local Ray; yields its URL and a stop() that shuts Serve and Ray down (also at the end)."""
     shm_before, others = set(os.listdir("/dev/shm")), descendants(os.getpid())  # say a resource tracker of earlier tests
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     started = time.monotonic()
     ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -432,9 +436,7 @@ def test_serve_ray_ends_on_sigterm_with_status_143_and_leaves_no_process(tiny_di
     import sys
 
     cluster[1]()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}  # a local Ray of its own
     command = [sys.executable, "-m", "music3serve.cli", "serve", "--ray", "--model", str(tiny_dir), "--device", "cpu",
                "--port", str(port)]

@@ -95,7 +95,8 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._head = b""
-        self._lost: tuple[int | None] | None = None  # once lost: the bytes it left unacknowledged (None: unknown)
+        self._lost = False
+        self._left_unacknowledged: int | None = None  # once lost: the bytes it left (None: lost to an error)
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             self.refusals()
@@ -164,7 +165,7 @@ class GuardedH11Protocol(H11Protocol):
         holds, and on Linux those in the kernel's send queue (SIOCOUTQ). Once the connection is lost, those it left
         (a client that closes as soon as it has read a whole response is no loss); None where it was lost to an
         error, which may empty the kernel's queue."""
-        return self._lost[0] if self._lost is not None else self._held()
+        return self._left_unacknowledged if self._lost else self._held()
 
     def _held(self) -> int:
         held = self.transport.get_write_buffer_size()
@@ -187,7 +188,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self._lost = (self._held() if exc is None else None,)  # asyncio closes the socket after this returns
+        self._left_unacknowledged = self._held() if exc is None else None  # asyncio closes the socket after this
+        self._lost = True
         super().connection_lost(exc)
 
     def _arm(self) -> None:
